@@ -1,0 +1,136 @@
+"""Execution backends for the gated feedforward block, behind one signature.
+
+Every backend computes the same function (DESIGN.md "The math"):
+
+    g = relu(x w_gate^T),  u = x w_up^T,  h = g * u,  y = h w_down^T
+
+and reports the sparsity quantities the trainer needs, so that a layer's statistics stay exact whichever
+path ran. A backend is chosen per layer by `sparse_llm.dispatch`; `estimated_ms` is its cost model.
+
+Shapes: M tokens, K hidden, N FFN width. Weights are in nn.Linear layout: w_gate_NK, w_up_NK [N, K],
+w_down_KN [K, N].
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class FFNResult:
+    """What one gated-FFN call returns.
+
+    Attributes:
+        y_MK: block output [M, K].
+        l1_sum: scalar, sum over tokens of sum_n |h[m, n]| (differentiable when training).
+        l0_M: [M] int32, non-zeros of h per token (detached).
+        fired_N: [N] bool, neurons with h != 0 for at least one token (detached).
+        path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
+        overflow_rows: tokens that could not take the sparse path and were computed densely.
+    """
+
+    y_MK: torch.Tensor
+    l1_sum: torch.Tensor
+    l0_M: torch.Tensor
+    fired_N: torch.Tensor
+    path: str
+    overflow_rows: int = 0
+
+
+class FFNBackend(abc.ABC):
+    """One way of running the gated FFN. Subclasses are registered with `register_backend`."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """None if this backend can run on `device`, else a sentence saying why not."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        x_MK: torch.Tensor,
+        w_gate_NK: torch.Tensor,
+        w_up_NK: torch.Tensor,
+        w_down_KN: torch.Tensor,
+        *,
+        training: bool,
+    ) -> FFNResult:
+        """Run the block; `training` says whether gradients must flow."""
+
+    @abc.abstractmethod
+    def estimated_ms(
+        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool
+    ) -> float | None:
+        """Predicted time of one call in ms on the current GPU, or None if this case cannot run here."""
+
+
+def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token non-zero counts [M] and per-neuron fired mask [N] of a dense activation."""
+    nonzero_MN = h_MN.detach() != 0
+    return nonzero_MN.sum(dim=1, dtype=torch.int32), nonzero_MN.any(dim=0)
+
+
+class TorchFFN(FFNBackend):
+    """The reference path: three dense GEMMs through torch (cuBLAS on GPU). Runs everywhere."""
+
+    name = "torch"
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return None
+
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
+        g_MN = F.relu(F.linear(x_MK, w_gate_NK))
+        h_MN = g_MN * F.linear(x_MK, w_up_NK)
+        y_MK = F.linear(h_MN, w_down_KN)
+        # The L1 sum is accumulated in fp32: bf16 sums over 10^5+ terms lose most of their digits.
+        l1_sum = h_MN.float().abs().sum()
+        l0_M, fired_N = _sparsity_of(h_MN)
+        return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
+
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
+        # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward.
+        # The absolute scale only matters relative to other backends, which calibrate against this one;
+        # 600 TFLOP/s is a sustained bf16 rate of an H100 on GEMMs of these sizes.
+        flops = 2.0 * m * k * n * (9 if training else 3)
+        return flops / 600e12 * 1e3
+
+
+_BACKENDS: dict[str, FFNBackend] = {}
+
+
+def register_backend(backend: FFNBackend) -> None:
+    """Make `backend` selectable by its name (`kernel=<name>`)."""
+    if not backend.name:
+        raise ValueError(f"{type(backend).__name__} has no `name`; set a class attribute `name = '...'`.")
+    _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str) -> FFNBackend:
+    """The registered backend called `name`; the error lists the valid names."""
+    _load_optional_backends()
+    if name not in _BACKENDS:
+        raise ValueError(f"Unknown FFN backend {name!r}; choose one of {sorted(_BACKENDS)} or 'auto'.")
+    return _BACKENDS[name]
+
+
+def backend_names() -> list[str]:
+    _load_optional_backends()
+    return sorted(_BACKENDS)
+
+
+def _load_optional_backends() -> None:
+    """Import the CUDA backend module, which registers itself; a missing module is fine (CPU-only install)."""
+    if "twell" in _BACKENDS:
+        return
+    try:
+        from sparse_llm import twell_backend  # noqa: F401  (registers "twell" on import)
+    except ImportError:
+        pass
+
+
+register_backend(TorchFFN())

@@ -1,0 +1,98 @@
+"""Checkpoints of a training run: atomic, resumable, with the model in plain HF layout.
+
+Layout of `<run>/checkpoints/step_<N>/`:
+    model/              HF layout (config.json + model.safetensors + tokenizer): loads with
+                        AutoModelForCausalLM.from_pretrained, no custom code
+    accelerator/        accelerate's save_state: model, optimizer, scheduler and RNG states of every rank
+                        (sharded under FSDP)
+    trainer_state.json  step, tokens seen, per-rank data-loader positions, sparsity tracker window
+A checkpoint is written under `step_<N>.partial/` and renamed once complete, so a crash mid-write never
+leaves a directory that `resume=auto` would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete step checkpoints of a run, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None for a fresh run."""
+    if resume in ("", "none", "None"):
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"checkpoint.resume={resume!r} is not a complete checkpoint (no {STATE_FILE} in it). Pass a "
+            "'<run>/checkpoints/step_N' directory, or checkpoint.resume=auto with the run's run_name."
+        )
+    return path
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write the checkpoint of `step` on all ranks (collective: every rank must call it)."""
+    final = checkpoint_dir(run_dir, step)
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
+    export_model(accelerator, model, tokenizer, partial / "model")
+    if accelerator.is_main_process:
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def export_model(accelerator: Accelerator, model: Any, tokenizer: Any, out_dir: Path) -> None:
+    """Save the (unwrapped, gathered) model and tokenizer in HF layout; collective under FSDP."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler/RNG in place; returns the trainer state dict."""
+    accelerator.load_state(str(path / "accelerator"))
+    return json.loads((path / STATE_FILE).read_text())

@@ -1,0 +1,88 @@
+"""Typed configuration schema of train.py, registered in Hydra's ConfigStore.
+
+Each component owns the dataclass of its options (ModelConfig in model.py, DataConfig in data.py, ...);
+this module assembles them. Hydra merges the YAML files of configs/ onto these dataclasses in struct
+mode, so a misspelt key or a value of the wrong type fails at start with a message naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from sparse_llm.data import DataConfig
+from sparse_llm.model import ModelConfig
+from sparse_llm.sparsity import SparsityConfig
+from sparse_llm.telemetry import LoggingConfig
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and loop options (paper defaults: AdamW 0.9/0.95, wd 0.1, lr 1e-3, 600 warm-up steps)."""
+
+    max_steps: int = 1000
+    global_batch: int = 512  # sequences per optimizer step, summed over ranks and accumulation steps
+    global_batch_tokens: int | None = None  # if set, overrides global_batch (= tokens // seq_len)
+    micro_batch: int = 8  # sequences per rank per forward pass
+    seq_len: int | None = None  # None: the model's max_position_embeddings
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 600
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
+    val_every: int = 100  # optimizer steps between validation passes (0: never)
+    val_batches: int = 8  # micro-batches per validation pass
+    cpu: bool = False  # force CPU even where a GPU is present
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # optimizer steps between checkpoints (0: only the final model)
+    keep_last: int = 2  # older step checkpoints are deleted
+    resume: str = ""  # "" (fresh run) | auto (latest checkpoint of this run dir, if any) | <checkpoint path>
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/sparsity.py)
+    kernel: str = "auto"  # auto | torch | twell
+    seed: int = 0
+    run_name: str = "${launch_stamp:}"  # run directory: outputs/<run_name>
+
+
+def launch_stamp() -> str:
+    """A timestamp that is identical on every rank of one launch.
+
+    Each rank composes its config separately; a plain `${now:}` can differ by a second between ranks and
+    split the run over two directories. Under a launcher all ranks share a parent process, whose start
+    time is the stamp.
+    """
+    start = time.time()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import psutil
+
+        start = psutil.Process(os.getppid()).create_time()
+    return datetime.datetime.fromtimestamp(start).strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def register_configs() -> None:
+    """Register the schema and the resolver; call before `@hydra.main` runs."""
+    if not OmegaConf.has_resolver("launch_stamp"):
+        OmegaConf.register_new_resolver("launch_stamp", launch_stamp, use_cache=True)
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,90 @@
+"""Per-layer choice of FFN backend, so that a layer never runs slower than the dense path.
+
+`kernel=torch` or `kernel=twell` force one backend for every layer (a forced backend that cannot run
+here is an error, never a silent fallback). `kernel=auto` asks each available backend's cost model
+for the layer's last measured sparsity and takes the cheapest, with hysteresis so a layer near the
+break-even point does not flip back and forth.
+
+Rank consistency: in distributed training the decision must be the same on every rank (or ranks
+would run different kernels and disagree on statistics). The trainer therefore feeds `observe` with
+statistics already reduced over ranks; each rank then takes the same decision from the same numbers.
+Outside the trainer (evaluation, generation) a layer observes its own statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from sparse_llm.backends import FFNBackend, backend_names, get_backend
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "torch", "twell")
+# A sparse path must beat the dense one by this factor before a layer switches to it.
+SWITCH_MARGIN = 0.95
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def validate_kernel(kernel: str) -> None:
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel={kernel!r} is not a valid choice; use one of {list(KERNEL_CHOICES)}.")
+
+
+class LayerDispatcher:
+    """Chooses and remembers the backend of one FFN layer."""
+
+    def __init__(self, kernel: str = "auto") -> None:
+        validate_kernel(kernel)
+        self.kernel = kernel
+        self.l0_mean: float | None = None  # last observed mean non-zeros per token
+        self.l0_max: float | None = None
+        self.current = "torch"
+
+    def observe(self, l0_mean: float, l0_max: float) -> None:
+        """Record the layer's latest sparsity (mean and max non-zeros of h per token)."""
+        self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
+
+    def choose(self, x_MK: torch.Tensor, n: int, training: bool) -> FFNBackend:
+        if self.kernel != "auto":
+            backend = get_backend(self.kernel)
+            reason = backend.unavailable_reason(x_MK.device)
+            if reason is not None:
+                raise RuntimeError(
+                    f"kernel={self.kernel} cannot run here: {reason} Use kernel=auto (picks the fastest exact "
+                    f"path available) or kernel=torch."
+                )
+            self.current = backend.name
+            return backend
+        self.current = self._cheapest(x_MK, n, training)
+        return get_backend(self.current)
+
+    def _cheapest(self, x_MK: torch.Tensor, n: int, training: bool) -> str:
+        if self.l0_mean is None or x_MK.device.type != "cuda":
+            return "torch"  # no measurement yet, or no sparse kernel for this device
+        m, k = x_MK.shape
+        estimates = {}
+        for name in backend_names():
+            backend = get_backend(name)
+            reason = backend.unavailable_reason(x_MK.device)
+            if reason is not None:
+                if name != "torch":
+                    _warn_once(f"FFN backend {name!r} unavailable, layers use the torch path: {reason}")
+                continue
+            ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training)
+            if ms is not None and math.isfinite(ms):
+                estimates[name] = ms
+        dense_ms = estimates.get("torch", math.inf)
+        best = min(estimates, key=estimates.get, default="torch")
+        if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
+            return "torch"
+        return best

@@ -1,0 +1,64 @@
+"""`SparseMLP`: a drop-in `LlamaMLP` (ReLU gate) that runs through a chosen backend and exposes its sparsity.
+
+Same parameter names and shapes as `transformers`' `LlamaMLP` (gate_proj, up_proj, down_proj, no bias), so
+state dicts stay plain HF Llama checkpoints. The forward computes y = (relu(x Wg^T) * (x Wu^T)) Wd^T through
+the backend that the layer's `LayerDispatcher` picks, and keeps the backend's `FFNResult` of the latest
+call in `last_result` (the L1 sum with its graph, per-token L0, fired neurons). The trainer reads it right
+after the model's forward; reading it there, not in the loss of a later call, keeps gradient-checkpointing
+recomputation (which re-runs this forward during backward) from double counting.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparse_llm.backends import FFNResult
+from sparse_llm.dispatch import LayerDispatcher
+
+# Outside the trainer, a layer refreshes its backend decision from its own statistics on its first call
+# and then every this many calls (each refresh costs one host sync).
+SELF_OBSERVE_EVERY = 64
+
+
+class SparseMLP(nn.Module):
+    """Gated ReLU feedforward block with L1/L0 bookkeeping and a per-layer backend switch.
+
+    Args:
+        hidden_size: K, model width.
+        intermediate_size: N, FFN width.
+        kernel: "auto" | "torch" | "twell" (see `sparse_llm.dispatch`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernel: str = "auto") -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.dispatcher = LayerDispatcher(kernel)
+        self.self_observe = True  # the trainer turns this off and feeds rank-reduced statistics instead
+        self.last_result: FFNResult | None = None
+        self._calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] -> [..., K]."""
+        x_MK = x.reshape(-1, self.hidden_size)
+        backend = self.dispatcher.choose(x_MK, self.intermediate_size, training=torch.is_grad_enabled())
+        result = backend.forward(
+            x_MK,
+            self.gate_proj.weight,
+            self.up_proj.weight,
+            self.down_proj.weight,
+            training=torch.is_grad_enabled(),
+        )
+        self.last_result = result
+        if self.self_observe and self._calls % SELF_OBSERVE_EVERY == 0:
+            l0 = result.l0_M.float()
+            self.dispatcher.observe(l0.mean().item(), l0.max().item())
+        self._calls += 1
+        return result.y_MK.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"

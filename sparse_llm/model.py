@@ -1,0 +1,124 @@
+"""Build and load ReLU-gated Llama models whose MLPs are `SparseMLP`s.
+
+A ReGLU Llama is a stock `LlamaForCausalLM` with `hidden_act="relu"`: the model we train is that class
+with each `LlamaMLP` swapped for a `SparseMLP` of the same parameter names, so checkpoints are plain HF
+Llama checkpoints (`AutoModelForCausalLM.from_pretrained` loads them with no custom code) and sparsity is
+a runtime property of the loaded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sparse_llm.mlp import SparseMLP
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one model size (configs/model/<name>.yaml).
+
+    vocab_size None means "the tokenizer's vocabulary size" (set when the data is known).
+    """
+
+    name: str = "tiny"
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: full multi-head attention, as in the paper
+    vocab_size: int | None = None
+    max_position_embeddings: int = 256
+    rope_theta: float = 100000.0  # the released configs use 1e5 (the paper's table says 1e4)
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+
+def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig:
+    """The HF config of `cfg`; `vocab_size` fills in a `cfg.vocab_size` of None."""
+    vocab = cfg.vocab_size or vocab_size
+    if vocab is None:
+        raise ValueError("model.vocab_size is unset and no tokenizer size was given; set model.vocab_size=<int>.")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(
+            f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}."
+        )
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        vocab_size=vocab,
+        max_position_embeddings=cfg.max_position_embeddings,
+        hidden_act="relu",
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
+    """Swap every `LlamaMLP` of `model` for a `SparseMLP` that reuses the same weight tensors (in place)."""
+    if model.config.hidden_act != "relu":
+        raise ValueError(
+            f"The model's hidden_act is {model.config.hidden_act!r}; sparse FFNs need a ReLU gate "
+            "(hidden_act='relu'). Convert or fine-tune the model to ReLU first."
+        )
+    for layer in model.model.layers:
+        old = layer.mlp
+        if isinstance(old, SparseMLP):
+            old.dispatcher.__init__(kernel)
+            continue
+        if getattr(old.gate_proj, "bias", None) is not None:
+            raise ValueError("SparseMLP has no biases; this checkpoint has mlp_bias=True.")
+        new = SparseMLP(old.hidden_size, old.intermediate_size, kernel=kernel).to(
+            device=old.gate_proj.weight.device, dtype=old.gate_proj.weight.dtype
+        )
+        new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+        layer.mlp = new
+    return model
+
+
+def build_model(cfg: ModelConfig, vocab_size: int | None = None, kernel: str = "auto") -> LlamaForCausalLM:
+    """A freshly initialised sparse Llama (weights ~ N(0, init_std^2), as in the paper).
+
+    Build it under `torch.device("meta")` to count parameters without allocating them.
+    """
+    model = LlamaForCausalLM(llama_config(cfg, vocab_size))
+    return sparsify(model, kernel)
+
+
+def load_pretrained(
+    path: str | Path, kernel: str = "auto", dtype: torch.dtype | None = None, device: str | None = None
+) -> LlamaForCausalLM:
+    """Load a checkpoint in HF layout (ours or any ReLU Llama) and make its MLPs sparse."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a model directory in HF layout (no config.json). Pass a run's `final/` or "
+            "`checkpoints/step_N/model` directory."
+        )
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    if device is not None:
+        model.to(device)
+    return sparsify(model, kernel)
+
+
+def sparse_mlps(model: nn.Module) -> list[SparseMLP]:
+    """The model's SparseMLP modules in layer order (works through DDP/FSDP wrappers)."""
+    return [m for m in model.modules() if isinstance(m, SparseMLP)]
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    seen = {id(p): p.numel() for p in model.parameters()}
+    return sum(seen.values())

@@ -1,0 +1,169 @@
+"""The L1 penalty and the sparsity statistics of the FFN activations h, across layers, micro-batches and ranks.
+
+Penalty (DESIGN.md "The math"):
+
+    L1 term = mean over layers ( mean over tokens ( sum over the N neurons |h| ) )
+
+This is the normalisation of the code the released checkpoints were trained with. The paper's printed
+formula (eq. 2) also divides by N, so a coefficient here equals N times the printed one (N = 5632 at the
+paper's shapes): l1=2e-5 here is the setting of the released 2B model.
+
+Statistics per layer: L0 = non-zeros of h per token (mean, p99, max over a logging window), sparsity
+= 1 - L0/N, and the fraction of dead neurons (no token fired them over `dead_window_steps` optimizer
+steps). L0 is kept as a per-layer histogram on the device, so accumulating costs no host sync and the
+window's p99/max are exact; histograms and fired masks are summed/OR-ed over ranks before use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sparse_llm.backends import FFNResult
+from sparse_llm.mlp import SparseMLP
+
+# all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
+Reducer = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+@dataclass
+class SparsityConfig:
+    """Options of the sparsity objective (the coefficient itself is the top-level `l1`)."""
+
+    l1_warmup_steps: int = 0  # linear ramp of the coefficient from 0 over this many optimizer steps
+    dead_window_steps: int = 1  # a neuron is dead if it fired for no token over this many steps
+    reinit_dead: bool = False  # paper eq. 6, applied at the end of every dead window
+    reinit_mix: float = 0.1  # Wg[j] <- (1 - mix) Wg[j] + mix * N(0, reinit_std^2)
+    reinit_std: float = 0.02
+
+
+def l1_coefficient(l1: float, step: int, warmup_steps: int) -> float:
+    """The L1 coefficient at optimizer step `step` (0-based) under a linear warm-up."""
+    if warmup_steps <= 0:
+        return l1
+    return l1 * min(1.0, (step + 1) / warmup_steps)
+
+
+def l1_term(results: list[FFNResult]) -> torch.Tensor:
+    """mean over layers of (sum over tokens and neurons |h|) / tokens."""
+    per_layer = [r.l1_sum / max(r.l0_M.numel(), 1) for r in results]
+    return torch.stack(per_layer).mean()
+
+
+def _quantile_from_hist(hist: torch.Tensor, q: float) -> int:
+    """Smallest L0 value v such that a fraction >= q of tokens has L0 <= v."""
+    cdf = hist.cumsum(0)
+    target = q * cdf[-1]
+    return int(torch.searchsorted(cdf, target).item())
+
+
+class SparsityTracker:
+    """Accumulates per-layer L0 histograms and fired-neuron masks between reads."""
+
+    def __init__(self, mlps: list[SparseMLP], cfg: SparsityConfig, reducer: Reducer | None = None) -> None:
+        if not mlps:
+            raise ValueError("The model has no SparseMLP layers; build it with sparse_llm.model.build_model.")
+        self.mlps = mlps
+        self.cfg = cfg
+        self.reduce: Reducer = reducer or (lambda t, op: t)
+        device = mlps[0].gate_proj.weight.device
+        n = mlps[0].intermediate_size
+        self.n = n
+        self.l0_hist_LB = torch.zeros(len(mlps), n + 1, dtype=torch.int64, device=device)
+        self.fired_LN = torch.zeros(len(mlps), n, dtype=torch.bool, device=device)
+        self.dead_LN: torch.Tensor | None = None  # dead mask of the last completed window (rank-reduced)
+        self.steps_in_window = 0
+
+    def collect(self) -> list[FFNResult]:
+        """The results of each layer's latest forward; call right after the model's forward."""
+        results = [m.last_result for m in self.mlps]
+        if any(r is None for r in results):
+            raise RuntimeError("A SparseMLP has not run yet; call the model before collecting its sparsity.")
+        return results
+
+    @torch.no_grad()
+    def accumulate(self, results: list[FFNResult]) -> None:
+        for layer, r in enumerate(results):
+            self.l0_hist_LB[layer] += torch.bincount(r.l0_M.long(), minlength=self.n + 1)
+            self.fired_LN[layer] |= r.fired_N
+
+    @torch.no_grad()
+    def end_optimizer_step(self, step: int, seed: int) -> int:
+        """Close the dead-neuron window when due (and re-initialise dead gates if enabled).
+
+        Returns the number of re-initialised neurons (0 when the window is still open or reinit is off).
+        """
+        self.steps_in_window += 1
+        if self.steps_in_window < self.cfg.dead_window_steps:
+            return 0
+        fired_LN = self.reduce(self.fired_LN.to(torch.int32), "max").bool()
+        self.dead_LN = ~fired_LN
+        self.fired_LN.zero_()
+        self.steps_in_window = 0
+        if not self.cfg.reinit_dead:
+            return 0
+        return self._reinit_dead(step, seed)
+
+    def _reinit_dead(self, step: int, seed: int) -> int:
+        # Same generator state on every rank: replicas receive identical updates and stay in sync.
+        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+        total = 0
+        for layer, mlp in enumerate(self.mlps):
+            w_gate_NK = mlp.gate_proj.weight
+            if type(w_gate_NK.data) is not torch.Tensor:
+                raise NotImplementedError(
+                    "Dead-neuron reinit needs unsharded gate weights; it is not supported with FSDP. "
+                    "Use DDP or set sparsity.reinit_dead=false."
+                )
+            noise_NK = torch.randn(w_gate_NK.shape, generator=gen) * self.cfg.reinit_std
+            dead_N = self.dead_LN[layer]
+            mix = self.cfg.reinit_mix
+            rows = dead_N.nonzero().squeeze(1)
+            if rows.numel():
+                w_gate_NK.data[rows] = (1 - mix) * w_gate_NK.data[rows] + mix * noise_NK.to(
+                    w_gate_NK.device, w_gate_NK.dtype
+                )[rows]
+                total += rows.numel()
+        return total
+
+    @torch.no_grad()
+    def read_window(self) -> dict[str, float]:
+        """Per-layer and model-mean L0 / sparsity / dead statistics since the last read (rank-reduced).
+
+        Feeds every layer's dispatcher with the same reduced numbers, so `auto` decisions agree across ranks.
+        """
+        hist_LB = self.reduce(self.l0_hist_LB.clone(), "sum").cpu()
+        self.l0_hist_LB.zero_()
+        values_B = torch.arange(self.n + 1, dtype=torch.float64)
+        stats: dict[str, float] = {}
+        means = []
+        for layer, mlp in enumerate(self.mlps):
+            hist = hist_LB[layer]
+            tokens = int(hist.sum())
+            if tokens == 0:
+                continue
+            mean = float((hist.double() * values_B).sum() / tokens)
+            l0_max = int(hist.nonzero().max())
+            tag = f"layer_{layer:02d}"
+            stats[f"l0/{tag}"] = mean
+            stats[f"l0_p99/{tag}"] = _quantile_from_hist(hist, 0.99)
+            stats[f"l0_max/{tag}"] = l0_max
+            stats[f"sparsity/{tag}"] = 100.0 * (1 - mean / self.n)
+            mlp.dispatcher.observe(mean, l0_max)
+            means.append(mean)
+        if means:
+            stats["l0/mean"] = sum(means) / len(means)
+            stats["sparsity/mean"] = 100.0 * (1 - stats["l0/mean"] / self.n)
+        if self.dead_LN is not None:
+            dead_L = self.dead_LN.float().mean(dim=1).cpu()
+            for layer, frac in enumerate(dead_L.tolist()):
+                stats[f"dead/layer_{layer:02d}"] = 100.0 * frac
+            stats["dead/mean"] = 100.0 * float(dead_L.mean())
+        return stats
+
+    def backends(self) -> dict[str, str]:
+        """Which path each layer took in its latest call."""
+        return {f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in
+                enumerate(self.mlps)}

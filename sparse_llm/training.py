@@ -1,0 +1,284 @@
+"""The training loop: accelerate (single device, DDP or FSDP), AdamW + cosine schedule, L1-sparse FFNs.
+
+One optimizer step = `accumulation` micro-batches on each of `world` ranks; together they hold
+`trainer.global_batch` sequences whatever the world size, so a run gives the same updates on 1 or N
+devices. Loss per micro-batch = CE + l1(step) * L1 term (sparse_llm/sparsity.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from omegaconf import OmegaConf
+
+from sparse_llm import checkpoint as ckpt
+from sparse_llm.config import TrainConfig
+from sparse_llm.data import TrainLoader, build_token_data, val_batches
+from sparse_llm.dispatch import validate_kernel
+from sparse_llm.energy import EnergyMeter
+from sparse_llm.model import build_model, count_parameters, sparse_mlps
+from sparse_llm.plots import plot_run
+from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
+from sparse_llm.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class BatchPlan:
+    seq_len: int
+    micro_batch: int
+    accumulation: int
+    world: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.accumulation * self.world
+
+
+def plan_batches(cfg: TrainConfig, world: int) -> BatchPlan:
+    """Accumulation steps that give `trainer.global_batch` sequences per optimizer step on `world` ranks."""
+    t = cfg.trainer
+    seq_len = t.seq_len or cfg.model.max_position_embeddings
+    if seq_len > cfg.model.max_position_embeddings:
+        raise ValueError(
+            f"trainer.seq_len={seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}."
+        )
+    global_batch = t.global_batch_tokens // seq_len if t.global_batch_tokens else t.global_batch
+    per_step = t.micro_batch * world
+    if global_batch <= 0 or global_batch % per_step:
+        raise ValueError(
+            f"The global batch of {global_batch} sequences is not a multiple of micro_batch ({t.micro_batch}) x "
+            f"world size ({world}) = {per_step}. Change trainer.global_batch or trainer.micro_batch, or launch "
+            "on a number of processes that divides it."
+        )
+    return BatchPlan(seq_len, t.micro_batch, global_batch // per_step, world)
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    use_cpu = cfg.trainer.cpu or not torch.cuda.is_available()
+    precision = cfg.trainer.mixed_precision
+    if precision == "auto":
+        precision = "no" if use_cpu else "bf16"
+    if precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"trainer.mixed_precision={precision!r}; use auto, bf16 or no.")
+    # cpu=True is needed on CUDA-less machines, or a multi-process launch degrades to independent runs.
+    return Accelerator(cpu=use_cpu, mixed_precision=precision)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    t = cfg.trainer
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier at `step`: linear warm-up, then cosine decay to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def model_flops_per_token(model_cfg: Any, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding parameters + attention scores (PaLM appendix)."""
+    embed = model_cfg.vocab_size * model_cfg.hidden_size
+    return 6 * (n_params - embed) + 12 * model_cfg.num_hidden_layers * model_cfg.hidden_size * seq_len
+
+
+class Trainer:
+    """Owns the run's objects; `run()` trains to `trainer.max_steps` and returns the final model dir."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
+        validate_kernel(cfg.kernel)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.acc = make_accelerator(cfg)
+        self.plan = plan_batches(cfg, self.acc.num_processes)
+        set_seed(cfg.seed)
+        self.data = build_token_data(cfg.data, self.plan.seq_len)
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, kernel=cfg.kernel)
+        for mlp in sparse_mlps(model):
+            mlp.self_observe = False  # fed with rank-reduced statistics by the tracker instead
+        if cfg.trainer.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.n_params = count_parameters(model)
+        self.hf_config = model.config
+        optimizer = make_optimizer(model, cfg)
+        t = cfg.trainer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        )
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.acc.register_for_checkpointing(self.scheduler)
+        self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
+        self.loader = TrainLoader(
+            self.data.train, self.plan.micro_batch, self.plan.seq_len, cfg.seed,
+            rank=self.acc.process_index, world_size=self.acc.num_processes,
+        )
+        self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
+        self.energy = EnergyMeter(self.acc.device)
+        self.step = 0
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return self.acc.reduce(tensor, reduction=op) if self.acc.num_processes > 1 else tensor
+
+    # ----------------------------------------------------------------------------------------- state
+    def _trainer_state(self) -> dict[str, Any]:
+        loaders = gather_object([self.loader.state_dict()])
+        return {"step": self.step, "loaders": loaders, "world_size": self.acc.num_processes,
+                "tokens_seen": self.step * self.plan.tokens_per_step}
+
+    def _resume(self) -> None:
+        path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(self.acc, path)
+        if state["world_size"] != self.acc.num_processes:
+            raise RuntimeError(
+                f"{path} was written by {state['world_size']} processes, this launch has "
+                f"{self.acc.num_processes}; resume with the same number of processes."
+            )
+        self.loader.load_state_dict(state["loaders"][self.acc.process_index])
+        self.step = state["step"]
+        log.info("Resumed from %s at step %d", path, self.step)
+
+    def _save(self) -> Path:
+        return ckpt.save_checkpoint(
+            self.acc, self.model, self.data.tokenizer, self.run_dir, self.step, self._trainer_state(),
+            self.cfg.checkpoint.keep_last,
+        )
+
+    # ------------------------------------------------------------------------------------------ loop
+    def _micro_step(self, batch: torch.Tensor, coeff: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        no_sync = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
+        with no_sync, self.acc.autocast():
+            out = self.model(input_ids=batch, labels=batch)
+            results = self.tracker.collect()
+            l1 = l1_term(results)
+            loss = out.loss + coeff * l1
+            self.acc.backward(loss / self.plan.accumulation)
+        self.tracker.accumulate(results)
+        return out.loss.detach(), l1.detach()
+
+    def _optimizer_step(self) -> dict[str, float]:
+        coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
+        ce_sum = torch.zeros((), device=self.acc.device)
+        l1_sum = torch.zeros((), device=self.acc.device)
+        for micro in range(self.plan.accumulation):
+            batch = self.loader.next_batch().to(self.acc.device, non_blocking=True)
+            ce, l1 = self._micro_step(batch, coeff, sync=micro == self.plan.accumulation - 1)
+            ce_sum += ce
+            l1_sum += l1
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        ce_mean = self._reduce(ce_sum / self.plan.accumulation, "mean")
+        l1_mean = self._reduce(l1_sum / self.plan.accumulation, "mean")
+        loss = float(ce_mean + coeff * l1_mean)  # the one host sync per step: stop at the first bad loss
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"Loss became {loss} at step {self.step + 1} (CE {float(ce_mean)}, L1 term {float(l1_mean)}). "
+                "The last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or a longer "
+                "trainer.warmup_steps."
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        reinit = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
+        return {"loss": loss, "ce": float(ce_mean), "l1_term": float(l1_mean), "l1_coeff": coeff,
+                "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0], "reinit_neurons": reinit}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        self.model.eval()
+        total = torch.zeros((), device=self.acc.device)
+        for batch in self.val:
+            with self.acc.autocast():
+                total += self.model(input_ids=batch.to(self.acc.device), labels=batch.to(self.acc.device)).loss
+        self.model.train()
+        ce = float(self._reduce(total / max(len(self.val), 1), "mean"))
+        return {"val/ce": ce, "val/ppl": math.exp(min(ce, 50.0))}
+
+    def _window_metrics(self, window_steps: int, window_s: float) -> dict[str, Any]:
+        tokens = window_steps * self.plan.tokens_per_step
+        metrics: dict[str, Any] = {"tokens_per_s": tokens / window_s, "step_time_s": window_s / window_steps,
+                                   "tokens_seen": self.step * self.plan.tokens_per_step}
+        energy_j = self.energy.lap()
+        if energy_j is not None:
+            energy_j = float(self._reduce(torch.tensor(energy_j, device=self.acc.device), "sum"))
+            metrics.update(energy_j=energy_j, mj_per_token=1e3 * energy_j / tokens, power_w=energy_j / window_s)
+        if self.acc.device.type == "cuda":
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=self.acc.device)
+            metrics["peak_mem_gb"] = float(self._reduce(peak, "max"))
+            name = torch.cuda.get_device_name()
+            peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+            if peak_flops:
+                flops = model_flops_per_token(self.hf_config, self.n_params, self.plan.seq_len)
+                metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak_flops * self.acc.num_processes)
+        metrics.update(self.tracker.read_window())
+        metrics.update(self.tracker.backends())
+        return metrics
+
+    def run(self) -> Path:
+        self._resume()
+        t = self.cfg.trainer
+        telemetry = Telemetry(self.cfg.logging, self.run_dir, OmegaConf.to_container(OmegaConf.structured(self.cfg),
+                              resolve=True), self.acc.is_main_process, t.max_steps)
+        if self.acc.is_main_process:
+            log.info("Model: %s, %.1fM parameters; %d tokens/step (%d ranks x %d micro-batches x %d x %d)",
+                     self.cfg.model.name, self.n_params / 1e6, self.plan.tokens_per_step, self.plan.world,
+                     self.plan.accumulation, self.plan.micro_batch, self.plan.seq_len)
+        self.model.train()
+        self.energy.lap()
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < t.max_steps:
+                metrics = self._optimizer_step()
+                self.step += 1
+                window_steps += 1
+                telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
+                if self.step % self.cfg.logging.every == 0 or self.step == t.max_steps:
+                    if self.acc.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    metrics.update(self._window_metrics(window_steps, elapsed))
+                    if t.val_every and (self.step % t.val_every == 0 or self.step == t.max_steps):
+                        metrics.update(self.validate())
+                    telemetry.log(self.step, metrics)
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    self._save()
+        finally:
+            telemetry.close()
+        final = self.run_dir / "final"
+        ckpt.export_model(self.acc, self.model, self.data.tokenizer, final)
+        if self.acc.is_main_process:
+            summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.cfg.l1}
+            (final / "training_summary.json").write_text(json.dumps(summary, indent=1))
+            plot_run(self.run_dir)
+        return final
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> Path:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return Trainer(cfg, run_dir).run()

@@ -1,0 +1,46 @@
+"""Train a ReLU-gated Llama with L1-sparse feedforward activations.
+
+    python train.py                                   # tiny model, embedded corpus, CPU or GPU, minutes
+    python train.py model=1b l1=1e-5 data=fineweb_edu kernel=auto
+    accelerate launch --config_file configs/accelerate/ddp.yaml train.py model=1b l1=1e-5
+    python train.py model=1b --cfg job                # print the resolved config
+
+Keys and their meaning: sparse_llm/config.py. Runs land in outputs/<run_name>/.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+# Offline by default: no hub look-ups unless the user opts in, and W&B never tries to go online without a key.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from sparse_llm.config import TrainConfig, register_configs  # noqa: E402
+from sparse_llm.training import train  # noqa: E402
+
+register_configs()
+log = logging.getLogger("train")
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    typed: TrainConfig = OmegaConf.to_object(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    final = train(typed, run_dir)
+    log.info("Final model: %s", final)
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        # One console and one log file per run: other ranks stay quiet.
+        import sys
+
+        sys.argv += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    main()
