@@ -1,0 +1,719 @@
+"""Training data: documents -> tokens (each document followed by eos) -> seq_len blocks -> batches.
+
+Sources (``DataConfig.name``):
+- ``embedded``: the English corpus shipped in ``sparse_llm/assets`` (no download, no ``datasets``).
+- ``local``: txt / json / jsonl / parquet files read with ``datasets`` (txt: one document per paragraph by
+  default). With ``streaming: true`` the files are read through the same streaming packer as fineweb_edu.
+- ``fineweb_edu``: streamed from the Hugging Face hub with ``datasets`` (needs network).
+- ``tokens``: a pre-tokenized ``<prefix>.bin`` + ``<prefix>.json`` pair written by ``scripts/tokenize_corpus.py``,
+  read with ``np.memmap`` (no ``datasets``, the path for machines without it and for speed).
+
+``datasets`` is imported lazily, only for ``local`` and ``fineweb_edu``.
+
+Packing: the documents' tokens, each followed by eos, form one stream; blocks are consecutive windows of
+``seq_len`` tokens of that stream, so a block can hold the end of one document and the start of the next
+with eos between them. Labels are the inputs (the model shifts them).
+
+Validation split: whole documents are held out. For ``embedded`` and ``local`` a seeded random subset
+(``val_fraction`` or ``val_documents`` of them, chosen with ``split_seed``); for streamed data the first
+``val_documents`` documents of the stream, which training then skips; for ``tokens`` the split stored in the
+file. Training and validation never share a document.
+
+Loader position: ``TrainLoader.state_dict()`` is a small JSON-serialisable dict; a new loader given it
+through ``load_state_dict`` yields exactly the batches the original would have yielded next. For streamed
+sources the position is (epoch, documents read by this rank, tokens of the next document already used);
+resuming re-opens the stream and skips the documents already read, which re-reads them from the source
+(fast for local files, a network read for fineweb_edu). Streamed positions differ between ranks, so a
+trainer must save each rank's state; array positions are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from sparse_llm.tokenizer import load_tokenizer
+
+DATA_NAMES = ("embedded", "local", "fineweb_edu", "tokens")
+EMBEDDED_CORPUS = Path(__file__).resolve().parent / "assets" / "embedded_corpus.txt.gz"
+EMBEDDED_SEPARATOR = "\n\n<|endoftext|>\n\n"  # must match scripts/build_embedded_assets.py
+TOKENIZER_FROM_FILE = "from_file"
+LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+TOKEN_FILE_VERSION = 1
+_ENCODE_BATCH = 256  # documents per tokenizer call: large enough for the fast tokenizer's batching
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is split. Hydra group ``data``.
+
+    Attributes:
+        name: ``embedded`` | ``local`` | ``fineweb_edu`` | ``tokens``.
+        tokenizer: ``embedded`` (the shipped 8192-entry BPE), a tokenizer.json file, a local directory or a hub
+            id (``HuggingFaceTB/SmolLM2-360M``, vocab 49152, as in the paper). For ``tokens``: ``from_file``
+            uses the tokenizer recorded in the token file; any other value must equal it.
+        paths: ``local``: files, directories or glob patterns (txt/json/jsonl/parquet, optionally .gz).
+            ``tokens``: one path, the ``.bin`` / ``.json`` file or their common prefix.
+        text_field: column holding the text in json/jsonl/parquet files and in hub rows.
+        txt_sample_by: how txt files split into documents: ``paragraph`` (blank lines), ``line`` or
+            ``document`` (one per file).
+        streaming: ``local`` only: read the files with the streaming packer instead of tokenizing them
+            up front (the path fineweb_edu uses).
+        hub_path, hub_name, hub_split: the hub dataset streamed by ``fineweb_edu``.
+        hub_timeout_s: how long to wait for the hub before failing with a clear error.
+        shuffle_buffer: documents held by the streaming shuffle buffer (0 disables shuffling).
+        val_fraction: share of documents held out for validation (``embedded``, ``local``).
+        val_documents: number of held-out documents; overrides ``val_fraction``. Streamed data holds out its
+            first ``val_documents`` documents (1000 when unset).
+        split_seed: seed of the random validation subset.
+        max_documents: read at most this many documents (all sources but ``tokens``; training documents
+            for streams). Useful for quick runs and for ``scripts/tokenize_corpus.py`` on fineweb_edu.
+        cache_dir: if set, ``embedded`` and non-streamed ``local`` data are tokenized once into a token file
+            in this directory, keyed by the files, the tokenizer and the split, and memory-mapped afterwards.
+    """
+
+    name: str = "embedded"
+    tokenizer: str = "embedded"
+    paths: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    txt_sample_by: str = "paragraph"
+    streaming: bool = False
+    hub_path: str = "HuggingFaceFW/fineweb-edu"
+    hub_name: str | None = "sample-10BT"
+    hub_split: str = "train"
+    hub_timeout_s: float = 10.0
+    shuffle_buffer: int = 10_000
+    val_fraction: float = 0.05
+    val_documents: int | None = None
+    split_seed: int = 0
+    max_documents: int | None = None
+    cache_dir: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token sources
+
+
+@dataclass
+class TokenArray:
+    """Documents packed end to end, each followed by eos.
+
+    Attributes:
+        tokens: ``[n_tokens]`` unsigned integer ids (an in-memory array or an ``np.memmap``).
+        n_documents: how many documents (and so eos tokens) it holds.
+    """
+
+    tokens: np.ndarray
+    n_documents: int
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def blocks(self, starts: Iterable[int], seq_len: int) -> torch.Tensor:
+        """Gather windows: returns ``[len(starts), seq_len]`` int64."""
+        rows = [np.asarray(self.tokens[s : s + seq_len], dtype=np.int64) for s in starts]
+        return torch.from_numpy(np.stack(rows))
+
+
+DocumentOpener = Callable[[int, int, int, int, int], Iterator[str]]
+
+
+@dataclass
+class DocumentStream:
+    """Training documents read one by one from a stream, tokenized as they arrive.
+
+    Attributes:
+        open: ``open(seed, epoch, rank, world_size, skip)`` -> iterator over this rank's documents of that
+            epoch (shuffled by ``seed`` and ``epoch``), starting after its first ``skip`` documents.
+            Equal arguments must give equal documents; this is what makes resuming exact.
+        encode: texts -> one token array per text, eos appended.
+    """
+
+    open: DocumentOpener
+    encode: Callable[[list[str]], list[np.ndarray]]
+
+
+TokenSource = TokenArray | DocumentStream
+
+
+@dataclass
+class TokenData:
+    """What ``build_token_data`` returns: the tokenizer and the two token sources."""
+
+    tokenizer: Any
+    vocab_size: int
+    train: TokenSource
+    val: TokenArray
+
+
+# ----------------------------------------------------------------------------------------------------
+# Documents and tokenization
+
+
+def _read_embedded_documents() -> list[str]:
+    with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as fh:
+        return fh.read().split(EMBEDDED_SEPARATOR)
+
+
+def _import_datasets(cfg: DataConfig) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"data={cfg.name} needs the `datasets` package (pip install 'sparse-llm[data]'). On a machine "
+            "without it, tokenize on another machine with scripts/tokenize_corpus.py and use data=tokens."
+        ) from None
+    return datasets
+
+
+def _local_files(cfg: DataConfig) -> tuple[str, list[str]]:
+    """Expand ``cfg.paths`` into (datasets builder name, sorted file list); every file must exist."""
+    if not cfg.paths:
+        raise ValueError("data.paths is empty: data=local needs files, e.g. data.paths=[corpus.jsonl]")
+    files: list[Path] = []
+    for pattern in cfg.paths:
+        path = Path(pattern).expanduser()
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and _file_format(p)))
+        elif any(ch in pattern for ch in "*?["):
+            files.extend(sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"data.paths: {pattern!r} does not exist")
+    if not files:
+        raise FileNotFoundError(f"data.paths={list(cfg.paths)} matched no txt/json/jsonl/parquet files")
+    formats = {_file_format(p) for p in files}
+    if None in formats or len(formats) != 1:
+        raise ValueError(
+            f"data.paths must all be one of {sorted(set(LOCAL_FORMATS))} (optionally .gz), in one format; "
+            f"got {sorted(p.name for p in files)}"
+        )
+    return formats.pop(), [str(p) for p in files]
+
+
+def _file_format(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def _load_local_dataset(cfg: DataConfig, streaming: bool) -> Any:
+    datasets = _import_datasets(cfg)
+    builder, files = _local_files(cfg)
+    kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
+    dataset = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=streaming,
+                                    **kwargs)
+    columns = dataset.column_names
+    if columns is not None and cfg.text_field not in columns:
+        raise ValueError(f"data.text_field={cfg.text_field!r} is not a column of {files}; columns: {columns}")
+    return dataset
+
+
+def _is_document(text: str | None) -> bool:
+    """Empty texts are dropped: an empty document would be a lone eos."""
+    return bool(text and text.strip())
+
+
+def _has_text(text_field: str) -> Callable[[dict[str, Any]], bool]:
+    """Row filter for streams: keeps rows whose ``text_field`` is a document."""
+
+    def keep(row: dict[str, Any]) -> bool:
+        if text_field not in row:
+            raise ValueError(f"data.text_field={text_field!r} is not in the rows; fields: {sorted(row)}")
+        return _is_document(row[text_field])
+
+    return keep
+
+
+def _documents(cfg: DataConfig) -> list[str]:
+    """All documents of an ``embedded`` or non-streamed ``local`` corpus, in file order."""
+    if cfg.name == "embedded":
+        documents = _read_embedded_documents()
+    else:
+        dataset = _load_local_dataset(cfg, streaming=False)
+        documents = [t for t in dataset[cfg.text_field] if _is_document(t)]
+    if cfg.max_documents is not None:
+        documents = documents[: cfg.max_documents]
+    if not documents:
+        raise ValueError(f"data={cfg.name}: the corpus has no non-empty documents (paths={list(cfg.paths)})")
+    return documents
+
+
+def _validation_indices(cfg: DataConfig, n_documents: int) -> np.ndarray:
+    """Sorted indices of the held-out documents: a ``split_seed``-seeded random subset."""
+    n_val = cfg.val_documents if cfg.val_documents is not None else max(1, round(cfg.val_fraction * n_documents))
+    if not 1 <= n_val < n_documents:
+        raise ValueError(
+            f"the validation split needs 1 <= held-out documents < {n_documents} (all documents), got {n_val} "
+            f"(data.val_fraction={cfg.val_fraction}, data.val_documents={cfg.val_documents}); "
+            "add documents or change the split"
+        )
+    return np.sort(np.random.default_rng(cfg.split_seed).permutation(n_documents)[:n_val])
+
+
+def _split_documents(cfg: DataConfig, documents: list[str]) -> tuple[list[str], list[str]]:
+    val = set(_validation_indices(cfg, len(documents)).tolist())
+    train = [d for i, d in enumerate(documents) if i not in val]
+    return train, [documents[i] for i in sorted(val)]
+
+
+def _encoder(tokenizer: Any) -> Callable[[list[str]], list[np.ndarray]]:
+    eos = tokenizer.eos_token_id
+    dtype = _token_dtype(len(tokenizer))
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [np.asarray(doc + [eos], dtype=dtype) for doc in ids]
+
+    return encode
+
+
+def _encode_all(encode: Callable[[list[str]], list[np.ndarray]], texts: Iterable[str]) -> Iterator[np.ndarray]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == _ENCODE_BATCH:
+            yield from encode(batch)
+            batch = []
+    if batch:
+        yield from encode(batch)
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _pack(chunks: Iterable[np.ndarray], dtype: np.dtype) -> TokenArray:
+    parts = list(chunks)
+    tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    return TokenArray(tokens, len(parts))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token files: <prefix>.bin (raw ids, train documents then validation documents) + <prefix>.json (meta)
+
+
+def _token_file_paths(path: str | Path) -> tuple[Path, Path]:
+    path = Path(path).expanduser()
+    prefix = path.with_suffix("") if path.suffix in {".bin", ".json"} else path
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
+
+
+def _write_token_file(prefix: str | Path, train: Iterable[np.ndarray], val: Iterable[np.ndarray],
+                      tokenizer_name: str, vocab_size: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Stream documents' tokens to disk; validation documents go after all training documents."""
+    bin_path, meta_path = _token_file_paths(prefix)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = _token_dtype(vocab_size)
+    counts = {"train": [0, 0], "val": [0, 0]}  # [documents, tokens]
+    tmp_bin = bin_path.with_name(bin_path.name + ".tmp")
+    with open(tmp_bin, "wb") as fh:
+        for split, chunks in (("train", train), ("val", val)):
+            for chunk in chunks:
+                fh.write(np.asarray(chunk, dtype=dtype).tobytes())
+                counts[split][0] += 1
+                counts[split][1] += len(chunk)
+    meta = {
+        "version": TOKEN_FILE_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "tokenizer": tokenizer_name,
+        "n_tokens": counts["train"][1] + counts["val"][1],
+        "n_documents": counts["train"][0] + counts["val"][0],
+        "n_train_documents": counts["train"][0],
+        "n_val_documents": counts["val"][0],
+        "val_start": counts["train"][1],  # token index where the validation documents begin
+        **extra,
+    }
+    os.replace(tmp_bin, bin_path)  # the meta appears last, so a present meta means a complete file
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def read_token_file(path: str | Path) -> tuple[dict[str, Any], TokenArray, TokenArray]:
+    """Memory-map a token file: returns (meta, train, val)."""
+    bin_path, meta_path = _token_file_paths(path)
+    for p in (bin_path, meta_path):
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"data.paths: token file {p} does not exist; write it with scripts/tokenize_corpus.py"
+            )
+    meta = json.loads(meta_path.read_text())
+    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r")
+    if tokens.shape[0] != meta["n_tokens"]:
+        raise ValueError(f"{bin_path} holds {tokens.shape[0]} tokens, its meta says {meta['n_tokens']}: rewrite it")
+    split = meta["val_start"]
+    return (meta, TokenArray(tokens[:split], meta["n_train_documents"]),
+            TokenArray(tokens[split:], meta["n_val_documents"]))
+
+
+def write_token_file(cfg: DataConfig, out: str | Path) -> dict[str, Any]:
+    """Tokenize the documents of ``cfg`` (any source but ``tokens``) into ``<out>.bin`` + ``<out>.json``.
+
+    The stored split is the one ``cfg`` defines, so ``data=tokens`` trains and validates on the same
+    documents as the source data would. Returns the meta dict.
+    """
+    _check_name(cfg)
+    if cfg.name == "tokens":
+        raise ValueError("data.name=tokens is already a token file; pick the source data to tokenize")
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    encode = _encoder(tokenizer)
+    extra = {"source": cfg.name, "paths": list(cfg.paths), "split_seed": cfg.split_seed}
+    if _is_streamed(cfg):
+        if cfg.name == "fineweb_edu" and cfg.max_documents is None:
+            raise ValueError("data.max_documents must be set to tokenize fineweb_edu (it has ~10M documents)")
+        opener, val_texts = _open_document_stream(cfg)
+        train_texts = opener(cfg.split_seed, 0, 0, 1, 0)  # one pass, shuffled by split_seed
+        return _write_token_file(out, _encode_all(encode, train_texts), _encode_all(encode, val_texts),
+                                 cfg.tokenizer, len(tokenizer), extra)
+    train_docs, val_docs = _split_documents(cfg, _documents(cfg))
+    return _write_token_file(out, _encode_all(encode, train_docs), _encode_all(encode, val_docs),
+                             cfg.tokenizer, len(tokenizer), extra)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Streaming (fineweb_edu, local with streaming: true)
+
+
+def _is_streamed(cfg: DataConfig) -> bool:
+    return cfg.name == "fineweb_edu" or (cfg.name == "local" and cfg.streaming)
+
+
+def _check_hub_reachable(cfg: DataConfig) -> None:
+    """Fail in seconds, not minutes, when the hub cannot be reached."""
+    from huggingface_hub import constants
+
+    advice = ("Use data=local (files on disk) or data=tokens (a token file from scripts/tokenize_corpus.py), "
+              "or run where the hub is reachable.")
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError(f"data=fineweb_edu streams from the hub but HF_HUB_OFFLINE is set. {advice}")
+    url = urlparse(constants.ENDPOINT)
+    address = (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=cfg.hub_timeout_s).close()
+        except OSError as error:
+            errors.append(error)
+
+    # getaddrinfo ignores socket timeouts, so the whole check runs in a thread we stop waiting for.
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(cfg.hub_timeout_s)
+    if thread.is_alive() or errors:
+        reason = errors[0] if errors else f"no answer within {cfg.hub_timeout_s} s"
+        raise ConnectionError(f"data=fineweb_edu: cannot reach {address[0]}:{address[1]} ({reason}). {advice}")
+
+
+def _streamed_dataset(cfg: DataConfig) -> Any:
+    if cfg.name == "local":
+        return _load_local_dataset(cfg, streaming=True)
+    _check_hub_reachable(cfg)
+    datasets = _import_datasets(cfg)
+    return datasets.load_dataset(cfg.hub_path, name=cfg.hub_name, split=cfg.hub_split, streaming=True)
+
+
+def _open_document_stream(cfg: DataConfig) -> tuple[DocumentOpener, list[str]]:
+    """Returns (opener of the training stream, the held-out documents: the stream's first ones)."""
+    from datasets.distributed import split_dataset_by_node
+
+    n_val = cfg.val_documents if cfg.val_documents is not None else 1000
+    if n_val < 1:
+        raise ValueError(f"data.val_documents must be >= 1 for streamed data, got {n_val}")
+    dataset = _streamed_dataset(cfg).filter(_has_text(cfg.text_field))
+    val_texts = [row[cfg.text_field] for row in dataset.take(n_val)]
+    if len(val_texts) < n_val:
+        raise ValueError(
+            f"data={cfg.name}: the stream has only {len(val_texts)} non-empty documents, all needed for the "
+            f"{n_val} validation documents; add documents or lower data.val_documents"
+        )
+    train_rows = dataset.skip(n_val)
+    if cfg.max_documents is not None:
+        train_rows = train_rows.take(cfg.max_documents)
+
+    def open_stream(seed: int, epoch: int, rank: int, world_size: int, skip: int) -> Iterator[str]:
+        rows = train_rows
+        if cfg.shuffle_buffer > 0:
+            rows = rows.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
+            rows.set_epoch(epoch)
+        if world_size > 1:
+            rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
+        return (row[cfg.text_field] for row in rows.skip(skip))
+
+    return open_stream, val_texts
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building
+
+
+def _check_name(cfg: DataConfig) -> None:
+    if cfg.name not in DATA_NAMES:
+        raise ValueError(f"data={cfg.name!r} is not a data source; valid: {', '.join(DATA_NAMES)}")
+
+
+def _cache_key(cfg: DataConfig) -> str:
+    files = [EMBEDDED_CORPUS] if cfg.name == "embedded" else [Path(p) for p in _local_files(cfg)[1]]
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    fields = {k: v for k, v in asdict(cfg).items() if k not in {"cache_dir", "hub_timeout_s", "shuffle_buffer"}}
+    blob = json.dumps({"files": stats, "cfg": fields, "version": TOKEN_FILE_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _tokens_tokenizer(cfg: DataConfig, meta: dict[str, Any]) -> str:
+    if cfg.tokenizer not in (TOKENIZER_FROM_FILE, meta["tokenizer"]):
+        raise ValueError(
+            f"data.tokenizer={cfg.tokenizer!r} but the token file was made with {meta['tokenizer']!r}; set "
+            f"data.tokenizer={meta['tokenizer']} or data.tokenizer={TOKENIZER_FROM_FILE}"
+        )
+    return meta["tokenizer"]
+
+
+def build_token_data(cfg: DataConfig, seq_len: int) -> TokenData:
+    """Tokenize (or memory-map) the data of ``cfg`` and split it into training and validation sources.
+
+    Raises:
+        ValueError: unknown ``cfg.name``, empty corpus, or a split too small for one ``seq_len`` block.
+        FileNotFoundError: missing files. ConnectionError: fineweb_edu with the hub unreachable.
+    """
+    _check_name(cfg)
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    train: TokenSource
+    if cfg.name == "tokens":
+        if len(cfg.paths) != 1:
+            raise ValueError(f"data=tokens needs exactly one path in data.paths (the token file), got {cfg.paths}")
+        meta, train, val = read_token_file(cfg.paths[0])
+        tokenizer = load_tokenizer(_tokens_tokenizer(cfg, meta))
+    elif _is_streamed(cfg):
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        opener, val_texts = _open_document_stream(cfg)
+        encode = _encoder(tokenizer)
+        train = DocumentStream(opener, encode)
+        val = _pack(_encode_all(encode, val_texts), _token_dtype(len(tokenizer)))
+    elif cfg.cache_dir is not None:
+        prefix = Path(cfg.cache_dir).expanduser() / f"{cfg.name}-{_cache_key(cfg)}"
+        if not _token_file_paths(prefix)[1].is_file():
+            write_token_file(cfg, prefix)
+        _, train, val = read_token_file(prefix)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    else:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        encode = _encoder(tokenizer)
+        train_docs, val_docs = _split_documents(cfg, _documents(cfg))
+        dtype = _token_dtype(len(tokenizer))
+        train, val = _pack(_encode_all(encode, train_docs), dtype), _pack(_encode_all(encode, val_docs), dtype)
+    for split, source in (("training", train), ("validation", val)):
+        if isinstance(source, TokenArray) and len(source) < seq_len:
+            raise ValueError(
+                f"the {split} split has {len(source)} tokens, fewer than seq_len={seq_len}: lower seq_len, "
+                "add data, or change data.val_fraction / data.val_documents"
+            )
+    return TokenData(tokenizer=tokenizer, vocab_size=len(tokenizer), train=train, val=val)
+
+
+def held_out_documents(cfg: DataConfig) -> list[str]:
+    """The validation documents as text, in a fixed order (for perplexity and held-out eval tasks)."""
+    _check_name(cfg)
+    if cfg.name == "tokens":
+        if len(cfg.paths) != 1:
+            raise ValueError(f"data=tokens needs exactly one path in data.paths (the token file), got {cfg.paths}")
+        meta, _, val = read_token_file(cfg.paths[0])
+        tokenizer = load_tokenizer(_tokens_tokenizer(cfg, meta))
+        tokens = np.asarray(val.tokens, dtype=np.int64)
+        ends = np.flatnonzero(tokens == tokenizer.eos_token_id)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        return [tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
+    if _is_streamed(cfg):
+        return _open_document_stream(cfg)[1]
+    return _split_documents(cfg, _documents(cfg))[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def val_batches(source: TokenArray, micro_batch: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
+    """The first ``max_batches`` batches of consecutive ``seq_len`` blocks of ``source``, in order.
+
+    Returns a list of ``[micro_batch, seq_len]`` int64 tensors (the last may have fewer rows); the same on
+    every call and every rank.
+    """
+    _check_positive(micro_batch=micro_batch, seq_len=seq_len, max_batches=max_batches)
+    n_blocks = len(source) // seq_len
+    if n_blocks == 0:
+        raise ValueError(f"the validation split has {len(source)} tokens, fewer than seq_len={seq_len}")
+    starts = [i * seq_len for i in range(min(n_blocks, micro_batch * max_batches))]
+    return [source.blocks(starts[i : i + micro_batch], seq_len) for i in range(0, len(starts), micro_batch)]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class _ArrayCursor:
+    """Shuffled blocks of a ``TokenArray``; each epoch draws a new block offset and permutation."""
+
+    def __init__(self, source: TokenArray, micro_batch: int, seq_len: int, seed: int, rank: int, world_size: int):
+        self.source, self.micro_batch, self.seq_len = source, micro_batch, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        worst_blocks = (len(source) - (seq_len - 1)) // seq_len  # with the largest per-epoch offset
+        if worst_blocks // world_size < micro_batch:
+            raise ValueError(
+                f"the training split has {len(source)} tokens, too few for one batch of micro_batch={micro_batch} "
+                f"x seq_len={seq_len} on each of {world_size} ranks; lower seq_len or micro_batch, or add data"
+            )
+        self.epoch, self.batch = 0, 0
+        self._order = self._epoch_starts(0)
+
+    def _epoch_starts(self, epoch: int) -> np.ndarray:
+        """This rank's block start positions for ``epoch``, truncated to whole batches (equal on all ranks)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        offset = int(rng.integers(self.seq_len))  # varies the block boundaries between epochs
+        n_blocks = (len(self.source) - offset) // self.seq_len
+        per_rank = n_blocks // self.world_size // self.micro_batch * self.micro_batch
+        order = rng.permutation(n_blocks)[: per_rank * self.world_size][self.rank :: self.world_size]
+        return offset + order * self.seq_len
+
+    def next_batch(self) -> torch.Tensor:
+        if (self.batch + 1) * self.micro_batch > len(self._order):
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._order = self._epoch_starts(self.epoch)
+        starts = self._order[self.batch * self.micro_batch : (self.batch + 1) * self.micro_batch]
+        self.batch += 1
+        return self.source.blocks(starts.tolist(), self.seq_len)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self._order = self._epoch_starts(self.epoch)
+
+
+class _StreamCursor:
+    """Packs a ``DocumentStream`` into blocks; its position is (epoch, document, offset in document)."""
+
+    def __init__(self, source: DocumentStream, micro_batch: int, seq_len: int, seed: int, rank: int,
+                 world_size: int):
+        self.source, self.micro_batch, self.seq_len = source, micro_batch, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self._open(epoch=0, document=0, offset=0)
+
+    def _open(self, epoch: int, document: int, offset: int) -> None:
+        """Start reading at ``document`` of ``epoch``, dropping its first ``offset`` tokens."""
+        self._pending: list[list[Any]] = []  # [epoch, document index, tokens, tokens used], oldest first
+        self._skip_first = offset
+        self._open_epoch(epoch, document)
+
+    def _open_epoch(self, epoch: int, document: int) -> None:
+        self._epoch, self._next_document = epoch, document
+        self._texts = self.source.open(self.seed, epoch, self.rank, self.world_size, document)
+
+    def _fill(self, need: int) -> None:
+        """Read documents until ``need`` unused tokens are buffered, starting new epochs at the end."""
+        empty_epochs = 0
+        while sum(len(t) - used for _, _, t, used in self._pending) < need:
+            texts = [text for _, text in zip(range(_ENCODE_BATCH), self._texts)]
+            if not texts:
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise ValueError(f"rank {self.rank}'s share of the training stream is empty")
+                self._open_epoch(self._epoch + 1, 0)  # keeps the buffered end of the last epoch
+                continue
+            empty_epochs = 0
+            for tokens in self.source.encode(texts):
+                used = min(self._skip_first, len(tokens))
+                self._skip_first -= used
+                self._pending.append([self._epoch, self._next_document, tokens, used])
+                self._next_document += 1
+
+    def next_batch(self) -> torch.Tensor:
+        need = self.micro_batch * self.seq_len
+        self._fill(need)
+        out = np.empty(need, dtype=np.int64)
+        filled = 0
+        while filled < need:
+            chunk = self._pending[0]
+            take = min(need - filled, len(chunk[2]) - chunk[3])
+            out[filled : filled + take] = chunk[2][chunk[3] : chunk[3] + take]
+            chunk[3] += take
+            filled += take
+            if chunk[3] == len(chunk[2]):
+                self._pending.pop(0)
+        return torch.from_numpy(out.reshape(self.micro_batch, self.seq_len))
+
+    def state_dict(self) -> dict[str, int]:
+        if self._pending:
+            epoch, document, _, used = self._pending[0]
+            return {"epoch": epoch, "document": document, "offset": used}
+        return {"epoch": self._epoch, "document": self._next_document, "offset": self._skip_first}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._open(int(state["epoch"]), int(state["document"]), int(state["offset"]))
+
+
+class TrainLoader:
+    """Endless training batches of ``[micro_batch, seq_len]`` int64 token ids (labels = inputs).
+
+    Deterministic given ``seed``; each rank reads a disjoint share of every epoch (same number of batches
+    per rank); a new epoch reshuffles. ``state_dict()`` / ``load_state_dict()`` save and restore the exact
+    position (JSON-serialisable; for streamed sources it is per rank, see the module docstring).
+    """
+
+    def __init__(self, source: TokenSource, micro_batch: int, seq_len: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
+        _check_positive(micro_batch=micro_batch, seq_len=seq_len, world_size=world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        cursor_type = _ArrayCursor if isinstance(source, TokenArray) else _StreamCursor
+        self._cursor = cursor_type(source, micro_batch, seq_len, seed, rank, world_size)
+        self._identity = {"micro_batch": micro_batch, "seq_len": seq_len, "seed": seed, "rank": rank,
+                          "world_size": world_size, "kind": cursor_type.__name__}
+        self.batches_seen = 0
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens this rank has yielded (multiply by world_size for the global count)."""
+        return self.batches_seen * self._identity["micro_batch"] * self._identity["seq_len"]
+
+    def next_batch(self) -> torch.Tensor:
+        """Returns ``[micro_batch, seq_len]`` int64."""
+        batch = self._cursor.next_batch()
+        self.batches_seen += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._identity, "batches_seen": self.batches_seen, "position": self._cursor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by a loader with the same source, micro_batch, seq_len, seed and rank."""
+        # An array position is the same on every rank, so any rank may load rank 0's state; a stream's is not.
+        per_rank = self._identity["kind"] == _StreamCursor.__name__
+        mismatched = {k: (state.get(k), v) for k, v in self._identity.items()
+                      if state.get(k) != v and (k != "rank" or per_rank)}
+        if mismatched:
+            raise ValueError(
+                "loader state does not match this loader (saved, current): "
+                + ", ".join(f"{k}={s!r} vs {c!r}" for k, (s, c) in mismatched.items())
+            )
+        self._cursor.load_state_dict(state["position"])
+        self.batches_seen = int(state["batches_seen"])

@@ -1,0 +1,77 @@
+"""Tokenizer loading: the shipped byte-level BPE, a local tokenizer, or one from the Hugging Face hub.
+
+Every tokenizer returned has an end-of-document token (``eos_token_id``), which the data pipeline appends
+after each document, and a padding token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EMBEDDED = "embedded"
+EMBEDDED_TOKENIZER_FILE = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<pad>"
+
+
+def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+
+
+def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
+    """Local directory or hub id; the local cache is tried first so that offline machines never wait."""
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as cache_error:
+        if Path(name).exists():
+            raise ValueError(f"tokenizer={name!r}: cannot load a tokenizer from this path: {cache_error}") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+        if offline:
+            raise ValueError(
+                f"tokenizer={name!r} is not a local directory and is not in the Hugging Face cache, and "
+                "HF_HUB_OFFLINE is set. Download it on a machine with network "
+                f"(`huggingface-cli download {name}`), pass a local directory, or use tokenizer=embedded."
+            ) from None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as hub_error:  # network errors come in many types (OSError, HTTP, timeout)
+        raise ValueError(
+            f"tokenizer={name!r}: not found locally and could not be fetched from the Hugging Face hub "
+            f"({type(hub_error).__name__}: {hub_error}). Pass a local directory holding tokenizer.json, "
+            "or use tokenizer=embedded."
+        ) from None
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer by name.
+
+    Args:
+        name: ``"embedded"`` for the byte-level BPE shipped with the package (vocab 8192, ``<|endoftext|>``
+            as eos and bos, ``<pad>`` as padding); a path to a ``tokenizer.json`` file; a local directory
+            saved with ``save_pretrained``; or a hub id such as ``HuggingFaceTB/SmolLM2-360M`` (vocab 49152).
+
+    Returns:
+        A fast tokenizer with ``eos_token_id`` and ``pad_token_id`` set (pad falls back to eos).
+
+    Raises:
+        ValueError: if the tokenizer cannot be found (offline and not cached) or has no eos token.
+    """
+    if name == EMBEDDED:
+        tokenizer = _from_tokenizer_file(EMBEDDED_TOKENIZER_FILE)
+    elif name.endswith(".json") and Path(name).is_file():
+        tokenizer = _from_tokenizer_file(Path(name))
+    else:
+        tokenizer = _from_pretrained(name)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer={name!r} has no eos token; documents must be separated by one. "
+            "Pick a tokenizer with an eos token (e.g. tokenizer=embedded)."
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out, so sharing eos is harmless
+    return tokenizer
