@@ -99,8 +99,8 @@ def plot_run(run_dir: Path) -> Path:
             cmap="viridis",
             shading="flat",
         )
-        tick_every = max(1, len(layers) // 16)
-        ax_l0.set_yticks(range(0, len(layers), tick_every), [str(layers[i]) for i in range(0, len(layers), tick_every)])
+        ticks = range(0, len(layers), max(1, len(layers) // 16))
+        ax_l0.set_yticks(ticks, [str(layers[i]) for i in ticks])
         ax_l0.set_ylabel("layer")
         ax_l0.set_title("Per-layer mean L0 (non-zeros per token)")
         fig.colorbar(mesh, ax=ax_l0, label="mean L0 (symlog scale)")

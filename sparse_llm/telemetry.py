@@ -60,7 +60,7 @@ class LoggingConfig:
 
 
 def resolve_wandb_mode(configured: str | None) -> str:
-    """The W&B mode to use: the configured one, else ``$WANDB_MODE``, else "offline"; never online without a key."""
+    """The W&B mode: the configured one, else ``$WANDB_MODE``, else "offline"; never online without a key."""
     source = "logging.wandb_mode"
     mode = configured
     if mode is None:
@@ -118,7 +118,7 @@ _CONSOLE_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 
 
 def format_console_line(step: int, total_steps: int, metrics: dict[str, MetricValue | None]) -> str:
-    """``step  120/1000 | loss 3.2101 | ... | sparsity 97.8% | 12.3k tok/s | ...``; only metrics present are shown."""
+    """``step  120/1000 | loss 3.2101 | ... | sparsity 97.8% | 12.3k tok/s | ...`` (metrics present only)."""
     parts = [f"step {step:>{len(str(total_steps))}}/{total_steps}"]
     for key, template, fmt in _CONSOLE_FIELDS:
         value = metrics.get(key)
@@ -193,7 +193,9 @@ class Telemetry:
         try:
             import wandb
         except ImportError:
-            logger.warning("logging.wandb=true but wandb is not installed (pip install wandb); continuing without it")
+            logger.warning(
+                "logging.wandb=true but wandb is not installed (pip install wandb); going on without it"
+            )
             return None
         try:
             return wandb.init(
@@ -229,7 +231,9 @@ class Telemetry:
     def _log_wandb(self, record: dict[str, MetricValue | None]) -> None:
         step = record["step"]
         numbers = {
-            k: v for k, v in record.items() if k != "step" and isinstance(v, Number) and not isinstance(v, bool)
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, Number) and not isinstance(v, bool)
         }
         strings = {k: v for k, v in record.items() if isinstance(v, str)}
         try:
@@ -238,7 +242,8 @@ class Telemetry:
             if strings:
                 self._wandb_run.summary.update(strings)
         except Exception as exc:
-            logger.warning("W&B logging failed (%s: %s); W&B is off for the rest of the run", type(exc).__name__, exc)
+            logger.warning("W&B logging failed (%s: %s); W&B is off for the rest of the run",
+                           type(exc).__name__, exc)
             self._finish_wandb()
 
     def advance(self, step: int, postfix: dict[str, Any] | None = None) -> None:
@@ -297,6 +302,8 @@ def read_metrics(path: Path) -> list[dict[str, MetricValue | None]]:
                 logger.warning("%s:%d is not valid JSON (cut short by a crash?); skipped", path, number)
                 continue
             if "step" not in record:
-                raise ValueError(f"{path}:{number} has no 'step' key; it is not a {METRICS_FILE} written by Telemetry")
+                raise ValueError(
+                    f"{path}:{number} has no 'step' key; it is not a {METRICS_FILE} written by Telemetry"
+                )
             by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[step] for step in sorted(by_step)]

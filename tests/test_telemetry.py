@@ -15,7 +15,13 @@ from sparse_llm import energy as energy_mod
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.plots import main as plots_main
 from sparse_llm.plots import plot_run
-from sparse_llm.telemetry import LoggingConfig, Telemetry, format_console_line, read_metrics, resolve_wandb_mode
+from sparse_llm.telemetry import (
+    LoggingConfig,
+    Telemetry,
+    format_console_line,
+    read_metrics,
+    resolve_wandb_mode,
+)
 
 QUIET = LoggingConfig(wandb=False, progress_bar=False, console=False)
 
@@ -90,7 +96,7 @@ def test_wandb_offline_run_created(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_wandb_disabled_or_missing_is_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with Telemetry(LoggingConfig(wandb=False, progress_bar=False, console=False), tmp_path / "off", {}, True, 1) as t:
+    with Telemetry(QUIET, tmp_path / "off", {}, is_main=True, total_steps=1) as t:
         t.log(1, {"loss": 1.0})
     assert not (tmp_path / "off" / "wandb").exists()
 
