@@ -61,7 +61,10 @@ def _line_style(n_points: int) -> dict[str, Any]:
 
 def plot_run(run_dir: Path) -> Path:
     """Plot ``run_dir/metrics.jsonl`` into ``run_dir/training.png`` and return the PNG's path."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plot_run needs matplotlib: pip install 'sparse-llm[plot]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
