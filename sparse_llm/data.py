@@ -400,8 +400,12 @@ def _check_hub_reachable(cfg: DataConfig) -> None:
 
     advice = ("Use data=local (files on disk) or data=tokens (a token file from scripts/tokenize_corpus.py), "
               "or run where the hub is reachable.")
-    if constants.HF_HUB_OFFLINE:
-        raise ConnectionError(f"data=fineweb_edu streams from the hub but HF_HUB_OFFLINE is set. {advice}")
+    if constants.HF_HUB_OFFLINE or _import_datasets(cfg).config.HF_HUB_OFFLINE:
+        raise ConnectionError(
+            "data=fineweb_edu streams from the hub, but offline mode is on (HF_HUB_OFFLINE or "
+            "HF_DATASETS_OFFLINE is 1; train.py sets them by default). With network, run with "
+            f"HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0. {advice}"
+        )
     url = urlparse(constants.ENDPOINT)
     address = (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
     errors: list[BaseException] = []
@@ -502,8 +506,8 @@ def build_token_data(cfg: DataConfig, seq_len: int) -> TokenData:
         meta, train, val = read_token_file(cfg.paths[0])
         tokenizer = load_tokenizer(_tokens_tokenizer(cfg, meta))
     elif _is_streamed(cfg):
+        opener, val_texts = _open_document_stream(cfg)  # first: an unreachable hub fails before anything else
         tokenizer = load_tokenizer(cfg.tokenizer)
-        opener, val_texts = _open_document_stream(cfg)
         encode = _encoder(tokenizer)
         train = DocumentStream(opener, encode)
         val = _pack(_encode_all(encode, val_texts), _token_dtype(len(tokenizer)))

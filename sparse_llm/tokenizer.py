@@ -6,9 +6,9 @@ after each document, and a padding token.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from huggingface_hub import constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EMBEDDED = "embedded"
@@ -30,8 +30,7 @@ def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as cache_error:
         if Path(name).exists():
             raise ValueError(f"tokenizer={name!r}: cannot load a tokenizer from this path: {cache_error}") from None
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
-        if offline:
+        if constants.HF_HUB_OFFLINE:
             raise ValueError(
                 f"tokenizer={name!r} is not a local directory and is not in the Hugging Face cache, and "
                 "HF_HUB_OFFLINE is set. Download it on a machine with network "
