@@ -374,15 +374,15 @@ def write_token_file(cfg: DataConfig, out: str | Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.tokenizer)
     encode = _encoder(tokenizer)
     extra = {"source": cfg.name, "paths": list(cfg.paths), "split_seed": cfg.split_seed}
+    train_texts: Iterable[str]
     if _is_streamed(cfg):
         if cfg.name == "fineweb_edu" and cfg.max_documents is None:
             raise ValueError("data.max_documents must be set to tokenize fineweb_edu (it has ~10M documents)")
         opener, val_texts = _open_document_stream(cfg)
         train_texts = opener(cfg.split_seed, 0, 0, 1, 0)  # one pass, shuffled by split_seed
-        return _write_token_file(out, _encode_all(encode, train_texts), _encode_all(encode, val_texts),
-                                 cfg.tokenizer, len(tokenizer), extra)
-    train_docs, val_docs = _split_documents(cfg, _documents(cfg))
-    return _write_token_file(out, _encode_all(encode, train_docs), _encode_all(encode, val_docs),
+    else:
+        train_texts, val_texts = _split_documents(cfg, _documents(cfg))
+    return _write_token_file(out, _encode_all(encode, train_texts), _encode_all(encode, val_texts),
                              cfg.tokenizer, len(tokenizer), extra)
 
 

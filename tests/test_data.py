@@ -309,6 +309,14 @@ def test_stream_ranks_read_disjoint_documents(stream_cfg, tokenizer):
     assert numbers[0] and numbers[1] and not numbers[0] & numbers[1]
 
 
+def test_stream_to_token_file_keeps_every_document(stream_cfg, tmp_path, tokenizer):
+    meta = write_token_file(stream_cfg, tmp_path / "s")
+    assert (meta["n_train_documents"], meta["n_val_documents"]) == (56, 4)
+    _, train, _ = read_token_file(tmp_path / "s.json")
+    texts = sorted(tokenizer.decode(d) for d in _docs(np.asarray(train.tokens), tokenizer.eos_token_id))
+    assert texts == sorted(NUMBERED[4:])
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def test_unknown_data_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="embedded, local, fineweb_edu, tokens"):
