@@ -1,0 +1,143 @@
+// Fused up + down projection from a TwELL-packed gate (inference):
+//   for every token m and every packed non-zero (n, g):  u = x[m, :] . w_up[n, :],  h = g * u,
+//   y[m, :] += h * w_down_t[n, :]
+// so the dense hidden h [M, N] never exists. One warp per token (4 tokens per 128-thread block); the warp
+// keeps x[m, :] and the fp32 output row in registers. Lane l owns columns v*256 + 8l .. +8 for v < KV,
+// so K may be any multiple of 8 up to 256*KV (columns >= K are masked).
+//
+// Split mode (grid.y = splits > 1, for small M): split s handles tiles s, s+splits, ... and writes an fp32
+// partial row to y_partial[s, m, :]; the caller sums the splits. With splits == 1 the bf16 row goes to y.
+//
+// Overflowed rows (any tile count > 31) are not computed here: their y row is written as zeros, their
+// statistics as 0, and row_overflow[m] = 1 so the caller recomputes them densely.
+//
+// Statistics, per split: l1_part[s, m] = sum |h|, l0_part[s, m] = #(h != 0); fired[n] = 1 where h != 0.
+#include "twell_common.cuh"
+
+// This lane's KV 16-byte pieces of one weight row (zeros past K).
+template <int KV>
+__device__ __forceinline__ void load_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, const bool (&valid)[KV]) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        dst[v] = make_uint4(0, 0, 0, 0);
+        if (valid[v]) dst[v] = *reinterpret_cast<const uint4 *>(row + v * 256 + lane * 8);
+    }
+}
+
+template <int KV>
+__global__ void __launch_bounds__(128) twell_up_down(
+    const uint32_t *__restrict__ packed,         // [M, T * 32]
+    const __nv_bfloat16 *__restrict__ x,         // [M, K]
+    const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
+    const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
+    __nv_bfloat16 *__restrict__ y,               // [M, K], used when splits == 1
+    float *__restrict__ y_partial,               // [splits, M, K], used when splits > 1
+    float *__restrict__ l1_part,                 // [splits, M]
+    int *__restrict__ l0_part,                   // [splits, M]
+    uint8_t *__restrict__ fired,                 // [N], only ever set to 1
+    uint8_t *__restrict__ row_overflow,          // [M]
+    int M, int K, int T) {
+    const int lane = threadIdx.x & 31;
+    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
+    const int split = blockIdx.y;
+    const int splits = gridDim.y;
+    const uint32_t *row = packed + m * T * TWELL_SLOTS;
+
+    bool overflow = false;
+    for (int t = lane; t < T; t += 32) overflow |= row[t * TWELL_SLOTS] > TWELL_CAPACITY;
+    overflow = __any_sync(FULL_MASK, overflow);
+
+    // x stays packed as bf16 (half the registers of fp32) and is widened at each use.
+    bool valid[KV];
+    uint4 x_raw[KV];
+    float acc[KV][8];
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        valid[v] = col < K;
+        x_raw[v] = make_uint4(0, 0, 0, 0);
+        if (valid[v]) x_raw[v] = *reinterpret_cast<const uint4 *>(x + m * K + col);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
+    }
+
+    float l1 = 0.0f;
+    int l0 = 0;
+    if (!overflow) {
+        for (int t = split; t < T; t += splits) {
+            const uint32_t word = row[t * TWELL_SLOTS + lane];
+            const int count = __shfl_sync(FULL_MASK, word, 0);
+            for (int i = 1; i <= count; ++i) {
+                const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
+                const long long n = twell_col(entry);
+                const float g = twell_value(entry);
+                // Both weight rows' loads are issued before any use so they are in flight together (for
+                // KV > 8 the down row is loaded after the dot product to stay within the register file).
+                uint4 up_raw[KV], down_raw[KV];
+                load_row<KV>(up_raw, w_up + n * K, lane, valid);
+                if (KV <= 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid);
+                float dot = 0.0f;
+#pragma unroll
+                for (int v = 0; v < KV; ++v) {
+                    float w[8], xv[8];
+                    bf16x8_to_float(up_raw[v], w);
+                    bf16x8_to_float(x_raw[v], xv);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) dot = fmaf(xv[j], w[j], dot);
+                }
+#pragma unroll
+                for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
+                const float h = g * dot;
+                if (KV > 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid);
+#pragma unroll
+                for (int v = 0; v < KV; ++v) {
+                    float w[8];
+                    bf16x8_to_float(down_raw[v], w);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(h, w[j], acc[v][j]);
+                }
+                l1 += fabsf(h);
+                if (h != 0.0f) {
+                    ++l0;
+                    if (lane == 0) fired[n] = 1;
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        if (!valid[v]) continue;
+        const int col = v * 256 + lane * 8;
+        if (splits == 1) {
+            uint32_t w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[v][2 * i], acc[v][2 * i + 1]);
+                w[i] = *reinterpret_cast<const uint32_t *>(&pair);
+            }
+            *reinterpret_cast<uint4 *>(y + m * K + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+            float4 *dst = reinterpret_cast<float4 *>(y_partial + (static_cast<long long>(split) * M + m) * K + col);
+            dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+            dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+        }
+    }
+    if (lane == 0) {
+        l1_part[static_cast<long long>(split) * M + m] = l1;
+        l0_part[static_cast<long long>(split) * M + m] = l0;
+        if (split == 0) row_overflow[m] = overflow ? 1 : 0;
+    }
+}
+
+// Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
+template __global__ void twell_up_down<1>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
+                                          const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
+                                          uint8_t *, uint8_t *, int, int, int);
+template __global__ void twell_up_down<8>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
+                                          const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
+                                          uint8_t *, uint8_t *, int, int, int);
+template __global__ void twell_up_down<16>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
+                                           const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
+                                           uint8_t *, uint8_t *, int, int, int);

@@ -1,0 +1,185 @@
+"""Benchmark one gated MLP block: dense torch vs the twell backend, on one GPU.
+
+    python scripts/bench_mlp.py --mode infer                 # the BENCHMARKS.md table (H100: ~3 min)
+    python scripts/bench_mlp.py --mode infer --calibrate     # also the cost-model calibration tables
+
+Per case: dense torch ms and twell ms (medians of CUDA-event timings after warm-up, same process),
+their ratio, relative error vs an fp32 reference (dense bf16 for comparison), energy per call (NVML
+counter over >= --energy-seconds of back-to-back calls), the path taken (overflow rows) and what
+`kernel=auto` would run (cost model: sparse only if predicted < 0.95x dense) with its ratio.
+Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from sparse_llm.backends import TorchFFN
+from sparse_llm.energy import EnergyMeter
+from sparse_llm.formats import gated_mlp_ref
+from sparse_llm.twell_backend import (
+    TwellFFN,
+    synthetic_block,
+    twell_gate,
+    twell_gated_mlp,
+    twell_up_down,
+)
+
+SWITCH_MARGIN = 0.95  # sparse_llm.dispatch's margin
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
+    """Median CUDA-event time of fn() in ms."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def energy_mj(meter: EnergyMeter, fn: Callable[[], object], seconds: float) -> float | None:
+    """Energy per call in mJ over a window of at least `seconds` of back-to-back calls."""
+    if not meter.available:
+        return None
+    torch.cuda.synchronize()
+    meter.lap()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    joules = meter.lap()
+    return None if joules is None else 1e3 * joules / calls
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
+    x, wg, wu, wd = synthetic_block(m, k, n, nnz, sigma, seed=seed)
+    dense = TorchFFN()
+
+    def run_dense():
+        return dense.forward(x, wg, wu, wd, training=False).y_MK
+
+    def run_twell():
+        return twell_gated_mlp(x, wg, wu, wd)
+
+    with torch.inference_mode():
+        ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
+        result = run_twell()
+        row = {
+            "M": m, "K": k, "N": n, "target_nnz": nnz, "sigma": sigma,
+            "nnz_mean": result.l0_M.float().mean().item(),
+            "nnz_p99": result.l0_M.float().quantile(0.99).item() if m > 1 else result.l0_M.float().max().item(),
+            "nnz_max": result.l0_M.max().item(),
+            "err_twell": rel_err(result.y_MK, ref),
+            "err_dense": rel_err(run_dense(), ref),
+            "path": result.path, "overflow_rows": result.overflow_rows,
+        }  # fmt: skip
+        del ref
+        reps = 30 if m >= 1024 else 200
+        row["dense_ms"] = time_ms(run_dense, reps=reps)
+        row["twell_ms"] = time_ms(run_twell, reps=reps)
+        row["dense_mJ"] = energy_mj(meter, run_dense, energy_s)
+        row["twell_mJ"] = energy_mj(meter, run_twell, energy_s)
+    predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False)
+    row["twell_predicted_ms"] = predicted
+    row["auto"] = "twell" if predicted < SWITCH_MARGIN * dense.estimated_ms(m, k, n, 0, 0, False) else "torch"
+    auto_ms = row["twell_ms"] if row["auto"] == "twell" else row["dense_ms"]
+    row["speedup"] = row["dense_ms"] / row["twell_ms"]
+    row["auto_speedup"] = row["dense_ms"] / auto_ms
+    return row
+
+
+def calibrate(k: int, n: int) -> list[dict]:
+    """Component timings for the cost model: gate routes vs M, and the up+down kernel vs non-zeros."""
+    rows = []
+    with torch.inference_mode():
+        for m in (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384):
+            x, wg, _, _ = synthetic_block(m, k, n, 56)
+            rows.append({
+                "what": "gate", "M": m,
+                "torch_matmul_ms": time_ms(lambda: torch.nn.functional.linear(x, wg)),
+                "fused_ms": time_ms(lambda: twell_gate(x, wg, "fused")),
+                "cublas_pack_ms": time_ms(lambda: twell_gate(x, wg, "cublas")),
+            })  # fmt: skip
+        for m in (1, 64, 16384):
+            for nnz in (28, 56, 112, 280):
+                x, wg, wu, wd = synthetic_block(m, k, n, nnz)
+                packed = twell_gate(x, wg)
+                wt = wd.t().contiguous()
+                ms = time_ms(lambda: twell_up_down(x, packed, wu, wt))
+                gbps = m * nnz * 4 * k / (ms * 1e6)
+                rows.append({"what": "up_down", "M": m, "nnz": nnz, "ms": ms, "GBps": gbps})
+    return rows
+
+
+def fmt(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["infer"], default="infer")
+    parser.add_argument("--m", type=int, default=16384)
+    parser.add_argument("--k", type=int, default=2048)
+    parser.add_argument("--n", type=int, default=5632)
+    parser.add_argument("--nnz", default="28,56,112,280,560")
+    parser.add_argument("--sigmas", default="0,0.3,0.5")
+    parser.add_argument("--decode-m", default="1,8,16,32,64")
+    parser.add_argument("--decode-nnz", default="28,56,112")
+    parser.add_argument("--energy-seconds", type=float, default=1.0)
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--json", default=None, help="write all rows here")
+    args = parser.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda")
+    meter = EnergyMeter(device)
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"energy: {'NVML' if meter.available else meter.unavailable_reason}", flush=True)  # fmt: skip
+    results: dict[str, list] = {"cases": [], "calibration": []}
+    if args.calibrate:
+        results["calibration"] = calibrate(args.k, args.n)
+        for row in results["calibration"]:
+            print(json.dumps(row), flush=True)
+
+    cases = [(args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, args.nnz.split(","))]
+    cases += [(m, nnz, 0.0) for m in map(int, args.decode_m.split(",")) for nnz in map(int, args.decode_nnz.split(","))]
+    for m, nnz, sigma in cases:
+        row = bench_case(m, args.k, args.n, nnz, sigma, meter, args.energy_seconds)
+        results["cases"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+    print("\n| M | sigma | nnz mean / p99 / max | dense ms | twell ms | speedup | err twell (dense) | "
+          "energy mJ dense / twell | path (overflow rows) | auto | auto speedup |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results["cases"]:
+        print(
+            f"| {r['M']} | {r['sigma']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']} | "
+            f"{r['dense_ms']:.3f} | {r['twell_ms']:.3f} | {r['speedup']:.2f}x | "
+            f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | {fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
+            f"{r['path']} ({r['overflow_rows']}) | {r['auto']} | {r['auto_speedup']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

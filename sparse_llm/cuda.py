@@ -1,0 +1,201 @@
+"""Run-time compiled CUDA kernels: find the sources, compile them with NVRTC through CuPy, launch them.
+
+Kernels live as .cu/.cuh files in the top-level `kernels/` directory of a source checkout (editable
+install) or in `sparse_llm/_kernels/` inside a built wheel. They are compiled with CuPy's `RawModule`
+(NVRTC backend, `-arch=sm_90a`, needed for wgmma) into CuPy's on-disk cache (`CUPY_CACHE_DIR`, default
+`~/.cupy/kernel_cache`; set it before the first import of cupy). NVRTC has crashed a whole process on
+malformed wgmma code before, so the first compile of each kernel version runs in a child process; only
+after the child succeeds does this process compile (then a cache hit). Set SPARSE_LLM_COMPILE_INPROCESS=1
+to skip the child (e.g. under compute-sanitizer).
+
+Launches go to torch's current CUDA stream. Tensors are passed as raw device pointers; nothing is
+converted to CuPy arrays and CuPy allocates no memory.
+
+This module imports without a GPU, CUDA toolkit or cupy; `unavailable_reason` says what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+NVRTC_OPTIONS: tuple[str, ...] = ("-arch=sm_90a", "-std=c++17")
+REQUIRED_CAPABILITY = (9, 0)
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# Wheel layout first, then the source checkout's top-level kernels/ directory.
+KERNEL_DIRS: tuple[Path, ...] = (_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_path(filename: str) -> Path:
+    """Where the kernel source `filename` (e.g. "twell_pack.cu") is; FileNotFoundError lists the places tried."""
+    for directory in KERNEL_DIRS:
+        candidate = directory / filename
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(d) for d in KERNEL_DIRS)
+    raise FileNotFoundError(
+        f"CUDA kernel source {filename!r} not found in {tried}. Reinstall the package "
+        "(`pip install -e .` from a source checkout) so that the kernels directory ships with it."
+    )
+
+
+def kernel_source(filename: str) -> str:
+    """The source of `filename` with its local `#include "x.cuh"` headers inlined (once each).
+
+    Inlining makes the full text part of CuPy's cache key, so editing a header recompiles its users.
+    """
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = kernel_path(name).read_text()
+        return _INCLUDE.sub(lambda match: expand(match.group(1)), text)
+
+    return expand(filename)
+
+
+def _import_cupy() -> Any:
+    """cupy, or None if it is not installed or cannot see a GPU."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return None
+    return cupy
+
+
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """None if the CUDA kernels can run on `device` (default: current CUDA device), else why not."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        return f"tensors are on {device}, the kernels need a CUDA device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != REQUIRED_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has compute capability {capability}; the kernels use sm_90a (Hopper: H100/H200) instructions"
+    cupy = _import_cupy()
+    if cupy is None:
+        return "cupy is not installed; `pip install 'sparse-llm[cuda]'` (cupy-cuda13x)"
+    try:
+        if not cupy.cuda.is_available():
+            return "cupy is installed but sees no CUDA device (driver/toolkit mismatch?)"
+    except Exception as error:  # pragma: no cover - depends on the driver
+        return f"cupy cannot use the GPU: {error}"
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+def _marker(source: str, name: str) -> Path:
+    digest = hashlib.sha256("\0".join((source, name, *NVRTC_OPTIONS)).encode()).hexdigest()[:24]
+    return _cache_dir() / f"sparse_llm-compiled-{digest}.ok"
+
+
+def _compile_in_child(filename: str, name: str) -> None:
+    """Compile in a child process once per kernel version, so an NVRTC crash cannot kill this process."""
+    if os.environ.get("SPARSE_LLM_COMPILE_INPROCESS") == "1":
+        return
+    marker = _marker(kernel_source(filename), name)
+    if marker.exists():
+        return
+    env = dict(os.environ, CUPY_CACHE_DIR=str(_cache_dir()), SPARSE_LLM_COMPILE_INPROCESS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(_PACKAGE_DIR.parent), env.get("PYTHONPATH"))))
+    child = subprocess.run(
+        [sys.executable, "-m", "sparse_llm.cuda", filename, name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if child.returncode != 0:
+        detail = (child.stderr or child.stdout)[-3000:]
+        raise RuntimeError(
+            f"Compiling CUDA kernel {name!r} from {filename} failed in a child process "
+            f"(exit code {child.returncode}):\n{detail}"
+        )
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, filename: str, name: str) -> Any:
+    cupy = _import_cupy()
+    if cupy is None:
+        raise RuntimeError("cupy is not installed; `pip install 'sparse-llm[cuda]'` to use the CUDA kernels.")
+    _compile_in_child(filename, name)
+    templated = "<" in name
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(
+            code=kernel_source(filename),
+            options=NVRTC_OPTIONS,
+            backend="nvrtc",
+            name_expressions=[name] if templated else None,
+        )
+        return module.get_function(name)
+
+
+def get_function(filename: str, name: str, device: torch.device | None = None) -> Any:
+    """The compiled kernel `name` of source `filename` on `device` (a cupy.RawKernel), built on first use.
+
+    `name` is an `extern "C"` symbol or a template instantiation such as "twell_up_down<8>".
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    return _function(device.index if device.index is not None else torch.cuda.current_device(), filename, name)
+
+
+def set_dynamic_smem(kernel: Any, nbytes: int) -> None:
+    """Allow `kernel` more than 48 KiB of dynamic shared memory."""
+    if kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+
+
+def ptr(tensor: torch.Tensor) -> np.uint64:
+    """A tensor's device address as a kernel argument."""
+    return np.uint64(tensor.data_ptr())
+
+
+def launch(
+    kernel: Any,
+    grid: Sequence[int],
+    block: Sequence[int],
+    args: Sequence[Any],
+    device: torch.device,
+    shared_mem: int = 0,
+) -> None:
+    """Launch `kernel` on torch's current stream of `device`.
+
+    Python ints in `args` must already be numpy scalars of the kernel's parameter types (np.int32 for
+    `int`): a bare Python int or float would be passed as 64 bits and shift every later argument.
+    CuPy raises if the launch itself is rejected; errors inside the kernel surface at the next sync.
+    """
+    cupy = _import_cupy()
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(stream):
+        kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+
+def _compile_main(argv: list[str]) -> int:
+    """Child-process entry: compile one kernel (`python -m sparse_llm.cuda FILE NAME`)."""
+    filename, name = argv
+    _function(torch.cuda.current_device(), filename, name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_compile_main(sys.argv[1:]))

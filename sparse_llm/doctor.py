@@ -1,0 +1,109 @@
+"""Self-check of the GPU stack: `python -m sparse_llm.doctor`.
+
+Prints the GPU, compute capability, driver / CUDA / torch / CuPy versions, where the kernel sources
+were found, whether each kernel compiles and passes a quick numerical check against the torch
+reference, and which backend `kernel=auto` would pick for a typical layer. Exit code 0 when every
+check that applies to this machine passed (on a machine without a Hopper GPU the kernel checks are
+reported as skipped, not failed).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from sparse_llm import cuda
+
+KERNELS = (
+    ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
+    ("twell_pack.cu", "twell_pack_dense"),
+    ("twell_up_down.cu", "twell_up_down<8>"),
+)
+
+
+def _versions() -> list[tuple[str, str]]:
+    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__), ("torch CUDA", str(torch.version.cuda))]
+    cupy = cuda._import_cupy()
+    rows.append(("cupy", getattr(cupy, "__version__", "not installed")))
+    if cupy is not None:
+        try:
+            rows.append(("CUDA driver", str(cupy.cuda.runtime.driverGetVersion())))
+            rows.append(("NVRTC", ".".join(map(str, cupy.cuda.nvrtc.getVersion()))))
+        except Exception as error:
+            rows.append(("CUDA driver", f"unavailable ({type(error).__name__})"))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        rows.append(("GPU", f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"))
+        rows.append(("compute capability", "%d.%d" % torch.cuda.get_device_capability(0)))
+    else:
+        rows.append(("GPU", "none visible to torch"))
+    return rows
+
+
+def _sources() -> list[tuple[str, str]]:
+    rows = []
+    for filename, _ in KERNELS:
+        try:
+            rows.append((filename, str(cuda.kernel_path(filename))))
+        except FileNotFoundError as error:
+            rows.append((filename, f"MISSING: {error}"))
+    return rows
+
+
+def _numerical_check(route: str) -> str:
+    from sparse_llm.formats import gated_mlp_ref
+    from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
+
+    x, wg, wu, wd = synthetic_block(300, 2048, 5632, nnz_mean=56, sigma=0.5, seed=1)
+    result = twell_gated_mlp(x, wg, wu, wd, gate_route=route)
+    ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
+    dense = gated_mlp_ref(x, wg, wu, wd)[0].float()
+    err = ((result.y_MK.float() - ref).norm() / ref.norm()).item()
+    dense_err = ((dense - ref).norm() / ref.norm()).item()
+    verdict = "ok" if err <= 2 * dense_err + 1e-3 else "WRONG"
+    return f"{verdict}: rel. error {err:.1e} (dense bf16 {dense_err:.1e}), path {result.path}"
+
+
+def main() -> int:
+    failures = 0
+    print("sparse-llm doctor")
+    for key, value in _versions() + _sources():
+        print(f"  {key:<22} {value}")
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        print(f"  twell kernels          skipped: {reason}")
+        print("  kernel=auto picks      torch (no usable sparse kernel here)")
+        return 0
+    for filename, name in KERNELS:
+        try:
+            cuda.get_function(filename, name)
+            print(f"  compile {name:<14} ok")
+        except Exception as error:
+            failures += 1
+            print(f"  compile {name:<14} FAILED: {error}")
+    for route in ("fused", "cublas"):
+        try:
+            line = _numerical_check(route)
+        except Exception:
+            line = "FAILED:\n" + traceback.format_exc()
+        failures += not line.startswith("ok")
+        print(f"  check gate={route:<11} {line}")
+
+    from sparse_llm.backends import TorchFFN
+    from sparse_llm.twell_backend import TwellFFN
+
+    m, k, n = 16384, 2048, 5632
+    for l0 in (28, 112, 560):
+        sparse = TwellFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
+        dense = TorchFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
+        pick = "twell" if sparse is not None and sparse < 0.95 * dense else "torch"
+        print(f"  kernel=auto, M={m} K={k} N={n}, {l0} non-zeros/token: {pick} "
+              f"(predicted twell {sparse:.2f} ms, dense {dense:.2f} ms)")  # fmt: skip
+    print("all checks passed" if failures == 0 else f"{failures} check(s) FAILED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

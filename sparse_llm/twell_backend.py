@@ -1,0 +1,446 @@
+"""The "twell" FFN backend: the gated feedforward block for inference through TwELL CUDA kernels.
+
+Two launches per block (kernels/ holds the CUDA sources):
+
+1. Gate: g = relu(x w_gate^T) packed to TwELL (`sparse_llm.formats` documents the layout), either by
+   the fused wgmma GEMM whose epilogue packs (no dense gate in memory; large M), or by a cuBLAS GEMM
+   followed by a packing kernel (small M, where cuBLAS's GEMV-like schedules read the weight faster).
+2. Up + down: per token, for each packed non-zero (n, g): u = x . w_up[n], h = g * u,
+   y += h * w_down[:, n], with fp32 accumulation; the dense hidden [M, N] never exists.
+
+Exactness: a token whose tile holds more than 31 positives (an overflow) is detected on the GPU and
+recomputed by the dense torch path; nothing is dropped. `FFNResult.overflow_rows` counts those tokens
+and `path` says "twell+dense-rows" when any occurred. This costs one device-to-host sync per call.
+
+Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u per token (the kernel
+counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
+with h != 0 for some token, l1_sum = sum |h| in fp32.
+
+Inference only: `training=True` raises NotImplementedError and `estimated_ms` returns None for it,
+so the dispatcher never picks this backend for training.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparse_llm import cuda
+from sparse_llm.backends import FFNBackend, FFNResult, TorchFFN, register_backend
+
+TILE = 256  # gate columns per TwELL tile
+SLOTS = 32  # words per (token, tile) segment
+CAPACITY = SLOTS - 1  # entries per segment
+MAX_N = 1 << 16  # 16-bit column indices
+GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
+GATE_STAGES = 4
+GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
+MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
+UP_DOWN_TOKENS_PER_BLOCK = 4
+GATE_ROUTES = ("auto", "fused", "cublas")
+
+# ------------------------------------------------------------------------------------------------
+# Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs). Measured with
+# scripts/bench_mlp.py (BENCHMARKS.md, "TwELL inference: calibration"); K = 2048, N = 5632.
+# ------------------------------------------------------------------------------------------------
+# Fused gate GEMM (wgmma + packing epilogue) sustained rate at M >= 4096, and cuBLAS GEMM + pack kernel.
+FUSED_GATE_TFLOPS = 450.0
+CUBLAS_GATE_TFLOPS = 550.0
+PACK_GBPS = 2500.0  # packing kernel: reads the bf16 gate once, writes the TwELL words
+# Smallest M at which the fused gate beats cuBLAS + pack.
+FUSED_GATE_MIN_M = 1024
+# Up+down kernel: weight-row bytes streamed per second (2 rows of K bf16 per non-zero; L2-resident
+# at large M, from HBM when M is tiny) and fixed cost (launches, the overflow sync, small torch ops).
+UP_DOWN_GBPS = 6000.0
+HBM_GBPS = 3000.0
+FIXED_MS = 0.03
+# Tokens with at least this many gate non-zeros per tile on average are assumed to overflow a tile.
+OVERFLOW_NNZ_PER_TILE = 20.0
+# Below this many tokens the up+down work of each token is split over several warps.
+SPLIT_BELOW_M = 2048
+
+
+def _gemm_ms(m: int, k: int, n: int, tflops: float, weight_bytes: int) -> float:
+    """A GEMM's time: the larger of its flop time and the time to stream its weight from HBM."""
+    return max(2.0 * m * k * n / (tflops * 1e9), weight_bytes / (HBM_GBPS * 1e6))
+
+
+def dense_ms(m: int, k: int, n: int) -> float:
+    """The dense bf16 block (three GEMMs) on the same GPU, for pricing overflow rows."""
+    return 3 * _gemm_ms(m, k, n, CUBLAS_GATE_TFLOPS, 2 * k * n)
+
+
+def overflow_fraction(n_tiles: int, l0_mean: float, l0_max: float) -> float:
+    """Estimated fraction of tokens with an overflowing tile, from the mean and max non-zeros per token.
+
+    Assumes log-normal non-zeros per token whose max over a batch lies ~3.5 sigma above the median and
+    that a token overflows once it averages OVERFLOW_NNZ_PER_TILE per tile. A heuristic: it only has
+    to be right enough to send heavy-tailed layers dense.
+    """
+    if l0_max <= CAPACITY or l0_mean <= 0:
+        return 0.0
+    threshold = OVERFLOW_NNZ_PER_TILE * n_tiles
+    sigma = max(math.log(max(l0_max, l0_mean) / l0_mean) / 3.5, 1e-3)
+    mu = math.log(l0_mean) - sigma * sigma / 2
+    return 0.5 * math.erfc((math.log(threshold) - mu) / (sigma * math.sqrt(2)))
+
+
+def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+    """Predicted time of one inference call of the twell backend (see the constants above)."""
+    gate_bytes = 2 * k * n
+    if m >= FUSED_GATE_MIN_M:
+        gate = _gemm_ms(m, k, n, FUSED_GATE_TFLOPS, gate_bytes)
+    else:
+        gate = _gemm_ms(m, k, n, CUBLAS_GATE_TFLOPS, gate_bytes) + 2 * m * n * 2 / (PACK_GBPS * 1e6)
+    row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
+    # Distinct rows read at most once from HBM; repeated reads come from L2.
+    distinct = min(m * l0_mean, n) * row_bytes
+    up_down = max(m * l0_mean * row_bytes / (UP_DOWN_GBPS * 1e6), distinct / (HBM_GBPS * 1e6))
+    over = overflow_fraction(n // TILE, l0_mean, l0_max) * dense_ms(m, k, n)
+    return gate + up_down + over + FIXED_MS
+
+
+# ------------------------------------------------------------------------------------------------
+# Input validation
+# ------------------------------------------------------------------------------------------------
+
+
+def shape_unsupported_reason(k: int, n: int) -> str | None:
+    """None if the kernels handle hidden width K and FFN width N, else why not."""
+    if k % 64 != 0:
+        return f"hidden width K={k} is not a multiple of 64"
+    if k > MAX_K:
+        return f"hidden width K={k} exceeds {MAX_K}"
+    if n % TILE != 0:
+        return f"FFN width N={n} is not a multiple of {TILE}"
+    if n > MAX_N:
+        return f"FFN width N={n} exceeds {MAX_N} (16-bit column indices)"
+    return None
+
+
+def _check_tensor(t: object, name: str, shape: tuple[int, int], layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} has dtype {t.dtype}; the twell kernels take bfloat16, e.g. {name}.to(torch.bfloat16)")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)} ({layout})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
+
+
+def check_inputs(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor) -> None:
+    """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands."""
+    if not isinstance(x_MK, torch.Tensor) or x_MK.dim() != 2:
+        got = tuple(x_MK.shape) if isinstance(x_MK, torch.Tensor) else type(x_MK).__name__
+        raise ValueError(f"x_MK must be a 2-D tensor [M, K], got {got}; flatten leading dims with x.reshape(-1, K)")
+    if not isinstance(w_gate_NK, torch.Tensor) or w_gate_NK.dim() != 2:
+        raise ValueError("w_gate_NK must be a 2-D tensor [N, K] (gate_proj.weight)")
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    _check_tensor(x_MK, "x_MK", (m, k), "tokens x hidden")
+    _check_tensor(w_gate_NK, "w_gate_NK", (n, k), "gate_proj.weight in nn.Linear layout [N, K]")
+    _check_tensor(w_up_NK, "w_up_NK", (n, k), "up_proj.weight in nn.Linear layout [N, K]")
+    _check_tensor(w_down_KN, "w_down_KN", (k, n), "down_proj.weight in nn.Linear layout [K, N]")
+    reason = shape_unsupported_reason(k, n)
+    if reason is not None:
+        raise ValueError(f"w_gate_NK: {reason}; the twell kernels cannot run this layer, use kernel=torch or auto")
+    for name, t in (("w_gate_NK", w_gate_NK), ("w_up_NK", w_up_NK), ("w_down_KN", w_down_KN)):
+        if t.device != x_MK.device:
+            raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
+    if x_MK.device.type != "cuda":
+        raise ValueError(f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)")
+
+
+def _check_gate_route(route: str) -> None:
+    if route not in GATE_ROUTES:
+        raise ValueError(f"gate_route={route!r} is not valid; use one of {GATE_ROUTES}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cached transposed down-projection weight
+# ------------------------------------------------------------------------------------------------
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors have no version counter; they cannot change in place either
+        return -1
+
+
+class TransposeCache:
+    """w [K, N] -> contiguous w^T [N, K], rebuilt when the weight tensor changes (new object, storage or version)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+    def get(self, w_KN: torch.Tensor) -> torch.Tensor:
+        key = id(w_KN)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is w_KN and entry[1] == _version(w_KN) and entry[2] == w_KN.data_ptr():
+            return entry[3]
+        w_t_NK = w_KN.detach().t().contiguous()
+        ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
+        self._entries[key] = (ref, _version(w_KN), w_KN.data_ptr(), w_t_NK)
+        return w_t_NK
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_DOWN_T = TransposeCache()
+
+
+# ------------------------------------------------------------------------------------------------
+# Ops
+# ------------------------------------------------------------------------------------------------
+
+
+def _i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def gate_route_for(m: int) -> str:
+    """The gate route "auto" picks for M tokens."""
+    return "fused" if m >= FUSED_GATE_MIN_M else "cublas"
+
+
+def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto") -> torch.Tensor:
+    """TwELL-packed relu(x w_gate^T): int32 [M, (N/256) * 32] (layout: sparse_llm.formats).
+
+    Args:
+        x_MK: bf16 [M, K] on a Hopper GPU, contiguous, K % 64 == 0.
+        w_gate_NK: bf16 [N, K] (gate_proj.weight), N % 256 == 0.
+        route: "fused" (wgmma GEMM with packing epilogue), "cublas" (torch GEMM + packing kernel) or
+            "auto" (by M, see gate_route_for).
+    """
+    _check_gate_route(route)
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    if route == "auto":
+        route = gate_route_for(m)
+    device = x_MK.device
+    packed_MS = torch.empty(m, n // TILE * SLOTS, dtype=torch.int32, device=device)
+    if m == 0:
+        return packed_MS
+    if route == "fused":
+        kernel = cuda.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
+        cuda.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
+        grid = (n // TILE, math.ceil(m / GATE_BLOCK_M))
+        args = (cuda.ptr(x_MK), cuda.ptr(w_gate_NK), cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
+        cuda.launch(kernel, grid, (256,), args, device, shared_mem=GATE_SMEM_BYTES)
+    else:
+        gate_MN = F.linear(x_MK, w_gate_NK)
+        twell_pack(gate_MN, out=packed_MS)
+    return packed_MS
+
+
+def twell_pack(gate_MN: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack the positives of a bf16 pre-activation gate [M, N] into TwELL int32 [M, (N/256) * 32] on the GPU."""
+    if gate_MN.dtype != torch.bfloat16 or gate_MN.dim() != 2 or not gate_MN.is_contiguous():
+        raise ValueError(f"gate_MN must be a contiguous 2-D bf16 tensor, got {gate_MN.dtype} {tuple(gate_MN.shape)}")
+    m, n = gate_MN.shape
+    if n % TILE != 0 or n > MAX_N:
+        raise ValueError(f"gate_MN has N={n} columns; TwELL needs a multiple of {TILE} up to {MAX_N}")
+    if out is None:
+        out = torch.empty(m, n // TILE * SLOTS, dtype=torch.int32, device=gate_MN.device)
+    segments = m * (n // TILE)
+    if segments:
+        kernel = cuda.get_function("twell_pack.cu", "twell_pack_dense", gate_MN.device)
+        args = (cuda.ptr(gate_MN), cuda.ptr(out), _i32(m), _i32(n))
+        cuda.launch(kernel, (math.ceil(segments / 8),), (256,), args, gate_MN.device)
+    return out
+
+
+@dataclass
+class UpDownResult:
+    """Output of `twell_up_down`.
+
+    Attributes:
+        y_MK: bf16 [M, K]; rows with overflow_M set are zeros (the caller recomputes them).
+        l1_M: fp32 [M] sum |h| per token (0 on overflow rows).
+        l0_M: int32 [M] non-zeros of h per token (0 on overflow rows).
+        fired_N: bool [N] neurons with h != 0 in some non-overflow row.
+        overflow_M: bool [M] tokens with a tile holding more than 31 positives.
+    """
+
+    y_MK: torch.Tensor
+    l1_M: torch.Tensor
+    l0_M: torch.Tensor
+    fired_N: torch.Tensor
+    overflow_M: torch.Tensor
+
+
+def splits_for(m: int, n_tiles: int) -> int:
+    """Warps per token in the up+down kernel: 1 for large M, more for decode-sized M to fill the GPU."""
+    if m >= SPLIT_BELOW_M:
+        return 1
+    return max(1, min(n_tiles, math.ceil(SPLIT_BELOW_M / max(m, 1))))
+
+
+def twell_up_down(
+    x_MK: torch.Tensor, packed_MS: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor
+) -> UpDownResult:
+    """h = g * (x w_up^T) at the packed non-zeros of g, and y = h w_down^T, without a dense hidden.
+
+    Args:
+        x_MK: bf16 [M, K]. packed_MS: int32 [M, (N/256) * 32] from `twell_gate`.
+        w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
+    """
+    m, k = x_MK.shape
+    n = w_up_NK.shape[0]
+    n_tiles = n // TILE
+    device = x_MK.device
+    splits = splits_for(m, n_tiles)
+    y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
+    l1_part = torch.empty(splits, m, dtype=torch.float32, device=device)
+    l0_part = torch.empty(splits, m, dtype=torch.int32, device=device)
+    fired_N = torch.zeros(n, dtype=torch.uint8, device=device)
+    overflow_M = torch.empty(m, dtype=torch.uint8, device=device)
+    if m:
+        kv = math.ceil(k / 256)
+        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
+        grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
+        args = (
+            cuda.ptr(packed_MS), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
+            cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_part), cuda.ptr(l0_part),
+            cuda.ptr(fired_N), cuda.ptr(overflow_M), _i32(m), _i32(k), _i32(n_tiles),
+        )  # fmt: skip
+        cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device)
+        if splits > 1:
+            y_MK.copy_(y_partial.sum(dim=0))  # fixed order over splits: deterministic
+    return UpDownResult(
+        y_MK=y_MK,
+        l1_M=l1_part.sum(dim=0),
+        l0_M=l0_part.sum(dim=0, dtype=torch.int32),
+        fired_N=fired_N.bool(),
+        overflow_M=overflow_M.bool(),
+    )
+
+
+def twell_gated_mlp(
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    gate_route: str = "auto",
+) -> FFNResult:
+    """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
+
+    Args:
+        x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
+        gate_route: see `twell_gate`.
+
+    Returns:
+        FFNResult; overflow tokens were computed by the dense torch path (counted in overflow_rows).
+    """
+    check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    _check_gate_route(gate_route)
+    packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
+    result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN))
+    dense_rows_R = result.overflow_M.nonzero()[:, 0]  # the call's one device-to-host sync
+    y_MK, l1_M, l0_M, fired_N = result.y_MK, result.l1_M, result.l0_M, result.fired_N
+    if dense_rows_R.numel():
+        x_RK = x_MK.index_select(0, dense_rows_R)
+        h_RN = F.relu(F.linear(x_RK, w_gate_NK)) * F.linear(x_RK, w_up_NK)
+        y_MK.index_copy_(0, dense_rows_R, F.linear(h_RN, w_down_KN))
+        l1_M.index_copy_(0, dense_rows_R, h_RN.float().abs().sum(dim=1))
+        nonzero_RN = h_RN != 0
+        l0_M.index_copy_(0, dense_rows_R, nonzero_RN.sum(dim=1, dtype=torch.int32))
+        fired_N |= nonzero_RN.any(dim=0)
+    return FFNResult(
+        y_MK=y_MK,
+        l1_sum=l1_M.sum(),
+        l0_M=l0_M,
+        fired_N=fired_N,
+        path="twell+dense-rows" if dense_rows_R.numel() else "twell",
+        overflow_rows=int(dense_rows_R.numel()),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend
+# ------------------------------------------------------------------------------------------------
+
+
+class TwellFFN(FFNBackend):
+    """Inference through the TwELL kernels on Hopper GPUs (sm_90a); elsewhere the torch path, with a warning."""
+
+    name = "twell"
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return cuda.unavailable_reason(device)
+
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
+        if training:
+            raise NotImplementedError(
+                "The twell backend runs inference only (training=False); train with kernel=torch or kernel=auto."
+            )
+        reason = self.unavailable_reason(x_MK.device)
+        if reason is not None:
+            if not self._warned:
+                warnings.warn(f"twell kernels unavailable ({reason}); using the dense torch path.", stacklevel=2)
+                self._warned = True
+            result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False)
+            result.path = "torch (twell unavailable)"
+            return result
+        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
+        if training or shape_unsupported_reason(k, n) is not None:
+            return None
+        return twell_estimated_ms(m, k, n, l0_mean, l0_max)
+
+
+register_backend(TwellFFN())
+
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic inputs with controlled gate sparsity (tests, benchmarks, the doctor)
+# ------------------------------------------------------------------------------------------------
+
+
+def synthetic_block(
+    m: int,
+    k: int,
+    n: int,
+    nnz_mean: float,
+    sigma: float = 0.0,
+    *,
+    device: torch.device | str = "cuda",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 block operands (x_MK, w_gate_NK, w_up_NK, w_down_KN) whose gate has ~nnz_mean positives per token.
+
+    Input feature 0 is the constant 1 and every gate row's weight on it is -t: that shifts all gate
+    pre-activations by -t, and t is solved for the target mean density. Token m's other features are
+    N(0, 1) scaled by exp(sigma * xi_m), xi_m ~ N(0, 1), so sigma > 0 gives heavy-tailed non-zeros per
+    token (a token's density grows with its scale).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    scale_M = torch.exp(sigma * torch.randn(m, generator=gen, dtype=torch.float64))
+    rho = math.sqrt((k - 1) / k)  # std of z . w over the K-1 random features
+    target = min(max(nnz_mean / n, 1e-9), 0.5)
+    lo, hi = 0.0, 50.0
+    for _ in range(100):  # bisection on the shift t for the mean density over the sampled scales
+        t = (lo + hi) / 2
+        density = 0.5 * torch.special.erfc(t / (scale_M * rho * math.sqrt(2))).mean().item()
+        lo, hi = (t, hi) if density > target else (lo, t)
+    x_MK = torch.randn(m, k, generator=gen) * scale_M[:, None].float()
+    x_MK[:, 0] = 1.0
+    w_gate_NK = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    w_gate_NK[:, 0] = -t
+    w_up_NK = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    w_down_KN = torch.randn(k, n, generator=gen) / math.sqrt(n)
+    return tuple(t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))
