@@ -150,17 +150,17 @@ class SparsityTracker:
             stats[f"l0/{tag}"] = mean
             stats[f"l0_p99/{tag}"] = _quantile_from_hist(hist, 0.99)
             stats[f"l0_max/{tag}"] = l0_max
-            stats[f"sparsity/{tag}"] = 100.0 * (1 - mean / self.n)
+            stats[f"sparsity/{tag}"] = 1 - mean / self.n
             mlp.dispatcher.observe(mean, l0_max)
             means.append(mean)
         if means:
             stats["l0/mean"] = sum(means) / len(means)
-            stats["sparsity/mean"] = 100.0 * (1 - stats["l0/mean"] / self.n)
+            stats["sparsity/mean"] = 1 - stats["l0/mean"] / self.n
         if self.dead_LN is not None:
             dead_L = self.dead_LN.float().mean(dim=1).cpu()
             for layer, frac in enumerate(dead_L.tolist()):
-                stats[f"dead/layer_{layer:02d}"] = 100.0 * frac
-            stats["dead/mean"] = 100.0 * float(dead_L.mean())
+                stats[f"dead/layer_{layer:02d}"] = frac
+            stats["dead/mean"] = float(dead_L.mean())
         return stats
 
     def backends(self) -> dict[str, str]:

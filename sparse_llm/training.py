@@ -243,7 +243,8 @@ class Trainer:
         self._resume()
         t = self.cfg.trainer
         telemetry = Telemetry(self.cfg.logging, self.run_dir, OmegaConf.to_container(OmegaConf.structured(self.cfg),
-                              resolve=True), self.acc.is_main_process, t.max_steps)
+                              resolve=True), self.acc.is_main_process, t.max_steps,
+                              start_step=self.step)
         if self.acc.is_main_process:
             log.info("Model: %s, %.1fM parameters; %d tokens/step (%d ranks x %d micro-batches x %d x %d)",
                      self.cfg.model.name, self.n_params / 1e6, self.plan.tokens_per_step, self.plan.world,
@@ -257,7 +258,7 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
-                if self.step % self.cfg.logging.every == 0 or self.step == t.max_steps:
+                if telemetry.should_log(self.step):
                     if self.acc.device.type == "cuda":
                         torch.cuda.synchronize()
                     elapsed = time.perf_counter() - window_start
@@ -275,8 +276,15 @@ class Trainer:
         if self.acc.is_main_process:
             summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.cfg.l1}
             (final / "training_summary.json").write_text(json.dumps(summary, indent=1))
-            plot_run(self.run_dir)
+            self._plot()
         return final
+
+
+    def _plot(self) -> None:
+        try:
+            log.info("Training curves: %s", plot_run(self.run_dir))
+        except ImportError as err:  # matplotlib is an optional extra
+            log.warning("No training plot: %s", err)
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> Path:

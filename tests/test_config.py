@@ -1,0 +1,74 @@
+"""Config composition for every model size, and the errors a user gets for bad keys or values."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.model import build_model, count_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def _compose(*overrides: str) -> TrainConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539),
+                                                  ("2b", 38, 2.053)])
+def test_paper_sizes_compose_and_build(size, layers, billions):
+    cfg = _compose(f"model={size}", "l1=1e-5")
+    assert (cfg.model.hidden_size, cfg.model.intermediate_size, cfg.model.num_layers) == (2048, 5632, layers)
+    assert (cfg.model.num_heads, cfg.model.vocab_size, cfg.model.max_position_embeddings) == (32, 49152, 2048)
+    assert cfg.l1 == 1e-5 and cfg.trainer.global_batch == 512 and cfg.trainer.warmup_steps == 600
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert count_parameters(model) / 1e9 == pytest.approx(billions, abs=1e-3)
+
+
+def test_default_is_tiny_on_the_embedded_corpus():
+    cfg = _compose()
+    assert cfg.model.name == "tiny" and cfg.data.name == "embedded" and cfg.kernel == "auto"
+
+
+def test_misspelt_key_fails():
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("trainer.lrr=1e-3")
+    assert "lrr" in str(err.value.__cause__ or err.value)
+
+
+def test_wrong_type_fails():
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("trainer.max_steps=many")
+    assert isinstance(err.value.__cause__, ValidationError)
+
+
+def test_unknown_model_lists_the_available_ones():
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("model=3b")
+    message = str(err.value)
+    assert "model/3b" in message and "1b" in message and "tiny" in message
+
+
+def test_cli_prints_resolved_config():
+    out = subprocess.run([sys.executable, "train.py", "model=1b", "--cfg", "job"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "num_layers: 18" in out.stdout and "intermediate_size: 5632" in out.stdout
+
+
+def test_cli_error_names_the_bad_key():
+    out = subprocess.run([sys.executable, "train.py", "trainer.learning_rate=1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert "learning_rate" in out.stderr

@@ -1,0 +1,86 @@
+"""SparseMLP equals the stock LlamaMLP(relu); model sizes; HF round trip; backend switch."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from sparse_llm.backends import get_backend
+from sparse_llm.mlp import SparseMLP
+from sparse_llm.model import ModelConfig, build_model, count_parameters, llama_config, load_pretrained, sparse_mlps
+
+TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, vocab_size=97,
+                   max_position_embeddings=64)
+
+
+def test_sparse_mlp_matches_llama_mlp_relu():
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(llama_config(TINY)).eval()
+    x = torch.randn(3, 5, TINY.hidden_size)
+    reference = stock.model.layers[0].mlp(x)
+    stock_logits = stock(torch.arange(20).view(2, 10)).logits
+    from sparse_llm.model import sparsify
+
+    sparse = sparsify(stock, kernel="torch")
+    assert isinstance(sparse.model.layers[0].mlp, SparseMLP)
+    torch.testing.assert_close(sparse.model.layers[0].mlp(x), reference, rtol=0, atol=0)
+    torch.testing.assert_close(sparse(torch.arange(20).view(2, 10)).logits, stock_logits, rtol=0, atol=0)
+
+
+def test_parameter_names_are_the_stock_ones():
+    stock = LlamaForCausalLM(llama_config(TINY))
+    ours = build_model(TINY)
+    assert list(ours.state_dict()) == list(stock.state_dict())
+
+
+@pytest.mark.parametrize("size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539),
+                                                  ("2b", 38, 2.053)])
+def test_paper_sizes_on_meta_device(size, layers, billions):
+    cfg = ModelConfig(name=size, hidden_size=2048, intermediate_size=5632, num_layers=layers, num_heads=32,
+                      vocab_size=49152, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert len(sparse_mlps(model)) == layers
+    assert count_parameters(model) / 1e9 == pytest.approx(billions, abs=1e-3)
+
+
+def test_save_and_from_pretrained_give_identical_logits(tmp_path):
+    torch.manual_seed(1)
+    model = build_model(TINY, kernel="torch").eval()
+    ids = torch.randint(0, TINY.vocab_size, (2, 12))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # stock HF class, no custom code
+    assert type(plain) is LlamaForCausalLM and plain.config.hidden_act == "relu"
+    torch.testing.assert_close(plain(ids).logits, expected, rtol=0, atol=0)
+    ours = load_pretrained(tmp_path, kernel="torch").eval()
+    torch.testing.assert_close(ours(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_load_pretrained_names_a_bad_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(tmp_path / "nope")
+
+
+def test_silu_model_is_rejected():
+    cfg = llama_config(TINY)
+    cfg.hidden_act = "silu"
+    from sparse_llm.model import sparsify
+
+    with pytest.raises(ValueError, match="ReLU"):
+        sparsify(LlamaForCausalLM(cfg))
+
+
+def test_unknown_and_unavailable_kernels():
+    with pytest.raises(ValueError, match="auto"):
+        SparseMLP(8, 256, kernel="fast")
+    with pytest.raises(ValueError, match="Unknown FFN backend"):
+        get_backend("nope")
+    mlp = SparseMLP(64, 256, kernel="twell")
+    with pytest.raises((RuntimeError, ValueError), match="twell"):
+        mlp(torch.randn(4, 64))  # no CUDA kernels on a CPU: a clear error, never a silent fallback
+
+
+def test_auto_uses_torch_on_cpu_and_reports_the_path():
+    mlp = SparseMLP(64, 256, kernel="auto")
+    mlp(torch.randn(4, 64))
+    assert mlp.last_result.path == "torch"

@@ -1,0 +1,100 @@
+"""L1 and L0 values against hand-computed ones; dead-neuron detection and re-initialisation."""
+
+import pytest
+import torch
+
+from sparse_llm.mlp import SparseMLP
+from sparse_llm.sparsity import SparsityConfig, SparsityTracker, l1_coefficient, l1_term
+
+
+def _mlp_with_known_activations() -> SparseMLP:
+    """K=2, N=4 so that h is easy to write down for x = [[1, 0], [0, 1], [1, 1]]."""
+    mlp = SparseMLP(2, 4, kernel="torch")
+    with torch.no_grad():
+        # gate pre-activations for x=e1: [1, -1, 2, 0]; x=e2: [-1, 3, 0, -2]
+        mlp.gate_proj.weight.copy_(torch.tensor([[1.0, -1.0], [-1.0, 3.0], [2.0, 0.0], [0.0, -2.0]]))
+        mlp.up_proj.weight.copy_(torch.tensor([[2.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [5.0, 5.0]]))
+        mlp.down_proj.weight.copy_(torch.ones(2, 4))
+    return mlp
+
+
+def test_l1_and_l0_match_hand_computation():
+    mlp = _mlp_with_known_activations()
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    mlp(x)
+    r = mlp.last_result
+    # g = relu(x Wg^T): [[1,0,2,0], [0,3,0,0], [0,2,2,0]]; u = x Wu^T: [[2,1,-1,5], [1,-1,1,5], [3,0,0,10]]
+    # h = g*u: [[2,0,-2,0], [0,-3,0,0], [0,0,0,0]]  (token 3: g fires on neurons 1,2 but u is 0 there)
+    assert r.l0_M.tolist() == [2, 1, 0]
+    assert r.fired_N.tolist() == [True, True, True, False]
+    assert float(r.l1_sum.detach()) == pytest.approx(7.0)
+    assert float(l1_term([r, r])) == pytest.approx(7.0 / 3)
+
+
+def test_tracker_window_statistics_and_dead_neurons():
+    mlp = _mlp_with_known_activations()
+    tracker = SparsityTracker([mlp], SparsityConfig())
+    mlp(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    tracker.accumulate(tracker.collect())
+    tracker.end_optimizer_step(step=0, seed=0)
+    stats = tracker.read_window()
+    assert stats["l0/layer_00"] == pytest.approx(1.0)
+    assert stats["l0_max/layer_00"] == 2
+    assert stats["sparsity/mean"] == pytest.approx(0.75)
+    assert stats["dead/layer_00"] == pytest.approx(0.25)  # neuron 3 never fired
+    assert mlp.dispatcher.l0_mean == pytest.approx(1.0)
+    # The window was consumed by the read.
+    assert tracker.read_window() == {"dead/layer_00": 0.25, "dead/mean": 0.25}
+
+
+def test_dead_window_spans_several_steps():
+    mlp = _mlp_with_known_activations()
+    tracker = SparsityTracker([mlp], SparsityConfig(dead_window_steps=2))
+    mlp(torch.tensor([[1.0, 0.0]]))  # fires neurons 0 and 2
+    tracker.accumulate(tracker.collect())
+    assert tracker.end_optimizer_step(0, 0) == 0 and tracker.dead_LN is None
+    mlp(torch.tensor([[0.0, 1.0]]))  # fires neuron 1
+    tracker.accumulate(tracker.collect())
+    tracker.end_optimizer_step(1, 0)
+    assert tracker.dead_LN[0].tolist() == [False, False, False, True]
+
+
+def test_reinit_touches_only_dead_gate_rows_by_eq6():
+    mlp = _mlp_with_known_activations()
+    before = mlp.gate_proj.weight.detach().clone()
+    up_before = mlp.up_proj.weight.detach().clone()
+    tracker = SparsityTracker([mlp], SparsityConfig(reinit_dead=True, reinit_mix=0.1, reinit_std=0.02))
+    mlp(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    tracker.accumulate(tracker.collect())
+    assert tracker.end_optimizer_step(step=5, seed=3) == 1
+    after = mlp.gate_proj.weight.detach()
+    torch.testing.assert_close(after[:3], before[:3], rtol=0, atol=0)
+    noise = (after[3] - 0.9 * before[3]) / 0.1
+    assert not torch.equal(after[3], before[3])
+    assert noise.abs().max() < 0.02 * 6  # N(0, 0.02^2) draws
+    torch.testing.assert_close(mlp.up_proj.weight, up_before)
+
+
+def test_reinit_noise_is_identical_across_replicas():
+    a, b = _mlp_with_known_activations(), _mlp_with_known_activations()
+    for mlp in (a, b):
+        tracker = SparsityTracker([mlp], SparsityConfig(reinit_dead=True))
+        mlp(torch.tensor([[1.0, 0.0]]))
+        tracker.accumulate(tracker.collect())
+        tracker.end_optimizer_step(step=7, seed=11)
+    torch.testing.assert_close(a.gate_proj.weight, b.gate_proj.weight, rtol=0, atol=0)
+
+
+def test_l1_warmup_is_a_linear_ramp():
+    assert l1_coefficient(1e-4, 0, 0) == 1e-4
+    assert l1_coefficient(1e-4, 0, 10) == pytest.approx(1e-5)
+    assert l1_coefficient(1e-4, 4, 10) == pytest.approx(5e-5)
+    assert l1_coefficient(1e-4, 50, 10) == 1e-4
+
+
+def test_l1_gradient_flows_to_all_three_weights():
+    mlp = _mlp_with_known_activations()
+    mlp(torch.tensor([[1.0, 0.5]]))
+    mlp.last_result.l1_sum.backward()
+    assert mlp.gate_proj.weight.grad.abs().sum() > 0
+    assert mlp.up_proj.weight.grad.abs().sum() > 0

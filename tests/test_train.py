@@ -1,0 +1,92 @@
+"""End-to-end training on CPU: loss falls, resume reproduces an uninterrupted run, bad losses stop the run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from sparse_llm.checkpoint import list_checkpoints
+from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.telemetry import read_metrics
+from sparse_llm.training import NonFiniteLossError, Trainer, cosine_with_warmup, plan_batches, train
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+# A model and batch small enough for a few seconds per run on two cores.
+SMALL = [
+    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
+    "model.max_position_embeddings=64", "trainer.micro_batch=4", "trainer.global_batch=8",
+    "trainer.warmup_steps=5", "trainer.val_every=0", "logging.wandb=false", "logging.progress_bar=false",
+    "logging.every=2", "l1=1e-3",
+]
+
+
+def small_config(*overrides: str) -> TrainConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=SMALL + list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+@pytest.mark.slow
+def test_short_run_learns_and_saves_a_loadable_model(tmp_path):
+    final = train(small_config("trainer.max_steps=30", "trainer.lr=5e-3", "checkpoint.every=0"), tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[-1]["ce"] < records[0]["ce"] - 0.5
+    assert 0 <= records[-1]["sparsity/mean"] <= 1 and records[-1]["l0/layer_01"] > 0
+    assert records[-1]["backend/layer_00"] == "torch"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.hidden_act == "relu" and model.config.num_hidden_layers == 2
+    assert (tmp_path / "training.png").is_file()
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    common = ["trainer.max_steps=8", "checkpoint.every=4", "trainer.global_batch=8", "trainer.micro_batch=4"]
+    train(small_config(*common), tmp_path / "full")
+    # The "crashed" run stops after its step-4 checkpoint; the resumed one continues from it.
+    train(small_config("trainer.max_steps=4", *common[1:]), tmp_path / "cut")
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_4"]
+    train(small_config(*common, "checkpoint.resume=auto"), tmp_path / "cut")
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert set(full) == set(resumed) == {2, 4, 6, 8}
+    for step in full:
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
+
+
+def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
+    trainer = Trainer(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
+    with torch.no_grad():
+        trainer.model.model.embed_tokens.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match="checkpoint"):
+        trainer.run()
+
+
+def test_resume_from_a_missing_path_names_it(tmp_path):
+    trainer = Trainer(small_config("checkpoint.resume=" + str(tmp_path / "nope")), tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        trainer.run()
+
+
+def test_global_batch_must_divide_over_ranks():
+    cfg = small_config("trainer.global_batch=10", "trainer.micro_batch=4")
+    with pytest.raises(ValueError, match="global batch of 10"):
+        plan_batches(cfg, world=1)
+    plan = plan_batches(small_config("trainer.global_batch=16", "trainer.micro_batch=4"), world=2)
+    assert plan.accumulation == 2 and plan.tokens_per_step == 16 * 64
+
+
+def test_cosine_schedule_shape():
+    assert cosine_with_warmup(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert cosine_with_warmup(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert cosine_with_warmup(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert cosine_with_warmup(55, 10, 100, 0.1) == pytest.approx(0.55)
