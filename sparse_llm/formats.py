@@ -60,7 +60,7 @@ values; for backup rows the structure is the support row's non-zero pattern.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +71,7 @@ SUPPORTED_COMPRESSION = (2, 4, 8)
 MAX_COLS = 1 << 16  # column indices are stored in 16 bits
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CHUNK_ELEMS = 1 << 22  # bound on the gathered [chunk, K] temporaries of the sparse loops
+_CHUNK_ELEMS = 1 << 22  # bound on the gathered [chunk, K] temporaries of the SDDMM
 
 Tensor = torch.Tensor
 
@@ -164,30 +164,33 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------
-# Sparse loops shared by both formats (chunked so the [E, K] gathers stay bounded)
+# Sparse loops shared by both formats
 # --------------------------------------------------------------------------------------------
 
 
-def _chunks(n_entries: int, row_len: int) -> Iterator[slice]:
-    step = max(1, _CHUNK_ELEMS // max(row_len, 1))
-    for start in range(0, n_entries, step):
-        yield slice(start, min(start + step, n_entries))
-
-
 def _gather_dot(a_AK: Tensor, ia_E: Tensor, b_BK: Tensor, ib_E: Tensor) -> Tensor:
-    """out_E[e] = a_AK[ia_E[e]] . b_BK[ib_E[e]] (an SDDMM over an entry list)."""
+    """out_E[e] = a_AK[ia_E[e]] . b_BK[ib_E[e]] (an SDDMM over an entry list).
+
+    Chunked so the gathered [chunk, K] operands stay bounded.
+    """
     out_E = a_AK.new_empty(ia_E.numel())
-    for s in _chunks(ia_E.numel(), a_AK.shape[1]):
+    step = max(1, _CHUNK_ELEMS // max(a_AK.shape[1], 1))
+    for start in range(0, ia_E.numel(), step):
+        s = slice(start, start + step)
         out_E[s] = (a_AK[ia_E[s]] * b_BK[ib_E[s]]).sum(-1)
     return out_E
 
 
-def _scatter_scaled_rows(
-    out_OK: Tensor, dst_E: Tensor, scale_E: Tensor, src_SK: Tensor, src_E: Tensor
-) -> None:
-    """out_OK[dst_E[e]] += scale_E[e] * src_SK[src_E[e]] for every entry e (an SpMM)."""
-    for s in _chunks(dst_E.numel(), src_SK.shape[1]):
-        out_OK.index_add_(0, dst_E[s], scale_E[s, None] * src_SK[src_E[s]])
+def _spmm(n_out: int, dst_E: Tensor, src_E: Tensor, value_E: Tensor, src_SK: Tensor) -> Tensor:
+    """[n_out, K] with out[dst_E[e]] += value_E[e] * src_SK[src_E[e]] (an SpMM over an entry list).
+
+    Runs as a COO [n_out, S] @ dense [S, K] product: the same sum as a scatter-add loop, many
+    times faster on CPU than index_add_ over gathered rows.
+    """
+    coo = torch.sparse_coo_tensor(
+        torch.stack([dst_E, src_E]), value_E, (n_out, src_SK.shape[0]), check_invariants=True
+    )
+    return torch.sparse.mm(coo, src_SK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,8 +467,7 @@ def twell_gated_mlp_ref(
     row_E = sparse_rows_R[row_E]
     h_E = g_E.to(acc) * _gather_dot(x_acc_MK, row_E, w_up_acc_NK, col_E)
 
-    y_MK = torch.zeros(m, k, dtype=acc, device=x_MK.device)
-    _scatter_scaled_rows(y_MK, row_E, h_E, w_down_acc_NK, col_E)
+    y_MK = _spmm(m, row_E, col_E, h_E, w_down_acc_NK)
     dense_rows_R = overflow_M.nonzero()[:, 0]
     if dense_rows_R.numel():
         y_MK[dense_rows_R] = gated_mlp_ref(x_MK[dense_rows_R], w_gate_NK, w_up_NK, w_down_KN, upcast=True)[0]
@@ -691,9 +693,8 @@ def hybrid_matmul(h: HybridPacked, w_KN: Tensor) -> Tensor:
     out_dtype = torch.promote_types(h.dtype, w_KN.dtype)
     acc = _acc_dtype(out_dtype)
     w_acc_KN = w_KN.to(acc)
-    y_MK = torch.zeros(h.n_rows, w_KN.shape[0], dtype=acc, device=w_KN.device)
     row_E, col_E, value_E = _ell_entries(h)
-    _scatter_scaled_rows(y_MK, row_E, value_E.to(acc), w_acc_KN.t(), col_E)
+    y_MK = _spmm(h.n_rows, row_E, col_E, value_E.to(acc), w_acc_KN.t())
     y_MK[h.backup_rows_R] = F.linear(h.backup_values_RN.to(acc), w_acc_KN)
     return y_MK.to(out_dtype)
 
@@ -712,9 +713,8 @@ def hybrid_t_matmul(h: HybridPacked, x_MK: Tensor) -> Tensor:
     out_dtype = torch.promote_types(h.dtype, x_MK.dtype)
     acc = _acc_dtype(out_dtype)
     x_acc_MK = x_MK.to(acc)
-    out_NK = torch.zeros(h.n_cols, x_MK.shape[1], dtype=acc, device=x_MK.device)
     row_E, col_E, value_E = _ell_entries(h)
-    _scatter_scaled_rows(out_NK, col_E, value_E.to(acc), x_acc_MK, row_E)
+    out_NK = _spmm(h.n_cols, col_E, row_E, value_E.to(acc), x_acc_MK)
     out_NK += h.backup_values_RN.to(acc).t() @ x_acc_MK[h.backup_rows_R]
     return out_NK.to(out_dtype)
 
