@@ -506,6 +506,25 @@ class HybridPacked:
     capacity: int
     capacity_grown: bool
 
+    def __post_init__(self) -> None:
+        """Check dtypes and shapes (cheap, no data-dependent checks)."""
+        m, w, r = self.ell_count_M.shape[0], self.width, self.backup_rows_R.shape[0]
+        expected = {
+            "ell_values_MW": (self.ell_values_MW, None, (m, w)),
+            "ell_cols_MW": (self.ell_cols_MW, torch.int32, (m, w)),
+            "ell_count_M": (self.ell_count_M, torch.int32, (m,)),
+            "backup_rows_R": (self.backup_rows_R, torch.int64, (r,)),
+            "backup_values_RN": (self.backup_values_RN, self.ell_values_MW.dtype, (r, self.n_cols)),
+        }
+        for name, (t, dtype, shape) in expected.items():
+            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+                raise ValueError(
+                    f"HybridPacked.{name} is {t.dtype} {tuple(t.shape)}; expected "
+                    f"{dtype or 'a float dtype'} {shape} (M={m}, W={w}, R={r}, N={self.n_cols})"
+                )
+        if self.capacity < r:
+            raise ValueError(f"HybridPacked.capacity={self.capacity} is below the {r} backup rows it holds")
+
     @property
     def n_rows(self) -> int:
         return self.ell_count_M.shape[0]

@@ -7,6 +7,8 @@ reference <= 2x the error of the dense bf16 torch path + a small atol.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -450,6 +452,10 @@ def test_hybrid_validation_errors() -> None:
     with pytest.raises(ValueError, match="16-bit"):
         pack_hybrid(torch.zeros(1, 65537))
     packed = pack_hybrid(h_MN, width=4)
+    with pytest.raises(ValueError, match="ell_cols_MW is torch.int64"):
+        dataclasses.replace(packed, ell_cols_MW=packed.ell_cols_MW.long())
+    with pytest.raises(ValueError, match="capacity"):
+        dataclasses.replace(packed, capacity=packed.backup_rows_R.numel() - 1)
     with pytest.raises(ValueError, match="w_KN"):
         hybrid_matmul(packed, torch.randn(16, 8))
     with pytest.raises(ValueError, match="x_MK has 7 rows"):
