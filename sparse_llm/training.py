@@ -33,6 +33,8 @@ from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
 from sparse_llm.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+# accelerate narrates every checkpoint file at INFO; our own log lines say what matters.
+logging.getLogger("accelerate").setLevel(logging.WARNING)
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
