@@ -124,8 +124,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
     const int kblocks = K / BK;
     const int warpgroup = threadIdx.x / 128;
 
+    // Pipeline: k-block kb+2 is loaded while wgmma works on kb and kb-1 may still be in flight, so the
+    // tensor cores are not idle across the barrier. Slot (kb+2) % 4 was last read by wgmma(kb-2), which
+    // every warpgroup retired (wait_group 1 after issuing kb-1) before the barrier of iteration kb.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 2; ++s) {
         if (s < kblocks) load_stage(pipe + s * STAGE_BYTES, x, w_gate, M, K, m0, n0, s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
@@ -135,11 +138,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
 
     for (int kb = 0; kb < kblocks; ++kb) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3));
         // cp.async writes are generic-proxy; wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // stage kb complete for all threads; every wgmma of kb-1 has retired
-        const int next = kb + STAGES - 1;
+        __syncthreads();  // k-block kb is in shared memory for all threads; wgmma(kb-2) has retired everywhere
+        const int next = kb + STAGES - 2;
         if (next < kblocks) load_stage(pipe + (next % STAGES) * STAGE_BYTES, x, w_gate, M, K, m0, n0, next);
         asm volatile("cp.async.commit_group;\n" ::);
 
@@ -150,8 +153,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
         for (int kk = 0; kk < BK / 16; ++kk)
             wgmma_m64n256k16(d, smem_desc(a_tile + kk * 32), smem_desc(b_tile + kk * 32), 1);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();  // the pipeline's shared memory is reused for the packing below
 

@@ -6,12 +6,14 @@
 // so K may be any multiple of 8 up to 256*KV (columns >= K are masked).
 //
 // Split mode (grid.y = splits > 1, for small M): split s handles tiles s, s+splits, ... and writes an fp32
-// partial row to y_partial[s, m, :]; the caller sums the splits. With splits == 1 the bf16 row goes to y.
+// partial row to y_partial[s, m, :]; twell_reduce_splits then sums the splits in a fixed order. With
+// splits == 1 the bf16 row goes straight to y.
 //
-// Overflowed rows (any tile count > 31) are not computed here: their y row is written as zeros, their
-// statistics as 0, and row_overflow[m] = 1 so the caller recomputes them densely.
+// Overflowed rows (any tile count > 31) are not computed here: their y row is written as zeros and
+// row_overflow[m] = 1, so the caller recomputes them densely.
 //
-// Statistics, per split: l1_part[s, m] = sum |h|, l0_part[s, m] = #(h != 0); fired[n] = 1 where h != 0.
+// Statistics go to zero-initialised buffers: l0[m] += #(h != 0), l1[m] += sum |h| (fp32 atomics, so with
+// splits > 1 the summation order of l1 varies run to run), fired[n] = 1 where h != 0.
 #include "twell_common.cuh"
 
 // This lane's KV 16-byte pieces of one weight row (zeros past K).
@@ -32,10 +34,10 @@ __global__ void __launch_bounds__(128) twell_up_down(
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
     __nv_bfloat16 *__restrict__ y,               // [M, K], used when splits == 1
     float *__restrict__ y_partial,               // [splits, M, K], used when splits > 1
-    float *__restrict__ l1_part,                 // [splits, M]
-    int *__restrict__ l0_part,                   // [splits, M]
-    uint8_t *__restrict__ fired,                 // [N], only ever set to 1
-    uint8_t *__restrict__ row_overflow,          // [M]
+    float *__restrict__ l1,                      // [M], zero-initialised
+    int *__restrict__ l0,                        // [M], zero-initialised
+    int *__restrict__ fired,                     // [N], zero-initialised, only ever set to 1
+    int *__restrict__ row_overflow,              // [M]
     int M, int K, int T) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
@@ -43,10 +45,6 @@ __global__ void __launch_bounds__(128) twell_up_down(
     const int split = blockIdx.y;
     const int splits = gridDim.y;
     const uint32_t *row = packed + m * T * TWELL_SLOTS;
-
-    bool overflow = false;
-    for (int t = lane; t < T; t += 32) overflow |= row[t * TWELL_SLOTS] > TWELL_CAPACITY;
-    overflow = __any_sync(FULL_MASK, overflow);
 
     // x stays packed as bf16 (half the registers of fp32) and is widened at each use.
     bool valid[KV];
@@ -61,12 +59,19 @@ __global__ void __launch_bounds__(128) twell_up_down(
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
     }
+    // Issued after the x loads so both are in flight together.
+    bool overflow = false;
+    for (int t = lane; t < T; t += 32) overflow |= row[t * TWELL_SLOTS] > TWELL_CAPACITY;
+    overflow = __any_sync(FULL_MASK, overflow);
 
-    float l1 = 0.0f;
-    int l0 = 0;
+    float l1_sum = 0.0f;
+    int l0_sum = 0;
     if (!overflow) {
+        // The next tile's segment is loaded while this one is processed (keeps its latency off the chain).
+        uint32_t next_word = split < T ? row[split * TWELL_SLOTS + lane] : 0;
         for (int t = split; t < T; t += splits) {
-            const uint32_t word = row[t * TWELL_SLOTS + lane];
+            const uint32_t word = next_word;
+            if (t + splits < T) next_word = row[(t + splits) * TWELL_SLOTS + lane];
             const int count = __shfl_sync(FULL_MASK, word, 0);
             for (int i = 1; i <= count; ++i) {
                 const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
@@ -77,14 +82,17 @@ __global__ void __launch_bounds__(128) twell_up_down(
                 uint4 up_raw[KV], down_raw[KV];
                 load_row<KV>(up_raw, w_up + n * K, lane, valid);
                 if (KV <= 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid);
+                // One partial sum per 16-byte piece: KV short FMA chains instead of one long one.
                 float dot = 0.0f;
 #pragma unroll
                 for (int v = 0; v < KV; ++v) {
                     float w[8], xv[8];
                     bf16x8_to_float(up_raw[v], w);
                     bf16x8_to_float(x_raw[v], xv);
+                    float part = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) dot = fmaf(xv[j], w[j], dot);
+                    for (int j = 0; j < 8; ++j) part = fmaf(xv[j], w[j], part);
+                    dot += part;
                 }
 #pragma unroll
                 for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
@@ -97,10 +105,11 @@ __global__ void __launch_bounds__(128) twell_up_down(
 #pragma unroll
                     for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(h, w[j], acc[v][j]);
                 }
-                l1 += fabsf(h);
+                l1_sum += fabsf(h);
                 if (h != 0.0f) {
-                    ++l0;
-                    if (lane == 0) fired[n] = 1;
+                    ++l0_sum;
+                    // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
+                    if (lane == 0 && fired[n] == 0) fired[n] = 1;
                 }
             }
         }
@@ -125,19 +134,42 @@ __global__ void __launch_bounds__(128) twell_up_down(
         }
     }
     if (lane == 0) {
-        l1_part[static_cast<long long>(split) * M + m] = l1;
-        l0_part[static_cast<long long>(split) * M + m] = l0;
+        if (l0_sum) {
+            atomicAdd(&l1[m], l1_sum);
+            atomicAdd(&l0[m], l0_sum);
+        }
         if (split == 0) row_overflow[m] = overflow ? 1 : 0;
     }
+}
+
+// y[m, k] = bf16(sum over s of y_partial[s, m, k]), summed in split order. 4 elements per thread.
+extern "C" __global__ void __launch_bounds__(256) twell_reduce_splits(
+    const float *__restrict__ y_partial,  // [splits, M * K]
+    __nv_bfloat16 *__restrict__ y,        // [M * K]
+    int splits, long long mk) {
+    const long long i = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+    if (i >= mk) return;  // mk is a multiple of 64 (K is)
+    float4 sum = *reinterpret_cast<const float4 *>(y_partial + i);
+    for (int s = 1; s < splits; ++s) {
+        const float4 p = *reinterpret_cast<const float4 *>(y_partial + s * mk + i);
+        sum.x += p.x;
+        sum.y += p.y;
+        sum.z += p.z;
+        sum.w += p.w;
+    }
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(sum.z, sum.w);
+    *reinterpret_cast<uint2 *>(y + i) =
+        make_uint2(*reinterpret_cast<const uint32_t *>(&lo), *reinterpret_cast<const uint32_t *>(&hi));
 }
 
 // Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
 template __global__ void twell_up_down<1>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                           const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                          uint8_t *, uint8_t *, int, int, int);
+                                          int *, int *, int, int, int);
 template __global__ void twell_up_down<8>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                           const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                          uint8_t *, uint8_t *, int, int, int);
+                                          int *, int *, int, int, int);
 template __global__ void twell_up_down<16>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                            const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                           uint8_t *, uint8_t *, int, int, int);
+                                           int *, int *, int, int, int);

@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -83,6 +84,13 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     device = torch.device("cuda") if device is None else torch.device(device)
     if device.type != "cuda":
         return f"tensors are on {device}, the kernels need a CUDA device"
+    return _cuda_device_reason(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_reason(index: int) -> str | None:
+    """unavailable_reason for CUDA device `index`; cached (it does not change while the process runs)."""
+    device = torch.device("cuda", index)
     capability = torch.cuda.get_device_capability(device)
     if capability != REQUIRED_CAPABILITY:
         name = torch.cuda.get_device_name(device)
@@ -184,10 +192,25 @@ def launch(
     `int`): a bare Python int or float would be passed as 64 bits and shift every later argument.
     CuPy raises if the launch itself is rejected; errors inside the kernel surface at the next sync.
     """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _cupy_stream(index, torch.cuda.current_stream(device).cuda_stream)
+    if index == torch.cuda.current_device():  # torch and CuPy share the runtime's current device
+        with stream:
+            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    else:
+        with _import_cupy().cuda.Device(index), stream:
+            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(device_index: int, stream_ptr: int) -> Any:
+    """A CuPy view of a torch stream (cached: wrapping costs microseconds on every launch otherwise)."""
     cupy = _import_cupy()
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(stream):
-        kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    with cupy.cuda.Device(device_index), warnings.catch_warnings():
+        # ExternalStream is deprecated in CuPy 14 in favour of Stream.from_external(obj), which needs the
+        # torch stream object itself; the raw-pointer form is what a cache keyed on the pointer can use.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 
 def _compile_main(argv: list[str]) -> int:

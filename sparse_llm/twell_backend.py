@@ -267,8 +267,8 @@ class UpDownResult:
         y_MK: bf16 [M, K]; rows with overflow_M set are zeros (the caller recomputes them).
         l1_M: fp32 [M] sum |h| per token (0 on overflow rows).
         l0_M: int32 [M] non-zeros of h per token (0 on overflow rows).
-        fired_N: bool [N] neurons with h != 0 in some non-overflow row.
-        overflow_M: bool [M] tokens with a tile holding more than 31 positives.
+        fired_N: int32 [N] 1 for neurons with h != 0 in some non-overflow row, else 0.
+        overflow_M: int32 [M] 1 for tokens with a tile holding more than 31 positives, else 0.
     """
 
     y_MK: torch.Tensor
@@ -299,31 +299,26 @@ def twell_up_down(
     n_tiles = n // TILE
     device = x_MK.device
     splits = splits_for(m, n_tiles)
+    # One zeroed int32 workspace for all statistics (one fill instead of four): l0 | l1 (fp32 bits) | overflow | fired.
+    stats = torch.zeros(3 * m + n, dtype=torch.int32, device=device)
+    l0_M, l1_M, overflow_M, fired_N = stats[:m], stats[m : 2 * m].view(torch.float32), stats[2 * m : 3 * m], stats[3 * m :]
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
-    y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
-    l1_part = torch.empty(splits, m, dtype=torch.float32, device=device)
-    l0_part = torch.empty(splits, m, dtype=torch.int32, device=device)
-    fired_N = torch.zeros(n, dtype=torch.uint8, device=device)
-    overflow_M = torch.empty(m, dtype=torch.uint8, device=device)
     if m:
-        kv = math.ceil(k / 256)
-        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
-        grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
+        y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
+        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{math.ceil(k / 256)}>", device)
         args = (
             cuda.ptr(packed_MS), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
-            cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_part), cuda.ptr(l0_part),
+            cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_M), cuda.ptr(l0_M),
             cuda.ptr(fired_N), cuda.ptr(overflow_M), _i32(m), _i32(k), _i32(n_tiles),
         )  # fmt: skip
+        grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
         cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device)
         if splits > 1:
-            y_MK.copy_(y_partial.sum(dim=0))  # fixed order over splits: deterministic
-    return UpDownResult(
-        y_MK=y_MK,
-        l1_M=l1_part.sum(dim=0),
-        l0_M=l0_part.sum(dim=0, dtype=torch.int32),
-        fired_N=fired_N.bool(),
-        overflow_M=overflow_M.bool(),
-    )
+            reduce = cuda.get_function("twell_up_down.cu", "twell_reduce_splits", device)
+            mk = m * k
+            args = (cuda.ptr(y_partial), cuda.ptr(y_MK), _i32(splits), np.int64(mk))
+            cuda.launch(reduce, (math.ceil(mk / 1024),), (256,), args, device)
+    return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, overflow_M=overflow_M)
 
 
 def twell_gated_mlp(
@@ -347,7 +342,7 @@ def twell_gated_mlp(
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN))
     dense_rows_R = result.overflow_M.nonzero()[:, 0]  # the call's one device-to-host sync
-    y_MK, l1_M, l0_M, fired_N = result.y_MK, result.l1_M, result.l0_M, result.fired_N
+    y_MK, l1_M, l0_M, fired_N = result.y_MK, result.l1_M, result.l0_M, result.fired_N.bool()
     if dense_rows_R.numel():
         x_RK = x_MK.index_select(0, dense_rows_R)
         h_RN = F.relu(F.linear(x_RK, w_gate_NK)) * F.linear(x_RK, w_up_NK)

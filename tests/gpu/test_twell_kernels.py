@@ -112,6 +112,7 @@ def test_dense_zero_and_hot_rows(m):
     result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     assert result.overflow_rows == len(range(0, m, 5))
     assert bool(result.fired_N[123])
+    assert result.fired_N.dtype == torch.bool
     assert (result.l0_M[1::5] == 0).all()
 
 
