@@ -1,0 +1,41 @@
+"""Evaluate a trained checkpoint: held-out perplexity, FFN sparsity and multiple-choice benchmarks (lm-eval).
+
+    python eval.py                                            # newest outputs/*/final on the embedded tasks
+    python eval.py checkpoint=outputs/<run>/final tasks=paper # the paper's seven zero-shot tasks
+    python eval.py checkpoint=outputs/a/final compare=outputs/b/final   # two models side by side
+    python eval.py tasks=arc_easy task_data.arc_easy=arc_easy_test.jsonl # a benchmark from a local file
+    python eval.py --cfg job                                  # print the resolved config
+
+Keys and their meaning: sparse_llm/evaluation.py (EvalConfig). Results land in <out>/results.json.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+# Offline by default: benchmarks are read from local files or the cache unless the user opts in to the hub,
+# and W&B never tries to go online without a key.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs  # noqa: E402
+
+register_eval_configs()
+log = logging.getLogger("eval")
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    typed: EvalConfig = OmegaConf.to_object(cfg)
+    evaluate(typed, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Evaluate checkpoints: held-out perplexity, FFN sparsity, and multiple-choice benchmarks through lm-eval.
+
+``evaluate(cfg, out_dir)`` is what eval.py runs. For each checkpoint (``checkpoint`` and, if set,
+``compare``) it:
+1. loads the HF-layout model with its FFNs as ``SparseMLP`` s on the chosen backend (``kernel``);
+2. measures cross-entropy / perplexity on held-out text (``data``: the validation documents of the
+   embedded corpus by default) and, on the same tokens, each layer's L0 (non-zeros of h per token),
+   sparsity (1 - L0/N), the fraction of neurons that never fired, and the backend that ran;
+3. runs the lm-eval tasks (``tasks``) with an lm-eval ``HFLM`` wrapped around that same model object, so
+   the scores are those of the backend under test.
+The results go to the console (one column per checkpoint), to ``<out>/results.json`` (written once, at the
+end, atomically: a failed run leaves no results file) and to W&B (offline by default).
+
+Mean accuracy: the mean over the leaf tasks run of ``acc``, and of ``acc_norm`` where a task reports it
+(``acc`` otherwise: winogrande and commonsense_qa have no acc_norm). With ``tasks=paper`` that is the
+paper's seven-task mean.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
+
+from sparse_llm import mc_tasks
+from sparse_llm.backends import get_backend
+from sparse_llm.data import DataConfig, held_out_documents
+from sparse_llm.dispatch import validate_kernel
+from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError
+from sparse_llm.model import load_pretrained, sparse_mlps
+from sparse_llm.telemetry import LoggingConfig, Telemetry
+from sparse_llm.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.json"
+OUTPUTS_DIR = Path("outputs")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EvalConfig:
+    """Options of eval.py (configs/eval.yaml).
+
+    Attributes:
+        checkpoint: model directory in HF layout (a run's ``final/`` or ``checkpoints/step_N/model``; a run
+            directory or ``step_N`` directory is resolved to those). "" = the newest ``outputs/*/final``.
+        compare: a second checkpoint evaluated the same way and shown beside the first ("" = none).
+        tasks: task name, comma-separated names or a list: any lm-eval task, ``heldout_continuation``,
+            ``embedded`` (= heldout_continuation) or ``paper`` (the paper's seven zero-shot tasks).
+        task_data: task name -> local .json/.jsonl/.parquet file with the split the task evaluates, in the
+            schema of its Hugging Face dataset (for machines without the hub).
+        kernel: FFN backend: auto | torch | twell.
+        batch_size: sequences per forward, for perplexity and for lm-eval.
+        device: auto (cuda if present, else cpu) | cpu | cuda | cuda:N.
+        dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.
+        limit: score at most this many examples per lm-eval task (None: all). For quick checks only.
+        num_fewshot: few-shot examples (None: each task's default, 0 for the paper's tasks).
+        seq_len: perplexity window in tokens (None: the model's context length).
+        perplexity_tokens: score at most this many held-out tokens (None: all).
+        tokenizer: tokenizer to use ("" = the one saved with the checkpoint).
+        hub_timeout_s: how long to wait for the Hugging Face hub before failing.
+        out: output directory (results.json, the held-out task's data, W&B files).
+        heldout: the held-out continuation benchmark.
+        data: where the held-out text comes from (its validation split; same keys as train.py's ``data``).
+        logging: W&B settings (``logging.wandb=false`` turns it off).
+    """
+
+    checkpoint: str = ""
+    compare: str = ""
+    tasks: Any = "embedded"
+    task_data: dict[str, str] = field(default_factory=dict)
+    kernel: str = "auto"
+    batch_size: int = 16
+    device: str = "auto"
+    dtype: str = "auto"
+    limit: int | None = None
+    num_fewshot: int | None = None
+    seq_len: int | None = None
+    perplexity_tokens: int | None = None
+    tokenizer: str = ""
+    hub_timeout_s: float = 10.0
+    out: str = "outputs/eval/${now:%Y-%m-%d_%H-%M-%S}"
+    heldout: HeldOutTaskConfig = field(default_factory=HeldOutTaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_eval_configs() -> None:
+    """Register the schema of configs/eval.yaml; call before ``@hydra.main`` runs."""
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def newest_final(root: Path = OUTPUTS_DIR) -> Path:
+    """The most recently written ``<root>/*/final`` model directory."""
+    finals = [p.parent for p in root.glob("*/final/config.json")]
+    if not finals:
+        raise FileNotFoundError(
+            f"checkpoint is unset and no trained model was found under {root}/*/final. Train one first "
+            "(python train.py) or pass checkpoint=<model directory>."
+        )
+    return max(finals, key=lambda p: (p / "config.json").stat().st_mtime)
+
+
+def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
+    """The HF-layout model directory that ``path`` names (a run dir -> its final/, step_N -> its model/)."""
+    if not path:
+        found = newest_final()
+        log.info("%s unset: using the newest trained model, %s", key, found)
+        return found
+    given = Path(path).expanduser()
+    if not given.exists():
+        raise FileNotFoundError(f"{key}={path!r} does not exist; pass a run's final/ or checkpoints/step_N/model")
+    for candidate in (given, given / "final", given / "model"):
+        if (candidate / "config.json").is_file():
+            if candidate != given:
+                log.info("%s=%s: evaluating the model in %s", key, path, candidate)
+            break
+    else:
+        raise FileNotFoundError(
+            f"{key}={path!r} is not a model directory in HF layout (no config.json in it, nor in final/ or "
+            "model/ below it). Pass a run's final/ or checkpoints/step_N/model directory."
+        )
+    config = json.loads((candidate / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(
+            f"{key}={path!r} holds a {config.get('model_type')!r} model; eval.py evaluates ReLU Llama "
+            "checkpoints (model_type 'llama') such as those train.py writes."
+        )
+    if not any(candidate.glob("*.safetensors")) and not any(candidate.glob("*.bin")):
+        raise FileNotFoundError(f"{key}={path!r}: {candidate} has a config.json but no weights (*.safetensors)")
+    return candidate
+
+
+def training_step(model_dir: Path) -> int | None:
+    """The optimizer step a checkpoint was saved at, from train.py's files next to it (None if unknown)."""
+    for state in (model_dir / "training_summary.json", model_dir.parent / "trainer_state.json"):
+        if state.is_file():
+            return int(json.loads(state.read_text())["step"])
+    return None
+
+
+def checkpoint_label(model_dir: Path) -> str:
+    """Short column name: ``<run>/final`` or ``<run>/step_N``."""
+    if model_dir.name == "model":
+        return f"{model_dir.parent.parent.parent.name}/{model_dir.parent.name}"
+    return f"{model_dir.parent.name}/{model_dir.name}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device, dtype, backend
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device=cpu or device=auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use auto or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_kernel(kernel: str, device: torch.device) -> None:
+    """A forced backend must run on ``device``; fail before loading anything if it cannot."""
+    validate_kernel(kernel)
+    if kernel == "auto":
+        return
+    reason = get_backend(kernel).unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"kernel={kernel} cannot run on {device}: {reason} Use kernel=auto or kernel=torch.")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out perplexity and sparsity
+
+
+def held_out_tokens(tokenizer: Any, documents: list[str], max_tokens: int | None) -> torch.Tensor:
+    """The documents' tokens, each followed by eos, as one ``[n_tokens]`` int64 stream."""
+    ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    stream = [t for doc in ids for t in (*doc, tokenizer.eos_token_id)]
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    if len(stream) < 2:
+        raise ValueError("the held-out text has fewer than 2 tokens; hold out more documents (data.*)")
+    return torch.tensor(stream, dtype=torch.int64)
+
+
+class _LayerStats:
+    """Per-layer L0 sum/max, fired-neuron mask and backend paths accumulated over forwards."""
+
+    def __init__(self, n_layers: int, n_neurons: int) -> None:
+        self.n = n_neurons
+        self.tokens = 0
+        self.l0_sum = [0] * n_layers
+        self.l0_max = [0] * n_layers
+        self.fired_LN = torch.zeros(n_layers, n_neurons, dtype=torch.bool)
+        self.paths: list[set[str]] = [set() for _ in range(n_layers)]
+
+    def add(self, mlps: list[Any]) -> None:
+        """Fold in each layer's ``last_result`` (call right after a forward)."""
+        for layer, mlp in enumerate(mlps):
+            result = mlp.last_result
+            self.l0_sum[layer] += int(result.l0_M.sum())
+            self.l0_max[layer] = max(self.l0_max[layer], int(result.l0_M.max()))
+            self.fired_LN[layer] |= result.fired_N.cpu()
+            self.paths[layer].add(result.path)
+        self.tokens += int(mlps[0].last_result.l0_M.numel())
+
+    def summary(self) -> dict[str, Any]:
+        layers = []
+        for layer in range(len(self.l0_sum)):
+            l0 = self.l0_sum[layer] / self.tokens
+            layers.append({"layer": layer, "l0_mean": l0, "l0_max": self.l0_max[layer], "sparsity": 1 - l0 / self.n,
+                           "never_fired": float((~self.fired_LN[layer]).float().mean()),
+                           "backend": "+".join(sorted(self.paths[layer]))})
+        l0_mean = sum(x["l0_mean"] for x in layers) / len(layers)
+        return {"neurons": self.n, "tokens": self.tokens, "l0_mean": l0_mean, "sparsity_mean": 1 - l0_mean / self.n,
+                "layers": layers}
+
+
+@torch.no_grad()
+def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: int) -> dict[str, Any]:
+    """Cross-entropy / perplexity of ``tokens`` [n_tokens] in windows of ``seq_len``, and FFN sparsity on them.
+
+    Windows do not overlap (each starts without context); a last window shorter than ``seq_len`` is scored
+    too. CE is averaged over all predicted tokens (seq_len - 1 per full window), computed in fp32.
+    """
+    mlps = sparse_mlps(model)
+    if not mlps:
+        raise ValueError("the model has no SparseMLP layers; load it with sparse_llm.model.load_pretrained")
+    device = next(model.parameters()).device
+    n_full = len(tokens) // seq_len
+    batches = list(torch.split(tokens[: n_full * seq_len].view(n_full, seq_len), batch_size))
+    tail = tokens[n_full * seq_len :]
+    if len(tail) >= 2:  # a lone last token predicts nothing
+        batches.append(tail[None])
+    stats = _LayerStats(len(mlps), mlps[0].intermediate_size)
+    nll, predicted = 0.0, 0
+    model.eval()
+    for ids_BT in batches:
+        ids_BT = ids_BT.to(device)
+        logits_BTV = model(input_ids=ids_BT).logits
+        stats.add(mlps)
+        nll += float(F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), ids_BT[:, 1:].flatten(),
+                                     reduction="sum"))
+        predicted += ids_BT[:, 1:].numel()
+    ce = nll / predicted
+    return {"perplexity": {"ce": ce, "ppl": math.exp(min(ce, 50.0)), "tokens": predicted, "seq_len": seq_len},
+            "sparsity": stats.summary()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# lm-eval
+
+
+def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig,
+                hub_tasks: list[str]) -> dict[str, Any]:
+    """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's result dict."""
+    lm_eval = mc_tasks._lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=cfg.batch_size)
+    try:
+        output = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=cfg.limit,
+                                         num_fewshot=cfg.num_fewshot, log_samples=False)
+    except (ConnectionError, FileNotFoundError) as error:
+        advice = " ".join(mc_tasks.local_data_advice(n, manager.task_index[n].cfg) for n in hub_tasks
+                          if n in manager.task_index and manager.task_index[n].cfg)
+        raise TaskDataError(f"lm-eval could not load a task's data ({type(error).__name__}: {error}). {advice}") \
+            from error
+    if output is None:
+        raise RuntimeError("lm-eval returned no results (it only does so on non-zero ranks of a distributed run)")
+    return output
+
+
+def summarize_tasks(output: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Per-task metrics (``acc``, ``acc_stderr``, ...) with n examples, version and shots; and the means."""
+    groups = set(output.get("group_subtasks", {}))
+    tasks: dict[str, dict[str, Any]] = {}
+    for name, metrics in output["results"].items():
+        row: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if "," in key and isinstance(value, (int, float)):
+                metric, filt = key.split(",", 1)
+                row[metric if filt == "none" else key] = value
+        samples = output.get("n-samples", {}).get(name)
+        row.update(n=samples["effective"] if samples else None, version=output.get("versions", {}).get(name),
+                   n_shot=output.get("n-shot", {}).get(name), group=name in groups)
+        tasks[name] = row
+    leaves = {n: r for n, r in tasks.items() if not r["group"] and "acc" in r}
+    means: dict[str, Any] = {"mean_over": sorted(leaves)}
+    if leaves:
+        means["mean_acc"] = sum(r["acc"] for r in leaves.values()) / len(leaves)
+        means["mean_acc_norm"] = sum(r.get("acc_norm", r["acc"]) for r in leaves.values()) / len(leaves)
+    return tasks, means
+
+
+# ----------------------------------------------------------------------------------------------------
+# One checkpoint
+
+
+@dataclass
+class _Plan:
+    """What every checkpoint is evaluated on (built once, shared by ``checkpoint`` and ``compare``)."""
+
+    names: list[str]
+    specs: list[Any]
+    manager: Any
+    hub_tasks: list[str]
+    documents: list[str]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[str, Any]:
+    """Load one checkpoint on the configured backend and measure everything on it."""
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") from None
+    model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=plan.dtype, device=str(plan.device))
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
+                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    seq_len = cfg.seq_len or model.config.max_position_embeddings
+    tokens = held_out_tokens(tokenizer, plan.documents, cfg.perplexity_tokens)
+    record: dict[str, Any] = {"label": checkpoint_label(model_dir), "checkpoint": str(model_dir.resolve()),
+                              "step": training_step(model_dir)}
+    record.update(held_out_metrics(model, tokens, seq_len, cfg.batch_size))
+    record["backend"] = {"kernel": cfg.kernel, "layers": [x["backend"] for x in record["sparsity"]["layers"]]}
+    if plan.specs:
+        tasks, means = summarize_tasks(run_lm_eval(model, tokenizer, plan.specs, plan.manager, cfg, plan.hub_tasks))
+        record["tasks"] = tasks
+        record.update(means)
+    del model
+    gc.collect()
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(models: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(row name, one cell per model) for the console table."""
+    rows: list[tuple[str, list[str]]] = [
+        ("step", [str(m["step"]) if m["step"] is not None else "-" for m in models]),
+        ("held-out perplexity", [_num(m["perplexity"]["ppl"], ".3f") for m in models]),
+        ("held-out CE", [_num(m["perplexity"]["ce"], ".4f") for m in models]),
+        ("L0 mean (non-zeros/token)", [f"{m['sparsity']['l0_mean']:.1f} / {m['sparsity']['neurons']}" for m in models]),
+        ("sparsity mean", [f"{100 * m['sparsity']['sparsity_mean']:.2f}%" for m in models]),
+    ]
+    for layer in range(len(models[0]["sparsity"]["layers"])):
+        rows.append((f"  layer {layer} L0 / never fired / backend", [
+            "{l0_mean:.1f} / {fired:.1f}% / {backend}".format(fired=100 * x["never_fired"], **x)
+            for x in (m["sparsity"]["layers"][layer] for m in models)]))
+    for task in models[0].get("tasks", {}):
+        for metric in ("acc", "acc_norm"):
+            cells = []
+            for m in models:
+                r = m["tasks"].get(task, {})
+                err = r.get(f"{metric}_stderr")
+                cells.append("-" if metric not in r else
+                             f"{r[metric]:.4f}" + (f" ± {err:.4f}" if isinstance(err, float) else "") + f" (n={r['n']})")
+            if any(c != "-" for c in cells):
+                rows.append((f"{task} {metric}", cells))
+    if "mean_acc" in models[0]:
+        rows.append(("mean acc", [_num(m.get("mean_acc"), ".4f") for m in models]))
+        rows.append(("mean acc_norm (acc if none)", [_num(m.get("mean_acc_norm"), ".4f") for m in models]))
+    return rows
+
+
+def format_table(models: list[dict[str, Any]]) -> str:
+    """A plain-text table: one row per metric, one column per checkpoint."""
+    header = ("metric", [m["label"] for m in models])
+    rows = [header] + table_rows(models)
+    widths = [max(len(r[0]) for r in rows)] + [max(len(r[1][i]) for r in rows) for i in range(len(models))]
+    lines = ["  ".join([name.ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells, widths[1:])])
+             for name, cells in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, results: dict[str, Any]) -> Path:
+    """Write ``results.json`` atomically (a temporary file renamed over it)."""
+    path = out_dir / RESULTS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _flat_metrics(record: dict[str, Any], prefix: str) -> dict[str, float | str]:
+    """The scalars of one checkpoint's record, for W&B / metrics.jsonl."""
+    flat: dict[str, float | str] = {f"{prefix}/ppl": record["perplexity"]["ppl"],
+                                    f"{prefix}/ce": record["perplexity"]["ce"],
+                                    f"{prefix}/l0/mean": record["sparsity"]["l0_mean"],
+                                    f"{prefix}/sparsity/mean": record["sparsity"]["sparsity_mean"]}
+    for layer in record["sparsity"]["layers"]:
+        tag = f"layer_{layer['layer']:02d}"
+        flat.update({f"{prefix}/l0/{tag}": layer["l0_mean"], f"{prefix}/sparsity/{tag}": layer["sparsity"],
+                     f"{prefix}/backend/{tag}": layer["backend"]})
+    for task, metrics in record.get("tasks", {}).items():
+        flat.update({f"{prefix}/{task}/{k}": v for k, v in metrics.items() if k in ("acc", "acc_norm")})
+    flat.update({f"{prefix}/{k}": record[k] for k in ("mean_acc", "mean_acc_norm") if k in record})
+    return flat
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry
+
+
+def _software() -> dict[str, Any]:
+    import transformers
+
+    return {"lm_eval": mc_tasks._lm_eval().__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "hf_offline": mc_tasks.hub_env_summary()}
+
+
+def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
+    """Check the settings and the tasks' data, and build the task specs; fails before any model loads."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    check_kernel(cfg.kernel, device)
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size={cfg.batch_size} must be >= 1")
+    names = mc_tasks.expand_task_names(cfg.tasks)
+    manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
+    mc_tasks.check_known(names, manager)
+    hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and n not in cfg.task_data]
+    mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
+    documents = held_out_documents(cfg.data)
+    heldout_file = None
+    if mc_tasks.HELDOUT_TASK in names:
+        rows = mc_tasks.build_heldout_examples(documents, cfg.heldout)
+        heldout_file = mc_tasks.write_jsonl(rows, out_dir / f"{mc_tasks.HELDOUT_TASK}.jsonl")
+        log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
+                 len(documents), heldout_file)
+    specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
+    return _Plan(names, specs, manager, hub_tasks, documents, device, dtype)
+
+
+def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
+    """Evaluate ``cfg.checkpoint`` (and ``cfg.compare``); print the table, write results.json, log to W&B.
+
+    Raises (before any model is evaluated): FileNotFoundError for a missing or non-HF checkpoint,
+    ValueError for an unknown task or a bad setting, TaskDataError for task data that cannot be read.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stale = out_dir / RESULTS_FILE
+    if stale.exists():
+        log.warning("Removing %s of an earlier run: it is rewritten when this run completes", stale)
+        stale.unlink()
+    model_dirs = [resolve_checkpoint(cfg.checkpoint)]
+    if cfg.compare:
+        model_dirs.append(resolve_checkpoint(cfg.compare, key="compare"))
+    plan = _plan(cfg, out_dir)
+    models = []
+    for model_dir in model_dirs:
+        log.info("Evaluating %s (kernel=%s, %s, %s)", model_dir, cfg.kernel, plan.device, plan.dtype)
+        models.append(evaluate_checkpoint(model_dir, cfg, plan))
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint", "compare", "logging", "out")}
+    settings.update(tasks=plan.names, device=str(plan.device), dtype=str(plan.dtype).removeprefix("torch."))
+    results = {"complete": True, "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "settings": settings, "software": _software(), "models": models}
+    print(format_table(models), flush=True)
+    _log_telemetry(cfg, out_dir, results)
+    log.info("Results: %s", write_results(out_dir, results))
+    return results
+
+
+def _log_telemetry(cfg: EvalConfig, out_dir: Path, results: dict[str, Any]) -> None:
+    """metrics.jsonl and W&B: one record at the first checkpoint's training step (``eval/*``, ``compare/*``)."""
+    quiet = LoggingConfig(**{**asdict(cfg.logging), "progress_bar": False, "console": False})
+    step = results["models"][0]["step"] or 0
+    metrics: dict[str, float | str] = {}
+    for prefix, record in zip(("eval", "compare"), results["models"]):
+        metrics.update(_flat_metrics(record, prefix))
+    with Telemetry(quiet, out_dir, results["settings"], is_main=True, total_steps=step) as telemetry:
+        telemetry.log(step, metrics)

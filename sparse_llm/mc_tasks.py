@@ -1,0 +1,374 @@
+"""The lm-eval tasks eval.py runs, and where their data comes from.
+
+Three kinds of task:
+- ``heldout_continuation``: a multiple-choice benchmark built from held-out text (by default the
+  validation documents of the embedded corpus, so it needs no download). Each example is a passage and
+  ``choices`` candidate continuations: the true one and continuations of passages from other documents.
+  Scored by lm-eval like HellaSwag (log-likelihood of each continuation; acc and length-normalised acc_norm).
+- A built-in lm-eval task read from local files: ``task_data.<task>=<file>`` points the task at a json,
+  jsonl or parquet file holding the split it evaluates, in the schema of its Hugging Face dataset.
+- A built-in lm-eval task read from the Hugging Face hub (or its local cache).
+
+Task names accept two aliases: ``paper`` (the seven zero-shot tasks of the paper's Table 6) and
+``embedded`` (``heldout_continuation``).
+
+lm-eval is imported lazily: it is an optional extra (``pip install 'sparse-llm[eval]'``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "winogrande", "commonsense_qa")
+HELDOUT_TASK = "heldout_continuation"
+TASK_ALIASES = {"paper": PAPER_TASKS, "embedded": (HELDOUT_TASK,)}
+LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Dataset builders that read files named in the config (data_files), not a hub repository.
+FILE_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
+HELDOUT_VERSION = 1.0
+
+
+class TaskDataError(RuntimeError):
+    """A task's data cannot be read (offline and not cached, missing file, unreachable hub)."""
+
+
+@dataclass
+class HeldOutTaskConfig:
+    """The ``heldout_continuation`` benchmark (``heldout.*``).
+
+    Attributes:
+        examples: number of examples (at most; fewer if the held-out text has fewer passages).
+        context_words: words of passage shown to the model.
+        continuation_words: words of each candidate continuation.
+        choices: candidates per example (1 true + choices-1 from other documents).
+        seed: seed of the example subset, the distractors and the answer positions.
+    """
+
+    examples: int = 300
+    context_words: int = 40
+    continuation_words: int = 12
+    choices: int = 4
+    seed: int = 0
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise ImportError(
+            "eval.py needs lm-eval for its benchmarks: pip install 'sparse-llm[eval]' (lm-eval>=0.4.13)."
+        ) from None
+    return lm_eval
+
+
+# ----------------------------------------------------------------------------------------------------
+# Task names
+
+
+def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
+    """``"paper"``, ``"a,b"``, ``["paper", "piqa"]`` -> task names in order, aliases expanded, no duplicates."""
+    items = [tasks] if isinstance(tasks, str) else list(tasks)
+    names: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"tasks: {item!r} is not a task name; pass a name, a comma-separated string or a list")
+        for part in (p.strip() for p in item.split(",")):
+            for name in TASK_ALIASES.get(part, (part,)):
+                if name and name not in names:
+                    names.append(name)
+    if not names:
+        raise ValueError(f"tasks={tasks!r} names no task; use e.g. tasks=embedded or tasks=paper")
+    return names
+
+
+def needs_builtin_index(names: Sequence[str]) -> bool:
+    """Whether any task must be looked up among lm-eval's built-in tasks (an index that takes ~8 s)."""
+    return any(name != HELDOUT_TASK for name in names)
+
+
+def task_manager(builtin: bool) -> Any:
+    """lm-eval's TaskManager; without ``builtin`` it skips indexing the built-in task YAMLs."""
+    _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=builtin)
+
+
+def check_known(names: Sequence[str], manager: Any) -> None:
+    """Raise ValueError naming each task that is neither ours nor known to lm-eval, with close matches."""
+    known = set(manager.all_tasks)
+    for name in names:
+        if name == HELDOUT_TASK or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(
+            f"tasks: unknown task {name!r}.{hint} Valid names: any lm-eval task (list them with "
+            f"`lm-eval ls tasks`), {HELDOUT_TASK}, or the aliases {', '.join(TASK_ALIASES)}."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The held-out continuation benchmark
+
+
+def _passages(document: str, context_words: int, continuation_words: int) -> list[tuple[str, str]]:
+    """Non-overlapping (context, continuation) pairs of a document, cut at word boundaries.
+
+    Both keep the document's own spacing inside them; the gap between them becomes the single space that
+    lm-eval puts between context and continuation.
+    """
+    words = [m.span() for m in re.finditer(r"\S+", document)]
+    stride = context_words + continuation_words
+    pairs = []
+    for start in range(0, len(words) - stride + 1, stride):
+        ctx_end = start + context_words
+        context = document[words[start][0] : words[ctx_end - 1][1]]
+        continuation = document[words[ctx_end][0] : words[start + stride - 1][1]]
+        pairs.append((context, continuation))
+    return pairs
+
+
+def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> list[dict[str, Any]]:
+    """Deterministic multiple-choice examples from held-out documents.
+
+    Returns rows ``{"id", "context", "choices": [str] * cfg.choices, "label": int}``; the true continuation
+    is ``choices[label]``, the others are continuations of passages of other documents.
+
+    Raises:
+        ValueError: bad settings, fewer than two documents with a full passage, or no passage at all.
+    """
+    for key in ("examples", "context_words", "continuation_words"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"heldout.{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.choices < 2:
+        raise ValueError(f"heldout.choices={cfg.choices} must be >= 2 (the true continuation and a distractor)")
+    pool = [(doc, ctx, cont) for doc, text in enumerate(documents)
+            for ctx, cont in _passages(text, cfg.context_words, cfg.continuation_words)]
+    doc_ids = np.array([doc for doc, _, _ in pool], dtype=np.int64)
+    if len(set(doc_ids.tolist())) < 2:
+        raise ValueError(
+            f"the held-out text has {len(set(doc_ids.tolist()))} document(s) of at least "
+            f"{cfg.context_words + cfg.continuation_words} words; distractors need two. Lower "
+            "heldout.context_words / heldout.continuation_words or hold out more documents."
+        )
+    rng = np.random.default_rng(cfg.seed)
+    chosen = np.sort(rng.permutation(len(pool))[: cfg.examples])
+    rows = []
+    for number, i in enumerate(chosen.tolist()):
+        doc, context, truth = pool[i]
+        others = np.flatnonzero(doc_ids != doc)
+        # Distinct texts: two passages can share a continuation (boilerplate), which would make a tie.
+        candidates = list(dict.fromkeys(pool[j][2] for j in rng.permutation(others).tolist()))
+        distractors = [c for c in candidates if c != truth][: cfg.choices - 1]
+        if len(distractors) < cfg.choices - 1:
+            raise ValueError(
+                f"only {len(distractors)} distinct distractor continuations exist; lower heldout.choices"
+            )
+        label = int(rng.integers(cfg.choices))
+        choices = distractors[:label] + [truth] + distractors[label:]
+        rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices, "label": label})
+    return rows
+
+
+def write_jsonl(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def heldout_task_config(data_file: Path) -> dict[str, Any]:
+    """lm-eval task config of ``heldout_continuation`` reading the rows of ``build_heldout_examples``."""
+    return {
+        "task": HELDOUT_TASK,
+        "dataset_path": "json",
+        "dataset_name": None,
+        # Absolute: lm-eval resolves data_files against the working directory.
+        "dataset_kwargs": {"data_files": {"test": str(Path(data_file).resolve())}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "context",
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": HELDOUT_VERSION},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Built-in tasks: local files or the hub
+
+
+def builtin_task_config(name: str, manager: Any) -> dict[str, Any]:
+    """The full config dict of a built-in lm-eval task (includes merged, ``!function`` entries resolved)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager.task_index.get(name)
+    if entry is None or entry.yaml_path is None:
+        raise ValueError(f"task_data.{name}: {name!r} is not a single lm-eval task defined by a YAML file")
+    config = dict(load_yaml(entry.yaml_path, resolve_func=True))
+    if "task" not in config or "group" in config:
+        raise ValueError(f"task_data.{name}: {name!r} is a group of tasks; point each of its tasks at a file")
+    return config
+
+
+def evaluated_split(config: dict[str, Any]) -> str:
+    """The split lm-eval scores: the test split if the task has one, else validation."""
+    split = config.get("test_split") or config.get("validation_split")
+    if not split:
+        raise ValueError(f"task {config.get('task')!r} has neither a test nor a validation split")
+    return split
+
+
+def local_task_config(name: str, data_file: str, manager: Any) -> dict[str, Any]:
+    """Config of built-in task ``name`` reading its evaluated split from ``data_file`` (json/jsonl/parquet).
+
+    The file must hold rows in the schema of the task's Hugging Face dataset. Zero-shot only: the task's
+    other splits (few-shot examples) are dropped.
+    """
+    path = Path(data_file).expanduser()
+    builder = LOCAL_SUFFIXES.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(
+            f"task_data.{name}={data_file!r}: use a .json, .jsonl or .parquet file (rows in the schema of the "
+            "task's Hugging Face dataset)"
+        )
+    if not path.is_file():
+        raise TaskDataError(f"task_data.{name}={data_file!r} does not exist; pass the path of the task's data file")
+    config = builtin_task_config(name, manager)
+    split = evaluated_split(config)
+    for key in ("tag", "training_split", "validation_split", "test_split", "fewshot_split"):
+        config.pop(key, None)
+    config.update(
+        dataset_path=builder,
+        dataset_name=None,
+        dataset_kwargs={"data_files": {split: str(path.resolve())}},
+        test_split=split,
+    )
+    return config
+
+
+def _hub_cache_has(dataset: str) -> bool:
+    """Whether the hub cache or the datasets cache holds anything of hub dataset ``dataset`` (org/name)."""
+    from datasets import config as ds_config
+    from huggingface_hub import constants
+
+    hub_dir = Path(constants.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}"
+    datasets_dir = Path(ds_config.HF_DATASETS_CACHE) / dataset.replace("/", "___")
+    return hub_dir.is_dir() or datasets_dir.is_dir()
+
+
+def _hub_reachable(timeout_s: float) -> str | None:
+    """None if the hub endpoint accepts a TCP connection within ``timeout_s``, else the reason."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    address = (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+        except OSError as error:
+            errors.append(error)
+
+    # Name resolution ignores socket timeouts, so the attempt runs in a thread we stop waiting for.
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"no answer from {address[0]} within {timeout_s} s"
+    return f"{address[0]}: {errors[0]}" if errors else None
+
+
+def _offline() -> bool:
+    from datasets import config as ds_config
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE or ds_config.HF_HUB_OFFLINE)
+
+
+def local_data_advice(name: str, config: dict[str, Any]) -> str:
+    """How to point task ``name`` at a local file, naming the dataset, subset and split to export."""
+    subset = f", subset {config['dataset_name']}" if config.get("dataset_name") else ""
+    return (
+        f"To run {name} without the hub, export split {evaluated_split(config)!r} of the Hugging Face dataset "
+        f"{config.get('dataset_path')}{subset} to a .jsonl or .parquet file on a machine with network (e.g. "
+        f"datasets.load_dataset(...).to_json(...)) and pass task_data.{name}=<file>."
+    )
+
+
+def check_hub_tasks(names: Sequence[str], manager: Any, timeout_s: float) -> None:
+    """Fail in seconds when a hub-hosted task's data cannot be had, instead of hanging in lm-eval.
+
+    Offline (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``, eval.py's default): the dataset must be in the
+    local cache. Online: the hub must answer within ``timeout_s``.
+    """
+    from lm_eval.tasks._index import Kind
+
+    unreachable: str | None = None
+    checked_hub = False
+    for name in names:
+        entry = manager.task_index.get(name)
+        if entry is None or entry.cfg is None or entry.kind is not Kind.TASK:
+            continue  # groups, tags and Python-defined tasks: lm-eval reports their data errors itself
+        dataset = entry.cfg.get("dataset_path")
+        if not dataset or dataset in FILE_BUILDERS or Path(dataset).exists():
+            continue
+        if _offline():
+            if _hub_cache_has(dataset):
+                continue
+            raise TaskDataError(
+                f"task {name!r} reads the Hugging Face dataset {dataset!r}, which is not in the local cache, and "
+                "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE; eval.py sets them by default). With "
+                f"network, run with HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0. {local_data_advice(name, entry.cfg)}"
+            )
+        if not checked_hub:
+            unreachable, checked_hub = _hub_reachable(timeout_s), True
+        if unreachable:
+            raise TaskDataError(
+                f"task {name!r} reads the Hugging Face dataset {dataset!r}, but the hub cannot be reached "
+                f"({unreachable}). {local_data_advice(name, entry.cfg)} A dataset already in the cache is read "
+                "with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1."
+            )
+
+
+def task_specs(names: Sequence[str], task_data: dict[str, str], heldout_file: Path | None,
+               manager: Any) -> list[str | dict[str, Any]]:
+    """What to hand to ``lm_eval.simple_evaluate(tasks=...)``: a name or a config dict per task."""
+    unused = sorted(set(task_data) - set(names))
+    if unused:
+        raise ValueError(f"task_data names tasks that are not run: {unused}; add them to tasks= or remove them")
+    specs: list[str | dict[str, Any]] = []
+    for name in names:
+        if name == HELDOUT_TASK:
+            if heldout_file is None:
+                raise ValueError(f"{HELDOUT_TASK} needs its data file; build it with build_heldout_examples")
+            specs.append(heldout_task_config(heldout_file))
+        elif name in task_data:
+            specs.append(local_task_config(name, task_data[name], manager))
+        else:
+            specs.append(name)
+    return specs
+
+
+def hub_env_summary() -> dict[str, str | None]:
+    """The offline switches in effect (recorded with the results)."""
+    return {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
