@@ -28,7 +28,7 @@ def test_l1_and_l0_match_hand_computation():
     assert r.l0_M.tolist() == [2, 1, 0]
     assert r.fired_N.tolist() == [True, True, True, False]
     assert float(r.l1_sum.detach()) == pytest.approx(7.0)
-    assert float(l1_term([r, r])) == pytest.approx(7.0 / 3)
+    assert float(l1_term([r, r]).detach()) == pytest.approx(7.0 / 3)
 
 
 def test_tracker_window_statistics_and_dead_neurons():
