@@ -9,21 +9,43 @@
 // partial row to y_partial[s, m, :]; twell_reduce_splits then sums the splits in a fixed order. With
 // splits == 1 the bf16 row goes straight to y.
 //
-// Overflowed rows (any tile count > 31) are not computed here: their y row is written as zeros and
-// row_overflow[m] = 1, so the caller recomputes them densely.
+// Dense rows are not computed here: their y row is written as zeros and row_dense[m] is set, so the
+// caller recomputes them with dense GEMMs: 1 = an overflowed tile (count > 31, the entries are
+// incomplete), 2 = more than dense_row_nnz non-zeros in the row (a heavy token: one warp would walk its
+// non-zeros serially and finish long after the others; a dense GEMM row is cheaper).
+//
+// Cache policy: weight rows are re-read by many tokens and should stay in L2 (evict_last); the
+// activations, packed words and outputs are touched once (streaming loads/stores, evict_first).
 //
 // Statistics go to zero-initialised buffers: l0[m] += #(h != 0), l1[m] += sum |h| (fp32 atomics, so with
 // splits > 1 the summation order of l1 varies run to run), fired[n] = 1 where h != 0.
 #include "twell_common.cuh"
 
+// 16-byte read-only load of ptr + OFFSET bytes that asks L2 to keep the line (weights are shared by all
+// tokens). The constant offset goes into the instruction so all pieces of a row share one address register.
+template <int OFFSET>
+__device__ __forceinline__ uint4 load_keep(const void *ptr, uint64_t policy) {
+    uint4 v;
+    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%6], %5;\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(ptr), "l"(policy), "n"(OFFSET));
+    return v;
+}
+
+template <int KV, int V = 0>
+__device__ __forceinline__ void load_pieces(uint4 (&dst)[KV], const __nv_bfloat16 *lane_row, const bool (&valid)[KV],
+                                            uint64_t policy) {
+    if constexpr (V < KV) {
+        dst[V] = valid[V] ? load_keep<V * 512>(lane_row, policy) : make_uint4(0, 0, 0, 0);
+        load_pieces<KV, V + 1>(dst, lane_row, valid, policy);
+    }
+}
+
 // This lane's KV 16-byte pieces of one weight row (zeros past K).
 template <int KV>
-__device__ __forceinline__ void load_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, const bool (&valid)[KV]) {
-#pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        dst[v] = make_uint4(0, 0, 0, 0);
-        if (valid[v]) dst[v] = *reinterpret_cast<const uint4 *>(row + v * 256 + lane * 8);
-    }
+__device__ __forceinline__ void load_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, const bool (&valid)[KV],
+                                         uint64_t policy) {
+    load_pieces<KV>(dst, row + lane * 8, valid, policy);
 }
 
 template <int KV>
@@ -37,41 +59,52 @@ __global__ void __launch_bounds__(128) twell_up_down(
     float *__restrict__ l1,                      // [M], zero-initialised
     int *__restrict__ l0,                        // [M], zero-initialised
     int *__restrict__ fired,                     // [N], zero-initialised, only ever set to 1
-    int *__restrict__ row_overflow,              // [M]
-    int M, int K, int T) {
+    int *__restrict__ row_dense,                 // [M]
+    int M, int K, int T, int dense_row_nnz) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
     if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
     const int split = blockIdx.y;
     const int splits = gridDim.y;
     const uint32_t *row = packed + m * T * TWELL_SLOTS;
+    uint64_t keep;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(keep));
 
-    // x stays packed as bf16 (half the registers of fp32) and is widened at each use.
+    // x stays in shared memory as bf16 (registers go to the accumulators and the in-flight weight rows);
+    // piece v of lane l at x_smem[v * 32 + l]: consecutive lanes, consecutive 16 bytes, no bank conflicts.
+    extern __shared__ uint4 smem_x[];
+    uint4 *x_smem = smem_x + (threadIdx.x / 32) * KV * 32;
     bool valid[KV];
-    uint4 x_raw[KV];
     float acc[KV][8];
 #pragma unroll
     for (int v = 0; v < KV; ++v) {
         const int col = v * 256 + lane * 8;
         valid[v] = col < K;
-        x_raw[v] = make_uint4(0, 0, 0, 0);
-        if (valid[v]) x_raw[v] = *reinterpret_cast<const uint4 *>(x + m * K + col);
+        x_smem[v * 32 + lane] = valid[v] ? __ldcs(reinterpret_cast<const uint4 *>(x + m * K + col)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
     }
     // Issued after the x loads so both are in flight together.
     bool overflow = false;
-    for (int t = lane; t < T; t += 32) overflow |= row[t * TWELL_SLOTS] > TWELL_CAPACITY;
+    int total = 0;
+    for (int t = lane; t < T; t += 32) {
+        const int count = static_cast<int>(__ldcs(row + t * TWELL_SLOTS));
+        overflow |= count > TWELL_CAPACITY;
+        total += count;
+    }
     overflow = __any_sync(FULL_MASK, overflow);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) total += __shfl_xor_sync(FULL_MASK, total, d);
+    const int dense_kind = overflow ? 1 : (total > dense_row_nnz ? 2 : 0);
 
     float l1_sum = 0.0f;
     int l0_sum = 0;
-    if (!overflow) {
+    if (dense_kind == 0) {
         // The next tile's segment is loaded while this one is processed (keeps its latency off the chain).
-        uint32_t next_word = split < T ? row[split * TWELL_SLOTS + lane] : 0;
+        uint32_t next_word = split < T ? __ldcs(row + split * TWELL_SLOTS + lane) : 0;
         for (int t = split; t < T; t += splits) {
             const uint32_t word = next_word;
-            if (t + splits < T) next_word = row[(t + splits) * TWELL_SLOTS + lane];
+            if (t + splits < T) next_word = __ldcs(row + (t + splits) * TWELL_SLOTS + lane);
             const int count = __shfl_sync(FULL_MASK, word, 0);
             for (int i = 1; i <= count; ++i) {
                 const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
@@ -80,15 +113,15 @@ __global__ void __launch_bounds__(128) twell_up_down(
                 // Both weight rows' loads are issued before any use so they are in flight together (for
                 // KV > 8 the down row is loaded after the dot product to stay within the register file).
                 uint4 up_raw[KV], down_raw[KV];
-                load_row<KV>(up_raw, w_up + n * K, lane, valid);
-                if (KV <= 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid);
+                load_row<KV>(up_raw, w_up + n * K, lane, valid, keep);
+                if (KV <= 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid, keep);
                 // One partial sum per 16-byte piece: KV short FMA chains instead of one long one.
                 float dot = 0.0f;
 #pragma unroll
                 for (int v = 0; v < KV; ++v) {
                     float w[8], xv[8];
                     bf16x8_to_float(up_raw[v], w);
-                    bf16x8_to_float(x_raw[v], xv);
+                    bf16x8_to_float(x_smem[v * 32 + lane], xv);
                     float part = 0.0f;
 #pragma unroll
                     for (int j = 0; j < 8; ++j) part = fmaf(xv[j], w[j], part);
@@ -97,7 +130,7 @@ __global__ void __launch_bounds__(128) twell_up_down(
 #pragma unroll
                 for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
                 const float h = g * dot;
-                if (KV > 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid);
+                if (KV > 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid, keep);
 #pragma unroll
                 for (int v = 0; v < KV; ++v) {
                     float w[8];
@@ -126,7 +159,7 @@ __global__ void __launch_bounds__(128) twell_up_down(
                 const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[v][2 * i], acc[v][2 * i + 1]);
                 w[i] = *reinterpret_cast<const uint32_t *>(&pair);
             }
-            *reinterpret_cast<uint4 *>(y + m * K + col) = make_uint4(w[0], w[1], w[2], w[3]);
+            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), make_uint4(w[0], w[1], w[2], w[3]));
         } else {
             float4 *dst = reinterpret_cast<float4 *>(y_partial + (static_cast<long long>(split) * M + m) * K + col);
             dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
@@ -138,7 +171,7 @@ __global__ void __launch_bounds__(128) twell_up_down(
             atomicAdd(&l1[m], l1_sum);
             atomicAdd(&l0[m], l0_sum);
         }
-        if (split == 0) row_overflow[m] = overflow ? 1 : 0;
+        if (split == 0) row_dense[m] = dense_kind;
     }
 }
 
@@ -166,10 +199,10 @@ extern "C" __global__ void __launch_bounds__(256) twell_reduce_splits(
 // Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
 template __global__ void twell_up_down<1>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                           const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                          int *, int *, int, int, int);
+                                          int *, int *, int, int, int, int);
 template __global__ void twell_up_down<8>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                           const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                          int *, int *, int, int, int);
+                                          int *, int *, int, int, int, int);
 template __global__ void twell_up_down<16>(const uint32_t *, const __nv_bfloat16 *, const __nv_bfloat16 *,
                                            const __nv_bfloat16 *, __nv_bfloat16 *, float *, float *, int *,
-                                           int *, int *, int, int, int);
+                                           int *, int *, int, int, int, int);

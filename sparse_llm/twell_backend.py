@@ -9,8 +9,11 @@ Two launches per block (kernels/ holds the CUDA sources):
    y += h * w_down[:, n], with fp32 accumulation; the dense hidden [M, N] never exists.
 
 Exactness: a token whose tile holds more than 31 positives (an overflow) is detected on the GPU and
-recomputed by the dense torch path; nothing is dropped. `FFNResult.overflow_rows` counts those tokens
-and `path` says "twell+dense-rows" when any occurred. This costs one device-to-host sync per call.
+recomputed by the dense torch path; nothing is dropped. `FFNResult.overflow_rows` counts those tokens.
+Heavy tokens (more than DENSE_ROW_NNZ non-zeros) take the same dense route by choice: one warp would
+walk their non-zeros serially long after the other tokens finish, while a dense GEMM row costs about
+as much as ~100 sparse non-zeros. `path` says "twell+dense-rows" when any token went dense. Finding
+those tokens costs one device-to-host sync per call.
 
 Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u per token (the kernel
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
@@ -46,64 +49,73 @@ UP_DOWN_TOKENS_PER_BLOCK = 4
 GATE_ROUTES = ("auto", "fused", "cublas")
 
 # ------------------------------------------------------------------------------------------------
-# Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs). Measured with
-# scripts/bench_mlp.py (BENCHMARKS.md, "TwELL inference: calibration"); K = 2048, N = 5632.
+# Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
+# --calibrate at K = 2048, N = 5632 (BENCHMARKS.md, "TwELL inference: calibration").
 # ------------------------------------------------------------------------------------------------
-# Fused gate GEMM (wgmma + packing epilogue) sustained rate at M >= 4096, and cuBLAS GEMM + pack kernel.
-FUSED_GATE_TFLOPS = 450.0
-CUBLAS_GATE_TFLOPS = 550.0
-PACK_GBPS = 2500.0  # packing kernel: reads the bf16 gate once, writes the TwELL words
-# Smallest M at which the fused gate beats cuBLAS + pack.
-FUSED_GATE_MIN_M = 1024
-# Up+down kernel: weight-row bytes streamed per second (2 rows of K bf16 per non-zero; L2-resident
-# at large M, from HBM when M is tiny) and fixed cost (launches, the overflow sync, small torch ops).
-UP_DOWN_GBPS = 6000.0
+CUBLAS_GEMM_TFLOPS = 720.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.526 ms
+FUSED_GATE_TFLOPS = 480.0  # fused gate GEMM + packing epilogue, same shape: 0.78 ms
+PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
+# The fused gate loses to cuBLAS + packing at every M measured (1 .. 16384), so "auto" never picks it.
+FUSED_GATE_MIN_M = 1 << 62
+UP_DOWN_GBPS = 5500.0  # up+down marginal rate in weight-row bytes (2 rows of K bf16 per non-zero, from L2)
+UP_DOWN_MS_PER_TOKEN = 0.2 / 16384  # up+down with no non-zeros: 0.2 ms at M = 16384
 HBM_GBPS = 3000.0
-FIXED_MS = 0.03
-# Tokens with at least this many gate non-zeros per tile on average are assumed to overflow a tile.
+# Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.2-0.3 ms).
+CPU_FLOOR_MS = 0.2
+# Tokens with more gate non-zeros than this go to the dense path: at ~1.5 ns per sparse non-zero
+# (8 KiB at 5.5 TB/s) vs ~0.1 us per dense GEMM row, the break-even is ~70; 128 leaves margin for
+# the gather/scatter around the dense rows.
+DENSE_ROW_NNZ = 128
+# Tokens averaging this many gate non-zeros per tile are assumed to overflow some tile (capacity 31).
 OVERFLOW_NNZ_PER_TILE = 20.0
 # Below this many tokens the up+down work of each token is split over several warps.
 SPLIT_BELOW_M = 2048
 
 
-def _gemm_ms(m: int, k: int, n: int, tflops: float, weight_bytes: int) -> float:
-    """A GEMM's time: the larger of its flop time and the time to stream its weight from HBM."""
-    return max(2.0 * m * k * n / (tflops * 1e9), weight_bytes / (HBM_GBPS * 1e6))
+def _gemm_ms(m: int, k: int, n: int, tflops: float) -> float:
+    """A GEMM's time: the larger of its flop time and the time to stream its [N, K] weight from HBM."""
+    return max(2.0 * m * k * n / (tflops * 1e9), 2 * k * n / (HBM_GBPS * 1e6))
 
 
 def dense_ms(m: int, k: int, n: int) -> float:
-    """The dense bf16 block (three GEMMs) on the same GPU, for pricing overflow rows."""
-    return 3 * _gemm_ms(m, k, n, CUBLAS_GATE_TFLOPS, 2 * k * n)
+    """The dense bf16 block (three cuBLAS GEMMs) on the same GPU, for pricing the dense rows."""
+    return 3 * _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) if m > 0 else 0.0
 
 
-def overflow_fraction(n_tiles: int, l0_mean: float, l0_max: float) -> float:
-    """Estimated fraction of tokens with an overflowing tile, from the mean and max non-zeros per token.
+def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float, float]:
+    """(fraction of tokens sent to the dense path, mean non-zeros of the other tokens).
 
-    Assumes log-normal non-zeros per token whose max over a batch lies ~3.5 sigma above the median and
-    that a token overflows once it averages OVERFLOW_NNZ_PER_TILE per tile. A heuristic: it only has
-    to be right enough to send heavy-tailed layers dense.
+    Models non-zeros per token as log-normal with the given mean whose batch maximum lies ~3.5 sigma
+    above the median. A token goes dense above DENSE_ROW_NNZ non-zeros, or when it averages
+    OVERFLOW_NNZ_PER_TILE per tile (likely overflow). A heuristic: it only has to be right enough to
+    price heavy-tailed layers.
     """
-    if l0_max <= CAPACITY or l0_mean <= 0:
-        return 0.0
-    threshold = OVERFLOW_NNZ_PER_TILE * n_tiles
+    if l0_mean <= 0:
+        return 0.0, 0.0
+    threshold = min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles)
+    if l0_max <= threshold:
+        return 0.0, l0_mean
     sigma = max(math.log(max(l0_max, l0_mean) / l0_mean) / 3.5, 1e-3)
     mu = math.log(l0_mean) - sigma * sigma / 2
-    return 0.5 * math.erfc((math.log(threshold) - mu) / (sigma * math.sqrt(2)))
+    z = (math.log(threshold) - mu) / sigma
+    dense_fraction = 0.5 * math.erfc(z / math.sqrt(2))
+    light_mass = l0_mean * 0.5 * math.erfc(-(z - sigma) / math.sqrt(2))  # E[L; L <= threshold]
+    return dense_fraction, light_mass / max(1.0 - dense_fraction, 1e-9)
 
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     """Predicted time of one inference call of the twell backend (see the constants above)."""
-    gate_bytes = 2 * k * n
-    if m >= FUSED_GATE_MIN_M:
-        gate = _gemm_ms(m, k, n, FUSED_GATE_TFLOPS, gate_bytes)
+    if gate_route_for(m) == "fused":
+        gate = _gemm_ms(m, k, n, FUSED_GATE_TFLOPS)
     else:
-        gate = _gemm_ms(m, k, n, CUBLAS_GATE_TFLOPS, gate_bytes) + 2 * m * n * 2 / (PACK_GBPS * 1e6)
+        gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + m * n * (2 + 0.5) / (PACK_GBPS * 1e6)
+    dense_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
+    sparse_tokens = m * (1.0 - dense_fraction)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
-    # Distinct rows read at most once from HBM; repeated reads come from L2.
-    distinct = min(m * l0_mean, n) * row_bytes
-    up_down = max(m * l0_mean * row_bytes / (UP_DOWN_GBPS * 1e6), distinct / (HBM_GBPS * 1e6))
-    over = overflow_fraction(n // TILE, l0_mean, l0_max) * dense_ms(m, k, n)
-    return gate + up_down + over + FIXED_MS
+    up_down = sparse_tokens * light_mean * row_bytes / (UP_DOWN_GBPS * 1e6) + m * UP_DOWN_MS_PER_TOKEN
+    up_down = max(up_down, min(sparse_tokens * light_mean, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
+    dense_rows = dense_ms(math.ceil(dense_fraction * m), k, n)
+    return max(gate + up_down + dense_rows, CPU_FLOOR_MS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,14 +280,15 @@ class UpDownResult:
         l1_M: fp32 [M] sum |h| per token (0 on overflow rows).
         l0_M: int32 [M] non-zeros of h per token (0 on overflow rows).
         fired_N: int32 [N] 1 for neurons with h != 0 in some non-overflow row, else 0.
-        overflow_M: int32 [M] 1 for tokens with a tile holding more than 31 positives, else 0.
+        dense_M: int32 [M] tokens left for the dense path: 1 = a tile holds more than 31 positives
+            (overflow), 2 = more than `dense_row_nnz` non-zeros (heavy token), else 0.
     """
 
     y_MK: torch.Tensor
     l1_M: torch.Tensor
     l0_M: torch.Tensor
     fired_N: torch.Tensor
-    overflow_M: torch.Tensor
+    dense_M: torch.Tensor
 
 
 def splits_for(m: int, n_tiles: int) -> int:
@@ -286,39 +299,46 @@ def splits_for(m: int, n_tiles: int) -> int:
 
 
 def twell_up_down(
-    x_MK: torch.Tensor, packed_MS: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor
+    x_MK: torch.Tensor,
+    packed_MS: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    dense_row_nnz: int = DENSE_ROW_NNZ,
 ) -> UpDownResult:
     """h = g * (x w_up^T) at the packed non-zeros of g, and y = h w_down^T, without a dense hidden.
 
     Args:
         x_MK: bf16 [M, K]. packed_MS: int32 [M, (N/256) * 32] from `twell_gate`.
         w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
+        dense_row_nnz: tokens with more gate non-zeros than this are left to the dense path.
     """
     m, k = x_MK.shape
     n = w_up_NK.shape[0]
     n_tiles = n // TILE
     device = x_MK.device
     splits = splits_for(m, n_tiles)
-    # One zeroed int32 workspace for all statistics (one fill instead of four): l0 | l1 (fp32 bits) | overflow | fired.
+    # One zeroed int32 workspace for all statistics (one fill instead of four): l0 | l1 (fp32 bits) | dense | fired.
     stats = torch.zeros(3 * m + n, dtype=torch.int32, device=device)
-    l0_M, l1_M, overflow_M, fired_N = stats[:m], stats[m : 2 * m].view(torch.float32), stats[2 * m : 3 * m], stats[3 * m :]
+    l0_M, l1_M, dense_M, fired_N = stats[:m], stats[m : 2 * m].view(torch.float32), stats[2 * m : 3 * m], stats[3 * m :]
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     if m:
         y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
-        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{math.ceil(k / 256)}>", device)
+        kv = math.ceil(k / 256)
+        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
         args = (
             cuda.ptr(packed_MS), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
             cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_M), cuda.ptr(l0_M),
-            cuda.ptr(fired_N), cuda.ptr(overflow_M), _i32(m), _i32(k), _i32(n_tiles),
+            cuda.ptr(fired_N), cuda.ptr(dense_M), _i32(m), _i32(k), _i32(n_tiles), _i32(dense_row_nnz),
         )  # fmt: skip
         grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
-        cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device)
+        smem = UP_DOWN_TOKENS_PER_BLOCK * kv * 32 * 16  # each warp's x row
+        cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
         if splits > 1:
             reduce = cuda.get_function("twell_up_down.cu", "twell_reduce_splits", device)
             mk = m * k
             args = (cuda.ptr(y_partial), cuda.ptr(y_MK), _i32(splits), np.int64(mk))
             cuda.launch(reduce, (math.ceil(mk / 1024),), (256,), args, device)
-    return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, overflow_M=overflow_M)
+    return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
 def twell_gated_mlp(
@@ -327,23 +347,28 @@ def twell_gated_mlp(
     w_up_NK: torch.Tensor,
     w_down_KN: torch.Tensor,
     gate_route: str = "auto",
+    dense_row_nnz: int = DENSE_ROW_NNZ,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
     Args:
         x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
         gate_route: see `twell_gate`.
+        dense_row_nnz: tokens with more gate non-zeros than this take the dense path (cheaper for them).
 
     Returns:
-        FFNResult; overflow tokens were computed by the dense torch path (counted in overflow_rows).
+        FFNResult. Tokens with an overflowed tile (counted in `overflow_rows`) and heavy tokens were
+        computed by dense torch GEMMs; `path` is "twell+dense-rows" when there were any.
     """
     check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     _check_gate_route(gate_route)
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
-    result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN))
-    dense_rows_R = result.overflow_M.nonzero()[:, 0]  # the call's one device-to-host sync
+    result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
+    dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
+    overflow_rows = 0
     y_MK, l1_M, l0_M, fired_N = result.y_MK, result.l1_M, result.l0_M, result.fired_N.bool()
     if dense_rows_R.numel():
+        overflow_rows = int((result.dense_M.index_select(0, dense_rows_R) == 1).sum())
         x_RK = x_MK.index_select(0, dense_rows_R)
         h_RN = F.relu(F.linear(x_RK, w_gate_NK)) * F.linear(x_RK, w_up_NK)
         y_MK.index_copy_(0, dense_rows_R, F.linear(h_RN, w_down_KN))
@@ -357,7 +382,7 @@ def twell_gated_mlp(
         l0_M=l0_M,
         fired_N=fired_N,
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
-        overflow_rows=int(dense_rows_R.numel()),
+        overflow_rows=overflow_rows,
     )
 
 

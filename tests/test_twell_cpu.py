@@ -1,0 +1,188 @@
+"""CPU-side tests of the twell backend: kernel sources, input validation, cost model, fallbacks.
+
+The .cu files are compiled with nvcc for sm_90a when nvcc is on PATH (or in /usr/local/cuda/bin),
+exactly as NVRTC sees them (local headers inlined); no GPU is needed for that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparse_llm import cuda
+from sparse_llm.backends import TorchFFN, get_backend
+from sparse_llm.twell_backend import (
+    TransposeCache,
+    TwellFFN,
+    check_inputs,
+    dense_ms,
+    gate_route_for,
+    dense_row_split,
+    splits_for,
+    synthetic_block,
+    twell_estimated_ms,
+)
+
+KERNEL_FILES = ("twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu")
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def block(m: int = 4, k: int = 128, n: int = 512) -> list[torch.Tensor]:
+    return [bf16(m, k), bf16(n, k), bf16(n, k), bf16(k, n)]
+
+
+# ---------------------------------------------------------------- sources and compilation
+
+
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_kernel_sources_are_found_and_self_contained(filename):
+    source = cuda.kernel_source(filename)
+    assert '#include "' not in source  # local headers inlined, so CuPy's cache key covers them
+    assert "TWELL_CAPACITY" in source
+
+
+def test_missing_kernel_names_the_places_tried():
+    with pytest.raises(FileNotFoundError, match="_kernels"):
+        cuda.kernel_path("no_such_kernel.cu")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_kernels_compile_for_sm90a(filename, tmp_path):
+    src = tmp_path / filename
+    src.write_text(cuda.kernel_source(filename))
+    cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--cubin", "-o", str(tmp_path / "k.cubin"), str(src)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_import_is_safe_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "CUDA" in cuda.unavailable_reason()
+    assert get_backend("twell").unavailable_reason(torch.device("cpu")) is not None
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "mutate, name",
+    [
+        (lambda a: a.__setitem__(0, a[0].float()), "x_MK"),
+        (lambda a: a.__setitem__(0, a[0][None]), "x_MK"),
+        (lambda a: a.__setitem__(1, a[1][:, :64]), "w_gate_NK"),
+        (lambda a: a.__setitem__(2, a[2][:256]), "w_up_NK"),
+        (lambda a: a.__setitem__(3, a[3].t().contiguous()), "w_down_KN"),
+        (lambda a: a.__setitem__(2, a[2].t().contiguous().t()), "w_up_NK"),
+        (lambda a: a.__setitem__(3, a[3].half()), "w_down_KN"),
+    ],
+)
+def test_bad_inputs_name_the_argument(mutate, name):
+    args = block()
+    mutate(args)
+    with pytest.raises((TypeError, ValueError), match=name):
+        check_inputs(*args)
+
+
+@pytest.mark.parametrize("k, n, what", [(96, 512, "multiple of 64"), (128, 384, "multiple of 256"), (8192, 256, "exceeds")])
+def test_unsupported_widths_are_rejected(k, n, what):
+    with pytest.raises(ValueError, match=what):
+        check_inputs(*block(2, k, n))
+
+
+def test_cpu_tensors_are_rejected_with_a_fix():
+    with pytest.raises(ValueError, match="kernel=torch"):
+        check_inputs(*block())
+
+
+# ---------------------------------------------------------------- cost model and dispatch
+
+
+def test_cost_model_declines_training_and_unsupported_shapes():
+    backend = TwellFFN()
+    assert backend.estimated_ms(16384, 2048, 5632, 28, 50, training=True) is None
+    assert backend.estimated_ms(16384, 2000, 5632, 28, 50, training=False) is None
+    assert backend.estimated_ms(16384, 2048, 5600, 28, 50, training=False) is None
+
+
+def test_cost_model_grows_with_density_and_tail():
+    times = [twell_estimated_ms(16384, 2048, 5632, l0, 1.5 * l0) for l0 in (28, 56, 112)]
+    assert times == sorted(times) and times[-1] > 1.5 * times[0]
+    # Once every token goes dense, the call costs the gate plus the dense block.
+    assert twell_estimated_ms(16384, 2048, 5632, 560, 700) > dense_ms(16384, 2048, 5632)
+
+
+def test_dispatch_picks_sparse_only_where_it_pays():
+    """At the paper's shapes: sparse at 28 non-zeros per token, dense at 560 (10%), dense for decode sizes."""
+    sparse, dense = TwellFFN(), TorchFFN()
+    m, k, n = 16384, 2048, 5632
+    assert sparse.estimated_ms(m, k, n, 28, 56, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 56, False)
+    assert sparse.estimated_ms(m, k, n, 560, 700, False) > dense.estimated_ms(m, k, n, 560, 700, False)
+    assert sparse.estimated_ms(1, k, n, 28, 28, False) > dense.estimated_ms(1, k, n, 28, 28, False)
+
+
+def test_dense_row_split():
+    assert dense_row_split(22, 28, 100) == (0.0, 28)  # no token can exceed the dense-row threshold
+    light, heavy = dense_row_split(22, 60, 300), dense_row_split(22, 60, 1500)
+    assert 0.0 < light[0] < heavy[0] < 1.0
+    assert heavy[1] < light[1] < 60  # the tokens left sparse are the lighter ones
+    assert dense_ms(16384, 2048, 5632) > dense_ms(16, 2048, 5632) > 0
+
+
+def test_splits_and_gate_route():
+    assert splits_for(16384, 22) == 1
+    assert splits_for(1, 22) == 22
+    assert 1 < splits_for(300, 22) < 22
+    assert gate_route_for(1) == "cublas"
+
+
+# ---------------------------------------------------------------- backend behaviour
+
+
+def test_training_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="inference only"):
+        TwellFFN().forward(*block(), training=True)
+
+
+def test_cpu_falls_back_to_torch_with_one_warning():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    backend, args = TwellFFN(), block()
+    with pytest.warns(UserWarning, match="dense torch path"):
+        result = backend.forward(*args, training=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.forward(*args, training=False)  # warned once only
+    assert result.path == "torch (twell unavailable)"
+    torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
+
+
+def test_transpose_cache_rebuilds_on_update_and_forgets_freed_weights():
+    cache = TransposeCache()
+    w = bf16(64, 256)
+    first = cache.get(w)
+    assert cache.get(w) is first and torch.equal(first, w.t())
+    w.add_(1)
+    assert torch.equal(cache.get(w), w.t()) and cache.get(w) is not first
+    del w
+    assert len(cache) == 0
+
+
+def test_synthetic_block_hits_the_target_density():
+    x, wg, _, _ = synthetic_block(512, 256, 1024, nnz_mean=40, device="cpu", seed=1)
+    nnz = (F.linear(x.float(), wg.float()) > 0).sum(dim=1).float()
+    assert 30 < nnz.mean().item() < 50
+    x, wg, _, _ = synthetic_block(512, 256, 1024, nnz_mean=40, sigma=0.5, device="cpu", seed=1)
+    heavy = (F.linear(x.float(), wg.float()) > 0).sum(dim=1).float()
+    assert heavy.max() > 3 * nnz.max()  # heavy tail
