@@ -59,7 +59,8 @@ class EvalConfig:
         tasks: task name, comma-separated names or a list: any lm-eval task, ``heldout_continuation``,
             ``embedded`` (= heldout_continuation) or ``paper`` (the paper's seven zero-shot tasks).
         task_data: task name -> local .json/.jsonl/.parquet file with the split the task evaluates, in the
-            schema of its Hugging Face dataset (for machines without the hub).
+            schema of its Hugging Face dataset (for machines without the hub). eval.yaml lists the paper's
+            tasks with null values, so ``task_data.piqa=<file>`` needs no ``+``; other tasks do.
         kernel: FFN backend: auto | torch | twell.
         batch_size: sequences per forward, for perplexity and for lm-eval.
         device: auto (cuda if present, else cpu) | cpu | cuda | cuda:N.
@@ -79,7 +80,7 @@ class EvalConfig:
     checkpoint: str = ""
     compare: str = ""
     tasks: Any = "embedded"
-    task_data: dict[str, str] = field(default_factory=dict)
+    task_data: dict[str, str | None] = field(default_factory=dict)
     kernel: str = "auto"
     batch_size: int = 16
     device: str = "auto"
@@ -189,7 +190,8 @@ def check_kernel(kernel: str, device: torch.device) -> None:
         return
     reason = get_backend(kernel).unavailable_reason(device)
     if reason is not None:
-        raise ValueError(f"kernel={kernel} cannot run on {device}: {reason} Use kernel=auto or kernel=torch.")
+        raise ValueError(f"kernel={kernel} cannot run on {device}: {reason.rstrip('.')}. Use kernel=auto or "
+                         "kernel=torch.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -275,6 +277,23 @@ def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
 # lm-eval
 
 
+class _FirstTruncationOnly(logging.Filter):
+    """Lets lm-eval's first "context exceeds the model's maximum length" warning through, counts the rest.
+
+    lm-eval warns once per truncated request, which floods the console for short-context models.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Combined length of context"):
+            return True
+        self.dropped += 1
+        return self.dropped == 1
+
+
 def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig,
                 hub_tasks: list[str]) -> dict[str, Any]:
     """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's result dict."""
@@ -282,14 +301,22 @@ def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manage
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=cfg.batch_size)
+    hf_log = logging.getLogger("lm_eval.models.huggingface")
+    truncations = _FirstTruncationOnly()
+    hf_log.addFilter(truncations)
     try:
         output = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=cfg.limit,
                                          num_fewshot=cfg.num_fewshot, log_samples=False)
     except (ConnectionError, FileNotFoundError) as error:
-        advice = " ".join(mc_tasks.local_data_advice(n, manager.task_index[n].cfg) for n in hub_tasks
-                          if n in manager.task_index and manager.task_index[n].cfg)
-        raise TaskDataError(f"lm-eval could not load a task's data ({type(error).__name__}: {error}). {advice}") \
+        advice = "".join(f"\n- {n}: {mc_tasks.local_data_advice(n, manager.task_index[n].cfg)}" for n in hub_tasks
+                         if n in manager.task_index and manager.task_index[n].cfg)
+        raise TaskDataError(f"lm-eval could not load a task's data ({type(error).__name__}: {error}).{advice}") \
             from error
+    finally:
+        hf_log.removeFilter(truncations)
+    if truncations.dropped:
+        log.warning("%d lm-eval requests were longer than the model's context and lost tokens on the left",
+                    truncations.dropped)
     if output is None:
         raise RuntimeError("lm-eval returned no results (it only does so on non-zero ranks of a distributed run)")
     return output
@@ -455,8 +482,6 @@ def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
     names = mc_tasks.expand_task_names(cfg.tasks)
     manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
     mc_tasks.check_known(names, manager)
-    hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and n not in cfg.task_data]
-    mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
     documents = held_out_documents(cfg.data)
     heldout_file = None
     if mc_tasks.HELDOUT_TASK in names:
@@ -465,6 +490,8 @@ def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
         log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
                  len(documents), heldout_file)
     specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
+    hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and not cfg.task_data.get(n)]
+    mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
     return _Plan(names, specs, manager, hub_tasks, documents, device, dtype)
 
 

@@ -307,11 +307,11 @@ def _offline() -> bool:
 
 def local_data_advice(name: str, config: dict[str, Any]) -> str:
     """How to point task ``name`` at a local file, naming the dataset, subset and split to export."""
-    subset = f", subset {config['dataset_name']}" if config.get("dataset_name") else ""
+    subset = f", {config['dataset_name']!r}" if config.get("dataset_name") else ""
+    split = evaluated_split(config)
     return (
-        f"To run {name} without the hub, export split {evaluated_split(config)!r} of the Hugging Face dataset "
-        f"{config.get('dataset_path')}{subset} to a .jsonl or .parquet file on a machine with network (e.g. "
-        f"datasets.load_dataset(...).to_json(...)) and pass task_data.{name}=<file>."
+        f"export it where the hub is reachable, e.g. datasets.load_dataset({config.get('dataset_path')!r}{subset}, "
+        f"split={split!r}).to_json('{name}.jsonl'), copy the file here and pass task_data.{name}=<path>."
     )
 
 
@@ -319,12 +319,13 @@ def check_hub_tasks(names: Sequence[str], manager: Any, timeout_s: float) -> Non
     """Fail in seconds when a hub-hosted task's data cannot be had, instead of hanging in lm-eval.
 
     Offline (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``, eval.py's default): the dataset must be in the
-    local cache. Online: the hub must answer within ``timeout_s``.
+    local cache. Online: the hub must answer within ``timeout_s``. One error lists every task lacking data.
     """
     from lm_eval.tasks._index import Kind
 
+    offline = _offline()
     unreachable: str | None = None
-    checked_hub = False
+    missing: list[str] = []
     for name in names:
         entry = manager.task_index.get(name)
         if entry is None or entry.cfg is None or entry.kind is not Kind.TASK:
@@ -332,27 +333,31 @@ def check_hub_tasks(names: Sequence[str], manager: Any, timeout_s: float) -> Non
         dataset = entry.cfg.get("dataset_path")
         if not dataset or dataset in FILE_BUILDERS or Path(dataset).exists():
             continue
-        if _offline():
-            if _hub_cache_has(dataset):
-                continue
-            raise TaskDataError(
-                f"task {name!r} reads the Hugging Face dataset {dataset!r}, which is not in the local cache, and "
-                "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE; eval.py sets them by default). With "
-                f"network, run with HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0. {local_data_advice(name, entry.cfg)}"
-            )
-        if not checked_hub:
-            unreachable, checked_hub = _hub_reachable(timeout_s), True
-        if unreachable:
-            raise TaskDataError(
-                f"task {name!r} reads the Hugging Face dataset {dataset!r}, but the hub cannot be reached "
-                f"({unreachable}). {local_data_advice(name, entry.cfg)} A dataset already in the cache is read "
-                "with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1."
-            )
+        if offline and _hub_cache_has(dataset):
+            continue
+        if not offline and unreachable is None:
+            unreachable = _hub_reachable(timeout_s) or ""
+        if offline or unreachable:
+            missing.append(f"- {name} (dataset {dataset}): {local_data_advice(name, entry.cfg)}")
+    if not missing:
+        return
+    if offline:
+        why = ("they are not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE / "
+               "HF_DATASETS_OFFLINE; eval.py sets them by default). With network, run with HF_HUB_OFFLINE=0 "
+               "HF_DATASETS_OFFLINE=0.")
+    else:
+        why = (f"the Hugging Face hub cannot be reached ({unreachable}). Datasets already in the cache are read "
+               "with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1.")
+    raise TaskDataError(f"{len(missing)} task(s) cannot read their data: {why}\n" + "\n".join(missing))
 
 
-def task_specs(names: Sequence[str], task_data: dict[str, str], heldout_file: Path | None,
+def task_specs(names: Sequence[str], task_data: dict[str, str | None], heldout_file: Path | None,
                manager: Any) -> list[str | dict[str, Any]]:
-    """What to hand to ``lm_eval.simple_evaluate(tasks=...)``: a name or a config dict per task."""
+    """What to hand to ``lm_eval.simple_evaluate(tasks=...)``: a name or a config dict per task.
+
+    ``task_data`` maps task names to local files; None values (the unset defaults of eval.yaml) are ignored.
+    """
+    task_data = {name: path for name, path in task_data.items() if path}
     unused = sorted(set(task_data) - set(names))
     if unused:
         raise ValueError(f"task_data names tasks that are not run: {unused}; add them to tasks= or remove them")

@@ -1,0 +1,255 @@
+"""eval.py: held-out perplexity/sparsity, lm-eval tasks (embedded and from local files), compare, error paths."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from sparse_llm import evaluation, mc_tasks
+from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs
+from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
+from sparse_llm.model import build_model
+from sparse_llm.telemetry import LoggingConfig
+from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+register_eval_configs()
+
+SMALL_MODEL = [
+    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
+    "model.max_position_embeddings=128",
+]
+TRAIN = SMALL_MODEL + [
+    "trainer.max_steps=40", "trainer.micro_batch=8", "trainer.global_batch=8", "trainer.lr=5e-3",
+    "trainer.warmup_steps=5", "trainer.val_every=0", "checkpoint.every=0", "logging.wandb=false",
+    "logging.progress_bar=false", "logging.console=false", "l1=1e-3",
+]
+ARC_ROWS = [
+    {"id": f"q{i}", "question": f"Which number follows {i}?",
+     "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]}, "answerKey": "A"}
+    for i in range(5)
+]
+
+
+def _compose(config_name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A model trained for 40 steps (`final/`) and a random-init model of the same shape, saved like train.py."""
+    root = tmp_path_factory.mktemp("runs")
+    cfg: TrainConfig = OmegaConf.to_object(_compose("train", TRAIN))
+    trained = train(cfg, root / "trained")
+    tokenizer = load_tokenizer("embedded")
+    random_dir = root / "random" / "final"
+    torch.manual_seed(0)
+    build_model(cfg.model, vocab_size=len(tokenizer)).save_pretrained(random_dir)
+    tokenizer.save_pretrained(random_dir)
+    return {"trained": trained, "random": random_dir}
+
+
+def eval_config(**changes) -> EvalConfig:
+    base = EvalConfig(batch_size=8, heldout=HeldOutTaskConfig(examples=24, context_words=24, continuation_words=8),
+                      logging=LoggingConfig(wandb=False, progress_bar=False, console=False))
+    return replace(base, **changes)
+
+
+@pytest.fixture
+def arc_only(monkeypatch):
+    """Index only lm-eval's ARC YAMLs (indexing all built-in tasks takes ~8 s)."""
+    from lm_eval.tasks import TaskManager
+
+    arc_dir = Path(mc_tasks._lm_eval().__file__).parent / "tasks" / "arc"
+    monkeypatch.setattr(mc_tasks, "task_manager",
+                        lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False))
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
+    out = tmp_path / "eval"
+    results = evaluate(eval_config(checkpoint=str(models["trained"]), compare=str(models["random"])), out)
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results, default=str))
+    trained, random = results["models"]
+    assert trained["step"] == 40 and random["step"] is None
+    task = trained["tasks"]["heldout_continuation"]
+    assert task["n"] == 24 and task["version"] == 1.0 and task["n_shot"] == 0
+    assert 0.0 <= task["acc"] <= 1.0 and 0.0 <= task["acc_norm"] <= 1.0
+    assert trained["mean_acc"] == task["acc"]
+    # Training lowers held-out perplexity far below a random model's (~vocab size).
+    assert trained["perplexity"]["ppl"] < 0.5 * random["perplexity"]["ppl"]
+    sparsity = trained["sparsity"]
+    assert len(sparsity["layers"]) == 2 and sparsity["neurons"] == 256
+    assert all(0 < layer["l0_mean"] <= layer["l0_max"] <= 256 for layer in sparsity["layers"])
+    assert trained["backend"] == {"kernel": "auto", "layers": ["torch", "torch"]}
+    settings = results["settings"]
+    assert settings["batch_size"] == 8 and settings["dtype"] == "float32"
+    assert settings["tasks"] == ["heldout_continuation"] and results["software"]["lm_eval"]
+    table = capsys.readouterr().out
+    assert "trained/final" in table and "random/final" in table and "heldout_continuation acc" in table
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 40 and records[0]["compare/ppl"] == random["perplexity"]["ppl"]
+
+
+def test_local_arc_file_runs_through_lm_eval(models, tmp_path, arc_only):
+    data = mc_tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
+    cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(data)},
+                      limit=4)
+    results = evaluate(cfg, tmp_path / "eval")
+    arc = results["models"][0]["tasks"]["arc_easy"]
+    assert arc["n"] == 4 and arc["version"] == 1.0
+    assert 0.0 <= arc["acc"] <= 1.0 and "acc_norm" in arc
+
+
+def test_heldout_examples_are_deterministic_and_well_formed():
+    documents = [" ".join(f"{topic}{i}" for i in range(100)) for topic in ("apple", "river", "stone")]
+    cfg = HeldOutTaskConfig(examples=5, context_words=10, continuation_words=5, choices=3, seed=1)
+    rows = build_heldout_examples(documents, cfg)
+    assert rows == build_heldout_examples(documents, cfg)
+    assert len(rows) == 5
+    for row in rows:
+        topic = row["context"].split()[0].rstrip("0123456789")
+        truth = row["choices"][row["label"]]
+        # The true continuation follows the context; the distractors come from other documents.
+        assert int(truth.split()[0].removeprefix(topic)) == int(row["context"].split()[-1].removeprefix(topic)) + 1
+        others = [c for i, c in enumerate(row["choices"]) if i != row["label"]]
+        assert len(others) == 2 and not any(c.startswith(topic) for c in others)
+    assert len({row["label"] for row in build_heldout_examples(documents, replace(cfg, examples=30))}) == 3
+
+
+def test_heldout_examples_need_two_documents():
+    with pytest.raises(ValueError, match="two"):
+        build_heldout_examples(["one two three " * 20, "short"], HeldOutTaskConfig(context_words=5,
+                                                                                  continuation_words=5))
+
+
+def test_task_names_expand_aliases_in_order():
+    assert mc_tasks.expand_task_names("paper")[:2] == ["arc_easy", "arc_challenge"]
+    assert len(mc_tasks.expand_task_names(["paper", "piqa"])) == 7
+    assert mc_tasks.expand_task_names("embedded,arc_easy") == ["heldout_continuation", "arc_easy"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors: each names the problem, and no results file is left behind
+
+
+def test_missing_checkpoint_is_named_and_no_stale_results_survive(tmp_path):
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "results.json").write_text('{"complete": true}')
+    with pytest.raises(FileNotFoundError, match="nope.*does not exist"):
+        evaluate(eval_config(checkpoint=str(tmp_path / "nope")), out)
+    assert not (out / "results.json").exists()
+
+
+def test_non_hf_checkpoint_dir_is_rejected(tmp_path):
+    (tmp_path / "run" / "weights.pt").parent.mkdir()
+    (tmp_path / "run" / "weights.pt").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="HF layout"):
+        evaluate(eval_config(checkpoint=str(tmp_path / "run")), tmp_path / "eval")
+
+
+def test_run_dir_resolves_to_its_final_model(models):
+    assert evaluation.resolve_checkpoint(str(models["trained"].parent)) == models["trained"]
+
+
+def test_unset_checkpoint_without_trained_models_says_to_train(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="python train.py"):
+        evaluate(eval_config(), tmp_path / "eval")
+
+
+def test_unknown_task_suggests_close_names(models, tmp_path, arc_only):
+    with pytest.raises(ValueError, match="unknown task 'arc_esy'.*arc_easy"):
+        evaluate(eval_config(checkpoint=str(models["trained"]), tasks="arc_esy"), tmp_path / "eval")
+    assert not (tmp_path / "eval" / "results.json").exists()
+
+
+def test_hub_task_offline_without_cache_fails_fast_with_local_file_advice(models, tmp_path, arc_only, monkeypatch):
+    from datasets import config as ds_config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(ds_config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    with pytest.raises(TaskDataError, match=r"(?s)arc_challenge.*ARC-Challenge.*split='test'.*task_data\.arc_challenge"):
+        evaluate(eval_config(checkpoint=str(models["trained"]), tasks="arc_challenge"), tmp_path / "eval")
+
+
+def test_missing_local_task_file_is_named(models, tmp_path, arc_only):
+    cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy",
+                      task_data={"arc_easy": str(tmp_path / "absent.jsonl")})
+    with pytest.raises(TaskDataError, match="task_data.arc_easy=.*absent.jsonl.*does not exist"):
+        evaluate(cfg, tmp_path / "eval")
+
+
+def test_task_data_for_a_task_not_run_is_an_error(models, tmp_path, arc_only):
+    data = mc_tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
+    cfg = eval_config(checkpoint=str(models["trained"]), tasks="embedded", task_data={"arc_easy": str(data)})
+    with pytest.raises(ValueError, match="arc_easy"):
+        evaluate(cfg, tmp_path / "eval")
+
+
+def test_failure_during_scoring_leaves_no_results_file(models, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(evaluation, "run_lm_eval", broken)
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        evaluate(eval_config(checkpoint=str(models["trained"])), tmp_path / "eval")
+    assert not (tmp_path / "eval" / "results.json").exists()
+
+
+def test_forced_twell_kernel_without_a_gpu_fails_before_loading(models, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="kernel=twell cannot run"):
+        evaluate(eval_config(checkpoint=str(models["trained"]), kernel="twell"), tmp_path / "eval")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+def test_eval_config_composes_and_rejects_misspelt_keys():
+    cfg: EvalConfig = OmegaConf.to_object(_compose("eval", ["tasks=[paper,piqa]", "task_data.piqa=/data/piqa.jsonl",
+                                                            "heldout.examples=10", "kernel=torch"]))
+    assert cfg.tasks == ["paper", "piqa"] and cfg.task_data["piqa"] == "/data/piqa.jsonl"
+    assert cfg.task_data["arc_easy"] is None and cfg.heldout.examples == 10 and cfg.data.name == "embedded"
+    with pytest.raises(ConfigCompositionException):
+        _compose("eval", ["batch_sise=4"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: the sparse kernels score like the dense path
+
+
+@pytest.mark.gpu
+def test_twell_scores_match_torch_on_gpu(models, tmp_path):
+    reason = evaluation.get_backend("twell").unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() \
+        else "no CUDA GPU"
+    if reason is not None:
+        pytest.skip(f"twell kernels unavailable: {reason}")
+    runs = {kernel: evaluate(eval_config(checkpoint=str(models["trained"]), kernel=kernel, dtype="bfloat16",
+                                         heldout=HeldOutTaskConfig(examples=200)), tmp_path / kernel)["models"][0]
+            for kernel in ("torch", "twell")}
+    dense, sparse = runs["torch"], runs["twell"]
+    assert all(layer.startswith("twell") for layer in sparse["backend"]["layers"])
+    assert sparse["perplexity"]["ce"] == pytest.approx(dense["perplexity"]["ce"], rel=5e-3)
+    for metric in ("acc", "acc_norm"):
+        a, b = dense["tasks"]["heldout_continuation"][metric], sparse["tasks"]["heldout_continuation"][metric]
+        assert abs(a - b) <= 0.03, (metric, a, b)
+    assert sparse["sparsity"]["l0_mean"] == pytest.approx(dense["sparsity"]["l0_mean"], rel=0.02)
