@@ -125,7 +125,9 @@ def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
         return found
     given = Path(path).expanduser()
     if not given.exists():
-        raise FileNotFoundError(f"{key}={path!r} does not exist; pass a run's final/ or checkpoints/step_N/model")
+        raise FileNotFoundError(
+            f"{key}={path!r} does not exist; pass a run's final/ or checkpoints/step_N/model directory"
+        )
     for candidate in (given, given / "final", given / "model"):
         if (candidate / "config.json").is_file():
             if candidate != given:
@@ -143,7 +145,10 @@ def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
             "checkpoints (model_type 'llama') such as those train.py writes."
         )
     if not any(candidate.glob("*.safetensors")) and not any(candidate.glob("*.bin")):
-        raise FileNotFoundError(f"{key}={path!r}: {candidate} has a config.json but no weights (*.safetensors)")
+        raise FileNotFoundError(
+            f"{key}={path!r}: {candidate} has a config.json but no weights (*.safetensors); pass a "
+            "complete model directory"
+        )
     return candidate
 
 
@@ -234,17 +239,20 @@ class _LayerStats:
         layers = []
         for layer in range(len(self.l0_sum)):
             l0 = self.l0_sum[layer] / self.tokens
-            layers.append({"layer": layer, "l0_mean": l0, "l0_max": self.l0_max[layer], "sparsity": 1 - l0 / self.n,
-                           "never_fired": float((~self.fired_LN[layer]).float().mean()),
-                           "backend": "+".join(sorted(self.paths[layer]))})
+            layers.append({
+                "layer": layer, "l0_mean": l0, "l0_max": self.l0_max[layer], "sparsity": 1 - l0 / self.n,
+                "never_fired": float((~self.fired_LN[layer]).float().mean()),
+                "backend": "+".join(sorted(self.paths[layer])),
+            })
         l0_mean = sum(x["l0_mean"] for x in layers) / len(layers)
-        return {"neurons": self.n, "tokens": self.tokens, "l0_mean": l0_mean, "sparsity_mean": 1 - l0_mean / self.n,
-                "layers": layers}
+        return {"neurons": self.n, "tokens": self.tokens, "l0_mean": l0_mean,
+                "sparsity_mean": 1 - l0_mean / self.n, "layers": layers}
 
 
 @torch.no_grad()
-def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: int) -> dict[str, Any]:
-    """Cross-entropy / perplexity of ``tokens`` [n_tokens] in windows of ``seq_len``, and FFN sparsity on them.
+def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
+                     batch_size: int) -> dict[str, Any]:
+    """Cross-entropy / perplexity of ``tokens`` [n_tokens] in windows of ``seq_len``; FFN sparsity on them.
 
     Windows do not overlap (each starts without context); a last window shorter than ``seq_len`` is scored
     too. CE is averaged over all predicted tokens (seq_len - 1 per full window), computed in fp32.
@@ -296,7 +304,7 @@ class _FirstTruncationOnly(logging.Filter):
 
 def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig,
                 hub_tasks: list[str]) -> dict[str, Any]:
-    """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's result dict."""
+    """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's results."""
     lm_eval = mc_tasks._lm_eval()
     from lm_eval.models.huggingface import HFLM
 
@@ -308,17 +316,20 @@ def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manage
         output = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=cfg.limit,
                                          num_fewshot=cfg.num_fewshot, log_samples=False)
     except (ConnectionError, FileNotFoundError) as error:
-        advice = "".join(f"\n- {n}: {mc_tasks.local_data_advice(n, manager.task_index[n].cfg)}" for n in hub_tasks
-                         if n in manager.task_index and manager.task_index[n].cfg)
-        raise TaskDataError(f"lm-eval could not load a task's data ({type(error).__name__}: {error}).{advice}") \
-            from error
+        advice = "".join(f"\n- {n}: {mc_tasks.local_data_advice(n, manager.task_index[n].cfg)}"
+                         for n in hub_tasks if n in manager.task_index and manager.task_index[n].cfg)
+        raise TaskDataError(
+            f"lm-eval could not load a task's data ({type(error).__name__}: {error}).{advice}"
+        ) from error
     finally:
         hf_log.removeFilter(truncations)
     if truncations.dropped:
         log.warning("%d lm-eval requests were longer than the model's context and lost tokens on the left",
                     truncations.dropped)
     if output is None:
-        raise RuntimeError("lm-eval returned no results (it only does so on non-zero ranks of a distributed run)")
+        raise RuntimeError(
+            "lm-eval returned no results (it does so only on non-zero ranks of distributed runs)"
+        )
     return output
 
 
@@ -366,7 +377,8 @@ def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[s
     try:
         tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
     except ValueError as error:
-        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") from None
+        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") \
+            from None
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=plan.dtype, device=str(plan.device))
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
@@ -378,7 +390,8 @@ def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[s
     record.update(held_out_metrics(model, tokens, seq_len, cfg.batch_size))
     record["backend"] = {"kernel": cfg.kernel, "layers": [x["backend"] for x in record["sparsity"]["layers"]]}
     if plan.specs:
-        tasks, means = summarize_tasks(run_lm_eval(model, tokenizer, plan.specs, plan.manager, cfg, plan.hub_tasks))
+        output = run_lm_eval(model, tokenizer, plan.specs, plan.manager, cfg, plan.hub_tasks)
+        tasks, means = summarize_tasks(output)
         record["tasks"] = tasks
         record.update(means)
     del model
@@ -396,13 +409,22 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _score(row: dict[str, Any], metric: str) -> str:
+    """``0.2933 ± 0.0263 (n=300)`` for one task metric, ``-`` if the task lacks it."""
+    if metric not in row:
+        return "-"
+    err = row.get(f"{metric}_stderr")
+    return f"{row[metric]:.4f}" + (f" ± {err:.4f}" if isinstance(err, float) else "") + f" (n={row['n']})"
+
+
 def table_rows(models: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(row name, one cell per model) for the console table."""
     rows: list[tuple[str, list[str]]] = [
         ("step", [str(m["step"]) if m["step"] is not None else "-" for m in models]),
         ("held-out perplexity", [_num(m["perplexity"]["ppl"], ".3f") for m in models]),
         ("held-out CE", [_num(m["perplexity"]["ce"], ".4f") for m in models]),
-        ("L0 mean (non-zeros/token)", [f"{m['sparsity']['l0_mean']:.1f} / {m['sparsity']['neurons']}" for m in models]),
+        ("L0 mean (non-zeros/token)",
+         [f"{m['sparsity']['l0_mean']:.1f} / {m['sparsity']['neurons']}" for m in models]),
         ("sparsity mean", [f"{100 * m['sparsity']['sparsity_mean']:.2f}%" for m in models]),
     ]
     for layer in range(len(models[0]["sparsity"]["layers"])):
@@ -411,12 +433,7 @@ def table_rows(models: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
             for x in (m["sparsity"]["layers"][layer] for m in models)]))
     for task in models[0].get("tasks", {}):
         for metric in ("acc", "acc_norm"):
-            cells = []
-            for m in models:
-                r = m["tasks"].get(task, {})
-                err = r.get(f"{metric}_stderr")
-                cells.append("-" if metric not in r else
-                             f"{r[metric]:.4f}" + (f" ± {err:.4f}" if isinstance(err, float) else "") + f" (n={r['n']})")
+            cells = [_score(m["tasks"].get(task, {}), metric) for m in models]
             if any(c != "-" for c in cells):
                 rows.append((f"{task} {metric}", cells))
     if "mean_acc" in models[0]:
@@ -517,8 +534,9 @@ def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
         models.append(evaluate_checkpoint(model_dir, cfg, plan))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint", "compare", "logging", "out")}
     settings.update(tasks=plan.names, device=str(plan.device), dtype=str(plan.dtype).removeprefix("torch."))
-    results = {"complete": True, "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "settings": settings, "software": _software(), "models": models}
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(),
+               "models": models}
     print(format_table(models), flush=True)
     _log_telemetry(cfg, out_dir, results)
     log.info("Results: %s", write_results(out_dir, results))
@@ -526,7 +544,7 @@ def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _log_telemetry(cfg: EvalConfig, out_dir: Path, results: dict[str, Any]) -> None:
-    """metrics.jsonl and W&B: one record at the first checkpoint's training step (``eval/*``, ``compare/*``)."""
+    """metrics.jsonl and W&B: one record (``eval/*``, ``compare/*``) at the first checkpoint's step."""
     quiet = LoggingConfig(**{**asdict(cfg.logging), "progress_bar": False, "console": False})
     step = results["models"][0]["step"] or 0
     metrics: dict[str, float | str] = {}

@@ -78,12 +78,14 @@ def _lm_eval() -> Any:
 
 
 def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
-    """``"paper"``, ``"a,b"``, ``["paper", "piqa"]`` -> task names in order, aliases expanded, no duplicates."""
+    """``"paper"``, ``"a,b"`` or ``["paper", "piqa"]`` -> task names in order, aliases expanded, once each."""
     items = [tasks] if isinstance(tasks, str) else list(tasks)
     names: list[str] = []
     for item in items:
         if not isinstance(item, str):
-            raise TypeError(f"tasks: {item!r} is not a task name; pass a name, a comma-separated string or a list")
+            raise TypeError(
+                f"tasks: {item!r} is not a task name; pass a name, names joined by commas, or a list"
+            )
         for part in (p.strip() for p in item.split(",")):
             for name in TASK_ALIASES.get(part, (part,)):
                 if name and name not in names:
@@ -154,7 +156,7 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> 
         if getattr(cfg, key) < 1:
             raise ValueError(f"heldout.{key}={getattr(cfg, key)} must be >= 1")
     if cfg.choices < 2:
-        raise ValueError(f"heldout.choices={cfg.choices} must be >= 2 (the true continuation and a distractor)")
+        raise ValueError(f"heldout.choices={cfg.choices} must be >= 2 (the true continuation + distractors)")
     pool = [(doc, ctx, cont) for doc, text in enumerate(documents)
             for ctx, cont in _passages(text, cfg.context_words, cfg.continuation_words)]
     doc_ids = np.array([doc for doc, _, _ in pool], dtype=np.int64)
@@ -179,7 +181,8 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> 
             )
         label = int(rng.integers(cfg.choices))
         choices = distractors[:label] + [truth] + distractors[label:]
-        rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices, "label": label})
+        rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices,
+                     "label": label})
     return rows
 
 
@@ -247,11 +250,11 @@ def local_task_config(name: str, data_file: str, manager: Any) -> dict[str, Any]
     builder = LOCAL_SUFFIXES.get(path.suffix.lower())
     if builder is None:
         raise ValueError(
-            f"task_data.{name}={data_file!r}: use a .json, .jsonl or .parquet file (rows in the schema of the "
-            "task's Hugging Face dataset)"
+            f"task_data.{name}={data_file!r}: use a .json, .jsonl or .parquet file (rows in the schema of "
+            "the task's Hugging Face dataset)"
         )
     if not path.is_file():
-        raise TaskDataError(f"task_data.{name}={data_file!r} does not exist; pass the path of the task's data file")
+        raise TaskDataError(f"task_data.{name}={data_file!r} does not exist; pass the path of its data file")
     config = builtin_task_config(name, manager)
     split = evaluated_split(config)
     for key in ("tag", "training_split", "validation_split", "test_split", "fewshot_split"):
@@ -310,8 +313,9 @@ def local_data_advice(name: str, config: dict[str, Any]) -> str:
     subset = f", {config['dataset_name']!r}" if config.get("dataset_name") else ""
     split = evaluated_split(config)
     return (
-        f"export it where the hub is reachable, e.g. datasets.load_dataset({config.get('dataset_path')!r}{subset}, "
-        f"split={split!r}).to_json('{name}.jsonl'), copy the file here and pass task_data.{name}=<path>."
+        "export it where the hub is reachable, e.g. datasets.load_dataset("
+        f"{config.get('dataset_path')!r}{subset}, split={split!r}).to_json('{name}.jsonl'), copy "
+        f"the file here and pass task_data.{name}=<path>."
     )
 
 
@@ -346,8 +350,8 @@ def check_hub_tasks(names: Sequence[str], manager: Any, timeout_s: float) -> Non
                "HF_DATASETS_OFFLINE; eval.py sets them by default). With network, run with HF_HUB_OFFLINE=0 "
                "HF_DATASETS_OFFLINE=0.")
     else:
-        why = (f"the Hugging Face hub cannot be reached ({unreachable}). Datasets already in the cache are read "
-               "with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1.")
+        why = (f"the Hugging Face hub cannot be reached ({unreachable}). Datasets already in the cache are "
+               "read with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1.")
     raise TaskDataError(f"{len(missing)} task(s) cannot read their data: {why}\n" + "\n".join(missing))
 
 
@@ -360,7 +364,9 @@ def task_specs(names: Sequence[str], task_data: dict[str, str | None], heldout_f
     task_data = {name: path for name, path in task_data.items() if path}
     unused = sorted(set(task_data) - set(names))
     if unused:
-        raise ValueError(f"task_data names tasks that are not run: {unused}; add them to tasks= or remove them")
+        raise ValueError(
+            f"task_data names tasks that are not run: {unused}; add them to tasks, or remove them"
+        )
     specs: list[str | dict[str, Any]] = []
     for name in names:
         if name == HELDOUT_TASK:

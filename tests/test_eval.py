@@ -1,4 +1,4 @@
-"""eval.py: held-out perplexity/sparsity, lm-eval tasks (embedded and from local files), compare, error paths."""
+"""eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
 from dataclasses import replace
@@ -33,8 +33,8 @@ TRAIN = SMALL_MODEL + [
     "logging.progress_bar=false", "logging.console=false", "l1=1e-3",
 ]
 ARC_ROWS = [
-    {"id": f"q{i}", "question": f"Which number follows {i}?",
-     "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]}, "answerKey": "A"}
+    {"id": f"q{i}", "question": f"Which number follows {i}?", "answerKey": "A",
+     "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]}}
     for i in range(5)
 ]
 
@@ -46,7 +46,7 @@ def _compose(config_name: str, overrides: list[str]):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """A model trained for 40 steps (`final/`) and a random-init model of the same shape, saved like train.py."""
+    """A model trained for 40 steps (its `final/`) and a random-init model of the same shape, both saved."""
     root = tmp_path_factory.mktemp("runs")
     cfg: TrainConfig = OmegaConf.to_object(_compose("train", TRAIN))
     trained = train(cfg, root / "trained")
@@ -59,7 +59,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def eval_config(**changes) -> EvalConfig:
-    base = EvalConfig(batch_size=8, heldout=HeldOutTaskConfig(examples=24, context_words=24, continuation_words=8),
+    base = EvalConfig(batch_size=8, device="cpu",
+                      heldout=HeldOutTaskConfig(examples=24, context_words=24, continuation_words=8),
                       logging=LoggingConfig(wandb=False, progress_bar=False, console=False))
     return replace(base, **changes)
 
@@ -124,7 +125,8 @@ def test_heldout_examples_are_deterministic_and_well_formed():
         topic = row["context"].split()[0].rstrip("0123456789")
         truth = row["choices"][row["label"]]
         # The true continuation follows the context; the distractors come from other documents.
-        assert int(truth.split()[0].removeprefix(topic)) == int(row["context"].split()[-1].removeprefix(topic)) + 1
+        last_seen = int(row["context"].split()[-1].removeprefix(topic))
+        assert int(truth.split()[0].removeprefix(topic)) == last_seen + 1
         others = [c for i, c in enumerate(row["choices"]) if i != row["label"]]
         assert len(others) == 2 and not any(c.startswith(topic) for c in others)
     assert len({row["label"] for row in build_heldout_examples(documents, replace(cfg, examples=30))}) == 3
@@ -178,14 +180,15 @@ def test_unknown_task_suggests_close_names(models, tmp_path, arc_only):
     assert not (tmp_path / "eval" / "results.json").exists()
 
 
-def test_hub_task_offline_without_cache_fails_fast_with_local_file_advice(models, tmp_path, arc_only, monkeypatch):
+def test_hub_task_offline_without_cache_fails_with_local_file_advice(models, tmp_path, arc_only, monkeypatch):
     from datasets import config as ds_config
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(ds_config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    with pytest.raises(TaskDataError, match=r"(?s)arc_challenge.*ARC-Challenge.*split='test'.*task_data\.arc_challenge"):
+    advice = r"(?s)arc_challenge.*ARC-Challenge.*split='test'.*task_data\.arc_challenge="
+    with pytest.raises(TaskDataError, match=advice):
         evaluate(eval_config(checkpoint=str(models["trained"]), tasks="arc_challenge"), tmp_path / "eval")
 
 
@@ -225,8 +228,9 @@ def test_forced_twell_kernel_without_a_gpu_fails_before_loading(models, tmp_path
 
 
 def test_eval_config_composes_and_rejects_misspelt_keys():
-    cfg: EvalConfig = OmegaConf.to_object(_compose("eval", ["tasks=[paper,piqa]", "task_data.piqa=/data/piqa.jsonl",
-                                                            "heldout.examples=10", "kernel=torch"]))
+    overrides = ["tasks=[paper,piqa]", "task_data.piqa=/data/piqa.jsonl", "heldout.examples=10",
+                 "kernel=torch"]
+    cfg: EvalConfig = OmegaConf.to_object(_compose("eval", overrides))
     assert cfg.tasks == ["paper", "piqa"] and cfg.task_data["piqa"] == "/data/piqa.jsonl"
     assert cfg.task_data["arc_easy"] is None and cfg.heldout.examples == 10 and cfg.data.name == "embedded"
     with pytest.raises(ConfigCompositionException):
@@ -239,13 +243,16 @@ def test_eval_config_composes_and_rejects_misspelt_keys():
 
 @pytest.mark.gpu
 def test_twell_scores_match_torch_on_gpu(models, tmp_path):
-    reason = evaluation.get_backend("twell").unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() \
-        else "no CUDA GPU"
+    reason = "no CUDA GPU"
+    if torch.cuda.is_available():
+        reason = evaluation.get_backend("twell").unavailable_reason(torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"twell kernels unavailable: {reason}")
-    runs = {kernel: evaluate(eval_config(checkpoint=str(models["trained"]), kernel=kernel, dtype="bfloat16",
-                                         heldout=HeldOutTaskConfig(examples=200)), tmp_path / kernel)["models"][0]
-            for kernel in ("torch", "twell")}
+    runs = {}
+    for kernel in ("torch", "twell"):
+        cfg = eval_config(checkpoint=str(models["trained"]), kernel=kernel, device="cuda", dtype="bfloat16",
+                          heldout=HeldOutTaskConfig(examples=200))
+        runs[kernel] = evaluate(cfg, tmp_path / kernel)["models"][0]
     dense, sparse = runs["torch"], runs["twell"]
     assert all(layer.startswith("twell") for layer in sparse["backend"]["layers"])
     assert sparse["perplexity"]["ce"] == pytest.approx(dense["perplexity"]["ce"], rel=5e-3)
