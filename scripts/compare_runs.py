@@ -3,14 +3,16 @@
     python scripts/compare_runs.py outputs/one_gpu outputs/ddp outputs/fsdp [--markdown BENCHMARKS.md --title ...]
 
 The first run is the baseline: the table shows each run's final loss, the largest loss gap to the baseline
-over the steps both logged, steady-state tokens/s (mean over logging windows after the first, which holds
-start-up) and its ratio to the baseline, peak memory and energy per token.
+over the steps both logged, steady-state tokens/s (median over logging windows after the first, which holds
+start-up; the median also ignores windows that include a checkpoint write) and its ratio to the baseline,
+peak memory and energy per token.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 from pathlib import Path
 
 from sparse_llm.telemetry import read_metrics
@@ -23,17 +25,17 @@ def summarize(run_dir: Path, baseline: dict[int, dict] | None) -> dict[str, floa
     steps = sorted(records)
     steady = [records[s] for s in steps[1:]] or [records[steps[0]]]
 
-    def mean(key: str) -> float:
+    def median(key: str) -> float:
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        return sum(values) / len(values) if values else float("nan")
+        return statistics.median(values) if values else float("nan")
 
     gap = float("nan")
     if baseline is not None:
         common = [s for s in steps if s in baseline]
         gap = max((abs(records[s]["loss"] - baseline[s]["loss"]) for s in common), default=float("nan"))
     return {"run": run_dir.name, "steps": steps[-1], "final_loss": records[steps[-1]]["loss"], "max_gap": gap,
-            "tokens_per_s": mean("tokens_per_s"), "peak_mem_gb": mean("peak_mem_gb"),
-            "mj_per_token": mean("mj_per_token"), "l0": records[steps[-1]].get("l0/mean", float("nan"))}
+            "tokens_per_s": median("tokens_per_s"), "peak_mem_gb": median("peak_mem_gb"),
+            "mj_per_token": median("mj_per_token"), "l0": records[steps[-1]].get("l0/mean", float("nan"))}
 
 
 def table(run_dirs: list[Path]) -> str:
