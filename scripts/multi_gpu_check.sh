@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Loss parity and throughput scaling of one GPU vs DDP vs FSDP at the same global batch, then an FSDP resume.
 #   bash scripts/multi_gpu_check.sh [model=0.5b] [extra overrides...]     (needs >= 2 GPUs)
-# Run directories: outputs/mgpu_{one,ddp,fsdp}; the table is printed and appended to BENCHMARKS.md.
+# Run directories: outputs/mgpu_{one,one_split,ddp,fsdp,fsdp_resumed}; the table is printed and appended to BENCHMARKS.md.
 set -euo pipefail
 STEPS=${STEPS:-300}
 COMMON=(model=0.5b l1=2e-5 trainer.max_steps=$STEPS trainer.global_batch=16 trainer.micro_batch=8
@@ -10,6 +10,8 @@ COMMON=(model=0.5b l1=2e-5 trainer.max_steps=$STEPS trainer.global_batch=16 trai
 LAUNCH=(accelerate launch --num_processes 2 --num_machines 1)
 
 CUDA_VISIBLE_DEVICES=0 python train.py "${COMMON[@]}" run_name=mgpu_one
+# Same updates, different micro-batch split: its loss gap to mgpu_one is the bf16 noise floor.
+CUDA_VISIBLE_DEVICES=0 python train.py "${COMMON[@]}" trainer.micro_batch=4 run_name=mgpu_one_split
 "${LAUNCH[@]}" --config_file configs/accelerate/ddp.yaml train.py "${COMMON[@]}" run_name=mgpu_ddp
 "${LAUNCH[@]}" --config_file configs/accelerate/fsdp.yaml train.py "${COMMON[@]}" run_name=mgpu_fsdp
 # Resume the FSDP run from its mid-run checkpoint into a copy and check it reproduces the last steps.
@@ -19,6 +21,6 @@ cp -r "outputs/mgpu_fsdp/checkpoints/step_$((STEPS / 2))" outputs/mgpu_fsdp_resu
   checkpoint.resume=auto
 
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
-python scripts/compare_runs.py outputs/mgpu_one outputs/mgpu_ddp outputs/mgpu_fsdp outputs/mgpu_fsdp_resumed \
+python scripts/compare_runs.py outputs/mgpu_one outputs/mgpu_one_split outputs/mgpu_ddp outputs/mgpu_fsdp outputs/mgpu_fsdp_resumed \
   --markdown BENCHMARKS.md --title "Multi-GPU training: 1 GPU vs DDP vs FSDP" \
   --note "2x $GPU, bf16, ${COMMON[*]}; the resumed run restarts FSDP from step $((STEPS / 2))."
