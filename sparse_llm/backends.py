@@ -124,13 +124,9 @@ def backend_names() -> list[str]:
 
 
 def _load_optional_backends() -> None:
-    """Import the CUDA backend module, which registers itself; a missing module is fine (CPU-only install)."""
-    if "twell" in _BACKENDS:
-        return
-    try:
+    """Import the CUDA backend module, which registers itself (it imports without a GPU or CuPy)."""
+    if "twell" not in _BACKENDS:
         from sparse_llm import twell_backend  # noqa: F401  (registers "twell" on import)
-    except ImportError:
-        pass
 
 
 register_backend(TorchFFN())

@@ -84,3 +84,22 @@ def test_auto_uses_torch_on_cpu_and_reports_the_path():
     mlp = SparseMLP(64, 256, kernel="auto")
     mlp(torch.randn(4, 64))
     assert mlp.last_result.path == "torch"
+
+
+def test_l1_gradients_survive_gradient_checkpointing():
+    """The L1 term is read from each layer's last forward; recomputation in backward must not change grads."""
+    from sparse_llm.sparsity import l1_term
+
+    def grads(checkpointing: bool) -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        model = build_model(TINY, kernel="torch").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, TINY.vocab_size, (2, 16))
+        out = model(input_ids=ids, labels=ids)
+        loss = out.loss + 1e-2 * l1_term([m.last_result for m in sparse_mlps(model)])
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for plain, checkpointed in zip(grads(False), grads(True), strict=True):
+        torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
