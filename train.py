@@ -10,13 +10,12 @@ Keys and their meaning: sparse_llm/config.py. Runs land in outputs/<run_name>/.
 
 import logging
 import os
+import sys
 from pathlib import Path
 
-# Offline by default: no hub look-ups unless the user opts in, and W&B never tries to go online without a key.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_SILENT", "true")
+from sparse_llm import env
+
+env.apply_defaults(sys.argv[1:])  # before transformers/datasets are imported: they read it at import
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -40,7 +39,5 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         # One console and one log file per run: other ranks stay quiet.
-        import sys
-
         sys.argv += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     main()

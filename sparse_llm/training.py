@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,5 +289,4 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> Path:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return Trainer(cfg, run_dir).run()
