@@ -72,3 +72,20 @@ def test_cli_error_names_the_bad_key():
                          text=True, timeout=120)
     assert out.returncode != 0
     assert "learning_rate" in out.stderr
+
+
+def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
+    """Ranks compose their configs at different moments; under a launcher they must agree on the run dir."""
+    import os
+    import time
+
+    import psutil
+
+    from sparse_llm.config import launch_stamp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    first = launch_stamp()
+    time.sleep(1.1)
+    assert launch_stamp() == first
+    parent_start = psutil.Process(os.getppid()).create_time()
+    assert first == time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(parent_start))
