@@ -1,6 +1,8 @@
 """eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -224,7 +226,7 @@ def test_forced_twell_kernel_without_a_gpu_fails_before_loading(models, tmp_path
 
 
 # ----------------------------------------------------------------------------------------------------
-# Config
+# Config and entry point
 
 
 def test_eval_config_composes_and_rejects_misspelt_keys():
@@ -235,6 +237,15 @@ def test_eval_config_composes_and_rejects_misspelt_keys():
     assert cfg.task_data["arc_easy"] is None and cfg.heldout.examples == 10 and cfg.data.name == "embedded"
     with pytest.raises(ConfigCompositionException):
         _compose("eval", ["batch_sise=4"])
+
+
+def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(tmp_path):
+    out = tmp_path / "eval"
+    run = subprocess.run([sys.executable, "eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}",
+                          "logging.wandb=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "missing' does not exist" in run.stderr
+    assert not (out / "results.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
