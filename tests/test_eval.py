@@ -239,6 +239,7 @@ def test_eval_config_composes_and_rejects_misspelt_keys():
         _compose("eval", ["batch_sise=4"])
 
 
+@pytest.mark.slow
 def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(tmp_path):
     out = tmp_path / "eval"
     run = subprocess.run([sys.executable, "eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}",
