@@ -9,17 +9,14 @@
 Keys and their meaning: sparse_llm/evaluation.py (EvalConfig). Results land in <out>/results.json.
 """
 
-import logging
-import os
+import sys
 from pathlib import Path
 
-# Offline by default: benchmarks are read from local files or the cache unless the user opts in to the hub,
-# and W&B never tries to go online without a key.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from sparse_llm import env
+
+# Offline by default (benchmarks come from local files or the cache unless the user opts in to the hub);
+# set before transformers/datasets are imported, as they read it at import.
+env.apply_defaults(sys.argv[1:])
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -28,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs  # noqa: E402
 
 register_eval_configs()
-log = logging.getLogger("eval")
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
