@@ -305,7 +305,7 @@ class _FirstTruncationOnly(logging.Filter):
 def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig,
                 hub_tasks: list[str]) -> dict[str, Any]:
     """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's results."""
-    lm_eval = mc_tasks._lm_eval()
+    lm_eval = mc_tasks.import_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=cfg.batch_size)
@@ -485,7 +485,7 @@ def _flat_metrics(record: dict[str, Any], prefix: str) -> dict[str, float | str]
 def _software() -> dict[str, Any]:
     import transformers
 
-    return {"lm_eval": mc_tasks._lm_eval().__version__, "torch": torch.__version__,
+    return {"lm_eval": mc_tasks.import_lm_eval().__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_offline": mc_tasks.hub_env_summary()}
 
 
@@ -533,7 +533,8 @@ def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
         log.info("Evaluating %s (kernel=%s, %s, %s)", model_dir, cfg.kernel, plan.device, plan.dtype)
         models.append(evaluate_checkpoint(model_dir, cfg, plan))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint", "compare", "logging", "out")}
-    settings.update(tasks=plan.names, device=str(plan.device), dtype=str(plan.dtype).removeprefix("torch."))
+    settings.update(tasks=plan.names, device=str(plan.device), dtype=str(plan.dtype).removeprefix("torch."),
+                    device_name=torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu")
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(),
                "models": models}

@@ -63,7 +63,8 @@ class HeldOutTaskConfig:
     seed: int = 0
 
 
-def _lm_eval() -> Any:
+def import_lm_eval() -> Any:
+    """The lm_eval module, or an ImportError saying how to install it."""
     try:
         import lm_eval
     except ImportError:
@@ -102,7 +103,7 @@ def needs_builtin_index(names: Sequence[str]) -> bool:
 
 def task_manager(builtin: bool) -> Any:
     """lm-eval's TaskManager; without ``builtin`` it skips indexing the built-in task YAMLs."""
-    _lm_eval()
+    import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=builtin)

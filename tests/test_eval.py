@@ -72,7 +72,7 @@ def arc_only(monkeypatch):
     """Index only lm-eval's ARC YAMLs (indexing all built-in tasks takes ~8 s)."""
     from lm_eval.tasks import TaskManager
 
-    arc_dir = Path(mc_tasks._lm_eval().__file__).parent / "tasks" / "arc"
+    arc_dir = Path(mc_tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
     monkeypatch.setattr(mc_tasks, "task_manager",
                         lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False))
 
