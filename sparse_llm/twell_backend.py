@@ -1,10 +1,12 @@
 """The "twell" FFN backend: the gated feedforward block for inference through TwELL CUDA kernels.
 
-Two launches per block (kernels/ holds the CUDA sources):
+Two stages per block (kernels/ holds the CUDA sources):
 
-1. Gate: g = relu(x w_gate^T) packed to TwELL (`sparse_llm.formats` documents the layout), either by
-   the fused wgmma GEMM whose epilogue packs (no dense gate in memory; large M), or by a cuBLAS GEMM
-   followed by a packing kernel (small M, where cuBLAS's GEMV-like schedules read the weight faster).
+1. Gate: g = relu(x w_gate^T) packed to TwELL (`sparse_llm.formats` documents the layout), by one of
+   two routes: "fused", a wgmma GEMM whose epilogue packs (no dense gate in memory), or "cublas", a
+   torch GEMM followed by a packing kernel (writes and re-reads a bf16 [M, N] gate). On the H100 the
+   fused GEMM reaches ~500 TFLOP/s against cuBLAS's ~730, so "cublas" is faster at every M measured
+   and "auto" uses it; "fused" remains selectable (it saves the [M, N] temporary).
 2. Up + down: per token, for each packed non-zero (n, g): u = x . w_up[n], h = g * u,
    y += h * w_down[:, n], with fp32 accumulation; the dense hidden [M, N] never exists.
 
@@ -52,16 +54,24 @@ GATE_ROUTES = ("auto", "fused", "cublas")
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
 # --calibrate at K = 2048, N = 5632 (BENCHMARKS.md, "TwELL inference: calibration").
 # ------------------------------------------------------------------------------------------------
-CUBLAS_GEMM_TFLOPS = 720.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.526 ms
-FUSED_GATE_TFLOPS = 480.0  # fused gate GEMM + packing epilogue, same shape: 0.78 ms
+CUBLAS_GEMM_TFLOPS = 730.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.517 ms
+FUSED_GATE_TFLOPS = 500.0  # fused gate GEMM + packing epilogue, same shape: 0.755 ms
 PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
 # The fused gate loses to cuBLAS + packing at every M measured (1 .. 16384), so "auto" never picks it.
 FUSED_GATE_MIN_M = 1 << 62
-UP_DOWN_GBPS = 5500.0  # up+down marginal rate in weight-row bytes (2 rows of K bf16 per non-zero, from L2)
-UP_DOWN_MS_PER_TOKEN = 0.2 / 16384  # up+down with no non-zeros: 0.2 ms at M = 16384
+# Up+down at M = 16384: 0.755 ms at 28 non-zeros per token, 1.351 ms at 56: a marginal 6.3 TB/s of
+# weight-row bytes (2 rows of K bf16 per non-zero, from L2) on top of 0.16 ms.
+UP_DOWN_GBPS = 6300.0
+UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
+# With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold
+# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796; priced as 2x.
+TAIL_FACTOR = 2.0
 HBM_GBPS = 3000.0
-# Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.2-0.3 ms).
-CPU_FLOOR_MS = 0.2
+# Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
+CPU_FLOOR_MS = 0.22
+# Dense rows cost their three GEMMs plus gather, scatter and statistics passes over [R, N]: with every
+# token dense (mean 280 / 560 non-zeros) the call took 4.1 ms = gate + 0.24 + 2.1x dense_ms(16384).
+DENSE_ROW_FACTOR = 2.1
 # Tokens with more gate non-zeros than this go to the dense path: at ~1.5 ns per sparse non-zero
 # (8 KiB at 5.5 TB/s) vs ~0.1 us per dense GEMM row, the break-even is ~70; 128 leaves margin for
 # the gather/scatter around the dense rows.
@@ -112,9 +122,10 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     dense_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
     sparse_tokens = m * (1.0 - dense_fraction)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
-    up_down = sparse_tokens * light_mean * row_bytes / (UP_DOWN_GBPS * 1e6) + m * UP_DOWN_MS_PER_TOKEN
+    up_down = sparse_tokens * light_mean * row_bytes / (UP_DOWN_GBPS * 1e6)
+    up_down = up_down * (TAIL_FACTOR if dense_fraction > 0 else 1.0) + m * UP_DOWN_MS_PER_TOKEN
     up_down = max(up_down, min(sparse_tokens * light_mean, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
-    dense_rows = dense_ms(math.ceil(dense_fraction * m), k, n)
+    dense_rows = DENSE_ROW_FACTOR * dense_ms(math.ceil(dense_fraction * m), k, n)
     return max(gate + up_down + dense_rows, CPU_FLOOR_MS)
 
 
@@ -341,6 +352,12 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
+def dense_row_stats(h_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum |h| per row in fp32 [R], non-zeros per row int32 [R], fired neurons bool [N]) of a dense h [R, N]."""
+    nonzero_RN = h_RN != 0
+    return h_RN.float().abs().sum(dim=1), nonzero_RN.sum(dim=1, dtype=torch.int32), nonzero_RN.any(dim=0)
+
+
 def twell_gated_mlp(
     x_MK: torch.Tensor,
     w_gate_NK: torch.Tensor,
@@ -372,10 +389,10 @@ def twell_gated_mlp(
         x_RK = x_MK.index_select(0, dense_rows_R)
         h_RN = F.relu(F.linear(x_RK, w_gate_NK)) * F.linear(x_RK, w_up_NK)
         y_MK.index_copy_(0, dense_rows_R, F.linear(h_RN, w_down_KN))
-        l1_M.index_copy_(0, dense_rows_R, h_RN.float().abs().sum(dim=1))
-        nonzero_RN = h_RN != 0
-        l0_M.index_copy_(0, dense_rows_R, nonzero_RN.sum(dim=1, dtype=torch.int32))
-        fired_N |= nonzero_RN.any(dim=0)
+        l1_R, l0_R, fired_rows_N = dense_row_stats(h_RN)
+        l1_M.index_copy_(0, dense_rows_R, l1_R)
+        l0_M.index_copy_(0, dense_rows_R, l0_R)
+        fired_N |= fired_rows_N
     return FFNResult(
         y_MK=y_MK,
         l1_sum=l1_M.sum(),

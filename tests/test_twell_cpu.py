@@ -22,6 +22,7 @@ from sparse_llm.twell_backend import (
     TwellFFN,
     check_inputs,
     dense_ms,
+    dense_row_stats,
     gate_route_for,
     dense_row_split,
     splits_for,
@@ -186,3 +187,13 @@ def test_synthetic_block_hits_the_target_density():
     x, wg, _, _ = synthetic_block(512, 256, 1024, nnz_mean=40, sigma=0.5, device="cpu", seed=1)
     heavy = (F.linear(x.float(), wg.float()) > 0).sum(dim=1).float()
     assert heavy.max() > 3 * nnz.max()  # heavy tail
+
+
+def test_dense_row_stats_match_the_plain_definitions():
+    h = torch.randn(37, 512).to(torch.bfloat16)
+    h[h.float() < 0.3] = 0
+    h[5] = 0
+    l1, l0, fired = dense_row_stats(h)
+    torch.testing.assert_close(l1, h.float().abs().sum(dim=1), rtol=1e-5, atol=1e-5)
+    assert l0.dtype == torch.int32 and torch.equal(l0, (h != 0).sum(dim=1, dtype=torch.int32))
+    assert torch.equal(fired, (h != 0).any(dim=0)) and l0[5] == 0
