@@ -1,0 +1,671 @@
+"""Whole-model benchmark: dense FFNs vs the sparse kernels, same process, same weights, same inputs.
+
+    python scripts/bench_model.py --size 2b --density-l0 24                   # random 2b model, ~24 nnz/token
+    python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/fineweb   # a trained model
+    python scripts/bench_model.py --size tiny --seq-len 64 --batch 2 --reps 2   # CPU smoke run
+
+Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
+--modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
+--max-train-batch (also find the largest training micro-batch each path fits, doubling up to this),
+--grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --seed.
+
+What is measured, per mode and per FFN path (`kernel=torch`: dense cuBLAS; `kernel=auto`: each layer
+picks by the cost model from the L0 it showed on the dense pass; `kernel=twell`: forced, inference only,
+where the TwELL kernels can run):
+- forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
+  batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
+- train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
+  bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, AdamW step.
+- tokens/ms from the median of CUDA-event timings after warm-up; the ratio to the dense path of the
+  same run; peak allocated memory (resident weights included; in train mode also gradients and AdamW
+  state); energy per token from the NVML counter over >= --energy-seconds of back-to-back calls
+  (omitted on CPU or without pynvml); per-layer L0 (mean / p99 / max non-zeros of h per token on the
+  benchmark inputs) and the path each layer took in its last call (with rows rerouted to the dense path).
+- a time breakdown from CUDA events around the attention and FFN modules (a separate pass, so the
+  events cost the throughput numbers nothing): attention, FFN gate GEMM (the [M, K] x [K, N] cuBLAS
+  GEMM timed alone, times the layer count; both paths run it), the rest of the FFN (dense: up and
+  down GEMMs; sparse: packing, sparse up/down, rerouted rows, statistics; in train mode also autocast's
+  weight casts), other forward work (norms, embeddings, residuals, loss), and in train mode backward
+  (with any gradient-checkpointing recomputation) and optimizer (gradient clipping + AdamW).
+Training kernels do not exist yet: in train mode `kernel=auto` runs the dense path in every layer, and the
+per-layer paths in the report show it.
+
+Random-init models (--size) are dense-ish (half the gate pre-activations are positive). --density-l0 T
+makes them sparse without changing any cost of the dense path: Llama MLPs have no bias, so we build a
+constant input feature and give every gate row a negative weight on it.
+1. Feature 0 of the residual stream is made constant: embedding column 0 is set to the init std c, and
+   row 0 of every attention o_proj and MLP down_proj is zeroed, so no layer writes to it. (With tied
+   embeddings this adds c * h[0] to every logit of a token, which leaves the softmax unchanged.)
+2. After RMSNorm the MLP input's feature 0 is s_m = c * w_norm[0] / rms(h_m) > 0: constant up to the
+   token's residual norm. Setting gate_proj.weight[:, 0] = -t shifts every gate pre-activation of
+   token m down by t * s_m.
+3. t is solved per layer by bisection on the layer's real inputs so that the mean count of positive
+   gate pre-activations per token is T (calibrated in one forward pass, in layer order, so each layer
+   sees the already-sparse outputs of the layers before it). Tokens with a small residual norm get a
+   larger shift, so L0 varies across tokens; the report states the p99 and max that result.
+The model's function changes, which is irrelevant for speed; L0 is always measured, never assumed.
+
+Real sparsity at the paper's shapes (24-40 non-zeros per token per layer), reproducibly, in minutes of
+GPU time: train from scratch with a larger L1 coefficient than the paper's 2e-5 so that L0 falls within
+a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0/layer_NN`, `l0/mean`,
+`l0_p99/...`, `l0_max/...`), then benchmark the checkpoint on held-out text:
+
+    python scripts/tokenize_corpus.py ...                        # a token file of the training corpus
+    python train.py model=2b l1=1e-4 data=tokens data.paths=<prefix> trainer.max_steps=300 \\
+        trainer.global_batch=64 trainer.micro_batch=8 trainer.warmup_steps=50 seed=0
+    python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens <prefix>
+
+l1=1e-4 is a starting point, not a measured setting: raise it if `l0/mean` is still above ~40 when it
+stops falling, lower it if it drops under ~24; record the value, steps and seed used next to the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+from transformers import LlamaForCausalLM
+
+from sparse_llm.backends import get_backend
+from sparse_llm.benchmark import (
+    Clock,
+    PeakMemory,
+    SectionTimer,
+    energy_mj_per_call,
+    hardware_summary,
+    l0_summary,
+    time_ms,
+    time_samples_ms,
+)
+from sparse_llm.config import TrainConfig
+from sparse_llm.data import read_token_file
+from sparse_llm.energy import EnergyMeter
+from sparse_llm.model import ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
+from sparse_llm.sparsity import l1_term
+from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.training import make_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
+MODES = ("forward", "train")
+KERNELS = {"forward": ("torch", "auto", "twell"), "train": ("torch", "auto")}  # twell is inference only
+BREAKDOWN_REPS = 3
+CALIBRATION_TOKENS = 8192  # tokens per layer used to solve the gate shift (more adds nothing but memory)
+
+
+# ----------------------------------------------------------------------------------------------- results
+@dataclass
+class LayerStats:
+    """Sparsity and path of one FFN layer in its latest call."""
+
+    l0_mean: float
+    l0_p99: float
+    l0_max: float
+    path: str
+    overflow_rows: int
+
+
+@dataclass
+class VariantResult:
+    """One (mode, kernel, micro-batch) measurement. `skipped` holds the reason when it could not run."""
+
+    mode: str
+    kernel: str
+    batch: int
+    tokens: int
+    ms: float | None = None
+    ms_spread: tuple[float, float] | None = None  # (min, max) of the timed calls
+    tokens_per_ms: float | None = None
+    peak_gib: float | None = None
+    mj_per_token: float | None = None
+    layers: list[LayerStats] = field(default_factory=list)
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None
+
+    def path_summary(self) -> str:
+        """e.g. 'twell x6, twell+dense-rows x2 (140 rows dense)'."""
+        counts = collections.Counter(layer.path for layer in self.layers)
+        text = ", ".join(f"{path} x{n}" for path, n in counts.most_common())
+        rerouted = sum(layer.overflow_rows for layer in self.layers)
+        return text + (f" ({rerouted} rows dense)" if rerouted else "")
+
+
+# ------------------------------------------------------------------------------------------------- model
+def size_config(size: str, vocab_size: int | None) -> ModelConfig:
+    """The `model:` section of configs/model/<size>.yaml; a null vocabulary takes `vocab_size` or the
+    embedded tokenizer's size (the one the tiny default run trains with)."""
+    path = ROOT / "configs" / "model" / f"{size}.yaml"
+    if not path.is_file():
+        raise ValueError(f"--size {size}: no {path}; choose one of {list(SIZES)} or pass --checkpoint.")
+    section = OmegaConf.to_container(OmegaConf.load(path).model, resolve=True)
+    cfg = ModelConfig(**section)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
+    elif cfg.vocab_size is None:
+        cfg.vocab_size = len(load_tokenizer("embedded"))
+    return cfg
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausalLM:
+    """The model in fp32 on `device` (fp32 is the master copy that training mode starts from)."""
+    torch.manual_seed(args.seed)
+    if args.checkpoint:
+        return load_pretrained(args.checkpoint, kernel="torch", dtype=torch.float32, device=str(device))
+    with torch.device(device):
+        return build_model(size_config(args.size, args.vocab_size), kernel="torch")
+
+
+def decoder_layers(model: LlamaForCausalLM) -> nn.ModuleList:
+    return model.model.layers
+
+
+@torch.no_grad()
+def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tensor) -> list[float]:
+    """Give a random-init model ~`target_l0` positive gate pre-activations per token in every layer.
+
+    See the module docstring for the construction. input_ids [B, T] is the calibration batch. Returns
+    the gate shift t of each layer.
+    """
+    layers = decoder_layers(model)
+    n = layers[0].mlp.intermediate_size
+    if not 0 < target_l0 < n / 2:
+        raise ValueError(f"--density-l0 {target_l0}: use a mean non-zero count in (0, {n // 2}) (FFN width {n}).")
+    c = model.config.initializer_range
+    model.model.embed_tokens.weight[:, 0] = c
+    for layer in layers:
+        layer.self_attn.o_proj.weight[0].zero_()
+        layer.mlp.down_proj.weight[0].zero_()
+        if layer.post_attention_layernorm.weight[0] <= 0:
+            raise ValueError("make_sparse needs a positive post-attention norm weight on feature 0 (random init has 1).")
+
+    shifts: list[float] = []
+
+    def calibrate(mlp: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        x_MK = args[0].reshape(-1, args[0].shape[-1])[:CALIBRATION_TOKENS].float()
+        w_NK = mlp.gate_proj.weight.float()
+        z_MN = x_MK[:, 1:] @ w_NK[:, 1:].T  # pre-activations without the shift feature
+        s_M1 = x_MK[:, :1]
+        lo, hi = 0.0, float(z_MN.abs().max() / s_M1.min()) + 1.0  # at hi no pre-activation is positive
+        for _ in range(50):
+            t = (lo + hi) / 2
+            l0 = (z_MN > t * s_M1).sum(dim=1, dtype=torch.float32).mean().item()
+            lo, hi = (t, hi) if l0 > target_l0 else (lo, t)
+        mlp.gate_proj.weight[:, 0] = -hi
+        shifts.append(hi)
+
+    handles = [layer.mlp.register_forward_pre_hook(calibrate) for layer in layers]
+    try:
+        model.model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shifts
+
+
+def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None) -> None:
+    """Route every FFN through `kernel`; `auto` layers decide from `observed` (the dense pass's L0).
+
+    Self-observation is switched off so that no layer changes its mind (or syncs the host) mid-timing.
+    """
+    sparsify(model, kernel)  # resets each layer's dispatcher to `kernel`
+    for i, mlp in enumerate(sparse_mlps(model)):
+        mlp.self_observe = False
+        if observed is not None:
+            mlp.dispatcher.observe(observed[i].l0_mean, observed[i].l0_max)
+
+
+def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
+    stats = []
+    for mlp in sparse_mlps(model):
+        result = mlp.last_result
+        mean, p99, top = l0_summary(result.l0_M)
+        stats.append(LayerStats(mean, p99, top, result.path, int(result.overflow_rows)))
+    return stats
+
+
+def kernel_unavailable_reason(kernel: str, model: LlamaForCausalLM, device: torch.device) -> str | None:
+    """Why a forced kernel cannot run this model here (None if it can); `auto` and `torch` always run."""
+    if kernel in ("torch", "auto"):
+        return None
+    reason = get_backend(kernel).unavailable_reason(device)
+    if reason is None and kernel == "twell":
+        from sparse_llm.twell_backend import shape_unsupported_reason
+
+        mlp = sparse_mlps(model)[0]
+        reason = shape_unsupported_reason(mlp.hidden_size, mlp.intermediate_size)
+    return reason
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def make_inputs(args: argparse.Namespace, rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, seq_len] token ids: uniform random ids (seeded), or consecutive blocks of a token file."""
+    if not args.tokens:
+        gen = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab_size, (rows, args.seq_len), generator=gen)
+    _meta, train, val = read_token_file(args.tokens)
+    source = val if len(val) >= rows * args.seq_len else train
+    if len(source) < rows * args.seq_len:
+        raise ValueError(f"--tokens {args.tokens}: {len(source)} tokens, fewer than {rows} x {args.seq_len}.")
+    ids = source.blocks(range(0, rows * args.seq_len, args.seq_len), args.seq_len)
+    if int(ids.max()) >= vocab_size:
+        raise ValueError(f"--tokens {args.tokens} holds ids >= the model's vocabulary ({vocab_size}): wrong tokenizer.")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gate_gemm_ms(model: LlamaForCausalLM, tokens: int, dtype: torch.dtype, args: argparse.Namespace) -> float:
+    """All layers' gate GEMMs [tokens, K] x [K, N], timed alone (cost does not depend on the values)."""
+    mlp = sparse_mlps(model)[0]
+    device = mlp.gate_proj.weight.device
+    x_MK = torch.randn(tokens, mlp.hidden_size, device=device, dtype=dtype)
+    w_NK = mlp.gate_proj.weight.detach().to(dtype)
+    with torch.no_grad():
+        one = time_ms(lambda: F.linear(x_MK, w_NK), warmup=args.warmup, reps=max(args.reps, 3), device=device)
+    return one * len(sparse_mlps(model))
+
+
+def section_timer(model: LlamaForCausalLM, device: torch.device) -> SectionTimer:
+    layers = decoder_layers(model)
+    return SectionTimer({"attention": [l.self_attn for l in layers], "ffn": [l.mlp for l in layers]}, device)
+
+
+def split_forward(total: float, sections: dict[str, float], gate_ms: float) -> dict[str, float]:
+    return {
+        "attention": sections["attention"],
+        "ffn gate GEMM": gate_ms,
+        "ffn rest": sections["ffn"] - gate_ms,
+        "other fwd": total - sections["attention"] - sections["ffn"],
+    }
+
+
+def median_dicts(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]}
+
+
+def bench_forward(
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    kernel: str,
+    observed: list[LayerStats] | None,
+    meter: EnergyMeter,
+    gate_ms: float,
+    args: argparse.Namespace,
+) -> VariantResult:
+    """Core-model forward (no lm_head, no KV cache) of ids [B, T] with every FFN on `kernel`."""
+    device = ids.device
+    set_kernel(model, kernel, observed)
+    result = VariantResult("forward", kernel, ids.shape[0], ids.numel())
+
+    def forward() -> object:
+        return model.model(input_ids=ids, use_cache=False)
+
+    with torch.inference_mode(), PeakMemory(device) as peak:
+        samples = time_samples_ms(forward, args.warmup, args.reps, device)
+        result.layers = layer_stats(model)
+        energy = energy_mj_per_call(meter, forward, args.energy_seconds)
+    fill_timing(result, samples, peak.gib, energy)
+    clock, runs = Clock(device), []
+    with torch.inference_mode(), section_timer(model, device) as timer:
+        for _ in range(BREAKDOWN_REPS):
+            start = clock.mark()
+            forward()
+            total = clock.elapsed_ms(start, clock.mark())
+            runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
+    result.breakdown_ms = median_dicts(runs)
+    return result
+
+
+class TrainStep:
+    """One training step as train.py runs it on a GPU, split in phases for the time breakdown.
+
+    fp32 master weights; the forward under bf16 autocast (no autocast on a CPU, as train.py);
+    loss = CE + l1 * L1 term; backward; clip the gradient norm to 1; AdamW (train.py's optimizer).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float) -> None:
+        self.model, self.ids, self.l1 = model, ids, l1
+        cfg = TrainConfig()
+        cfg.trainer.lr = lr
+        self.optimizer = make_optimizer(model, cfg)
+        self.mlps = sparse_mlps(model)
+        cuda = ids.device.type == "cuda"
+        self.autocast: Callable[[], AbstractContextManager] = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+        )
+
+    def forward(self) -> torch.Tensor:
+        with self.autocast():
+            out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
+            return out.loss + self.l1 * l1_term([m.last_result for m in self.mlps])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self) -> None:
+        self.backward(self.forward())
+        self.update()
+
+
+def bench_train(
+    model: LlamaForCausalLM,
+    master: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    kernel: str,
+    observed: list[LayerStats] | None,
+    meter: EnergyMeter | None,
+    gate_ms: float | None,
+    args: argparse.Namespace,
+) -> VariantResult:
+    """Training steps on ids [B, T] from the master weights; energy and breakdown only when given."""
+    device = ids.device
+    result = VariantResult("train", kernel, ids.shape[0], ids.numel())
+    model.load_state_dict(master)
+    model.train()
+    set_kernel(model, kernel, observed)
+    step: TrainStep | None = None
+    try:
+        with PeakMemory(device) as peak:
+            step = TrainStep(model, ids, args.l1, args.lr)
+            samples = time_samples_ms(step, args.warmup, args.reps, device)
+            result.layers = layer_stats(model)
+            energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
+        fill_timing(result, samples, peak.gib, energy)
+        if gate_ms is not None:
+            result.breakdown_ms = train_breakdown(model, step, gate_ms)
+    except torch.OutOfMemoryError:
+        result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
+    finally:
+        del step
+        model.zero_grad(set_to_none=True)
+        free_memory(device)
+    return result
+
+
+def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) -> dict[str, float]:
+    device = step.ids.device
+    clock, runs = Clock(device), []
+    with section_timer(model, device) as timer:
+        for _ in range(BREAKDOWN_REPS):
+            t0 = clock.mark()
+            loss = step.forward()
+            t1 = clock.mark()
+            timer.active = False  # gradient checkpointing re-runs module forwards inside backward
+            step.backward(loss)
+            t2 = clock.mark()
+            step.update()
+            t3 = clock.mark()
+            timer.active = True
+            fwd = clock.elapsed_ms(t0, t1)
+            runs.append({
+                "total": clock.elapsed_ms(t0, t3),
+                **split_forward(fwd, timer.totals_ms(), gate_ms),
+                "backward": clock.elapsed_ms(t1, t2),
+                "optimizer": clock.elapsed_ms(t2, t3),
+            })  # fmt: skip
+    return median_dicts(runs)
+
+
+def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None) -> None:
+    result.ms = statistics.median(samples)
+    result.ms_spread = (min(samples), max(samples))
+    result.tokens_per_ms = result.tokens / result.ms
+    result.peak_gib = peak_gib
+    result.mj_per_token = None if energy_mj is None else energy_mj / result.tokens
+
+
+def largest_batches(
+    model: LlamaForCausalLM, master: dict[str, torch.Tensor], args: argparse.Namespace, vocab: int,
+    observed: list[LayerStats] | None, device: torch.device,
+) -> list[VariantResult]:
+    """Per training kernel, the largest micro-batch (doubling from --train-batch up to --max-train-batch)
+    that fits in memory, with its throughput."""
+    found = []
+    for kernel in KERNELS["train"]:
+        best, batch = None, args.train_batch * 2
+        while batch <= args.max_train_batch:
+            ids = make_inputs(args, batch, vocab).to(device)
+            row = bench_train(model, master, ids, kernel, observed, None, None, args)
+            del ids
+            if row.skipped:
+                break
+            best, batch = row, batch * 2
+        if best is not None:
+            found.append(dataclasses.replace(best, mode="train (largest fit)"))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ report
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def summary_table(results: list[VariantResult]) -> list[str]:
+    lines = [
+        "| mode | kernel | micro-batch | ms/iter (min-max) | tokens/ms | vs dense | peak GiB | mJ/token | "
+        "L0 mean (layer avg) | L0 p99 (worst layer) | L0 max | layer paths |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    def key(r: VariantResult) -> tuple[str, int | None]:  # largest-fit rows compare across micro-batches
+        return r.mode, (r.batch if r.mode in MODES else None)
+
+    dense = {key(r): r for r in results if r.kernel == "torch" and not r.skipped}
+    for r in results:
+        if r.skipped:
+            lines.append(f"| {r.mode} | {r.kernel} | {r.batch} | skipped: {r.skipped} |" + " |" * 8)
+            continue
+        base = dense.get(key(r))
+        ratio = f"{r.tokens_per_ms / base.tokens_per_ms:.3f}x" if base else "-"
+        lo, hi = r.ms_spread
+        l0_mean = sum(layer.l0_mean for layer in r.layers) / len(r.layers)
+        lines.append(
+            f"| {r.mode} | {r.kernel} | {r.batch} | {r.ms:.2f} ({lo:.2f}-{hi:.2f}) | {r.tokens_per_ms:.2f} | {ratio} | "
+            f"{fmt(r.peak_gib, '.2f')} | {fmt(r.mj_per_token, '.4f')} | {l0_mean:.1f} | "
+            f"{max(layer.l0_p99 for layer in r.layers):.0f} | {max(layer.l0_max for layer in r.layers):.0f} | "
+            f"{r.path_summary()} |"
+        )
+    return lines
+
+
+def breakdown_table(results: list[VariantResult]) -> list[str]:
+    rows = [r for r in results if r.breakdown_ms]
+    if not rows:
+        return []
+    keys = ["attention", "ffn gate GEMM", "ffn rest", "other fwd", "backward", "optimizer", "total"]
+    lines = ["| mode | kernel | " + " | ".join(f"{k} ms" for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append(f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |")
+    return lines
+
+
+def layer_table(results: list[VariantResult]) -> list[str]:
+    """Per-layer L0 of each mode's dense pass, and the path every sparse variant took in that layer."""
+    ran = [r for r in results if not r.skipped and r.mode in MODES]
+    dense = [r for r in ran if r.kernel == "torch"]
+    sparse = [r for r in ran if r.kernel != "torch"]
+    if not dense:
+        return []
+    head = "| layer | " + " | ".join(f"{r.mode} L0 mean / p99 / max" for r in dense)
+    head += "".join(f" | {r.mode} {r.kernel} path (dense rows)" for r in sparse) + " |"
+    lines = [head, "|---|" + "---|" * (len(dense) + len(sparse))]
+    for i in range(len(dense[0].layers)):
+        cells = [f"{r.layers[i].l0_mean:.1f} / {r.layers[i].l0_p99:.0f} / {r.layers[i].l0_max:.0f}" for r in dense]
+        cells += [f"{r.layers[i].path} ({r.layers[i].overflow_rows})" for r in sparse]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_report(results: list[VariantResult], header: list[str]) -> str:
+    blocks = [header, summary_table(results), breakdown_table(results), layer_table(results)]
+    return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
+
+
+def report_header(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device, energy_note: str,
+                  shifts: list[float] | None) -> list[str]:
+    cfg = model.config
+    what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random-init {args.size}"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    inputs = f"token file {args.tokens}" if args.tokens else f"uniform random token ids (seed {args.seed})"
+    if shifts is not None:
+        sparsity = f"made sparse with --density-l0 {args.density_l0} (gate shifts {min(shifts):.2f}-{max(shifts):.2f})"
+    else:
+        sparsity = "sparsity as trained" if args.checkpoint else "no sparsity imposed"
+    forward_dtype = "bf16" if device.type == "cuda" else "fp32"
+    train_precision = "fp32 weights + bf16 autocast" if device.type == "cuda" else "fp32"
+    return [
+        f"## Model-level benchmark: {what} ({date})",
+        "",
+        f"Hardware: {hardware_summary(device)}; attention {cfg._attn_implementation}; energy: {energy_note}.",
+        f"Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, FFN {cfg.intermediate_size}, "
+        f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}; {sparsity}.",
+        f"Settings: `{' '.join(['python scripts/bench_model.py', *args.argv])}`; inputs: {inputs}; "
+        f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head); "
+        f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW, "
+        f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; times: median of {args.reps} after "
+        f"{args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: median of "
+        f"{BREAKDOWN_REPS} instrumented passes. `auto` layers decide from the dense pass's L0.",
+    ]
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
+    source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per forward call")
+    parser.add_argument("--train-batch", type=int, default=None, help="training micro-batch (default --batch)")
+    parser.add_argument("--max-train-batch", type=int, default=0,
+                        help="also find the largest training micro-batch that fits, doubling up to this")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--density-l0", type=float, default=None,
+                        help="random-init models only: target mean non-zeros per token in every FFN layer")
+    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    parser.add_argument("--modes", default="forward,train")
+    parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
+    parser.add_argument("--json", default=None, help="write every measurement here")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--energy-seconds", type=float, default=2.0)
+    parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
+    parser.add_argument("--lr", type=float, default=1e-5,
+                        help="AdamW lr of the timed steps (small, so the weights and L0 barely move)")
+    parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    args.train_batch = args.train_batch or args.batch
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        parser.error(f"--modes {','.join(args.modes)}: choose from {','.join(MODES)}")
+    for name in ("batch", "train_batch", "seq_len", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.density_l0 is not None and args.checkpoint:
+        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+    if args.energy_seconds < 1.0:
+        parser.error("--energy-seconds must be >= 1 (the NVML counter updates every 20-100 ms)")
+    return args
+
+
+def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
+    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 leftovers stay fp32, as in the dense reference
+    model = load_model(args, device)
+    if args.seq_len > model.config.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context "
+                         f"({model.config.max_position_embeddings}); pass --seq-len <= that.")
+    vocab = model.config.vocab_size
+    ids = make_inputs(args, max(args.batch, args.train_batch), vocab).to(device)
+    shifts = None
+    if args.density_l0 is not None:
+        shifts = make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    master = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    meter = EnergyMeter(device)
+    energy_note = "NVML" if meter.available else f"not measured ({meter.unavailable_reason})"
+    header = report_header(args, model, device, energy_note, shifts)
+    print("\n".join(header), flush=True)
+
+    results: list[VariantResult] = []
+    if "forward" in args.modes:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model.to(dtype).eval()
+        fwd_ids = ids[: args.batch]
+        gate_ms = gate_gemm_ms(model, fwd_ids.numel(), dtype, args)
+        observed = None
+        for kernel in KERNELS["forward"]:
+            reason = kernel_unavailable_reason(kernel, model, device)
+            if reason is not None:
+                results.append(VariantResult("forward", kernel, args.batch, fwd_ids.numel(), skipped=reason))
+                continue
+            try:
+                row = bench_forward(model, fwd_ids, kernel, observed, meter, gate_ms, args)
+            except torch.OutOfMemoryError:
+                row = VariantResult("forward", kernel, args.batch, fwd_ids.numel(),
+                                    skipped=f"out of memory at micro-batch {args.batch}")
+            free_memory(device)
+            results.append(row)
+            observed = observed or (row.layers or None)  # the dense pass feeds the `auto` decisions
+            print("\n".join(summary_table([row])[2:]), flush=True)
+    if "train" in args.modes:
+        model.to(torch.float32)
+        train_ids = ids[: args.train_batch]
+        gate_ms = gate_gemm_ms(model, train_ids.numel(), torch.bfloat16 if device.type == "cuda" else torch.float32,
+                               args)
+        observed = None
+        for kernel in KERNELS["train"]:
+            row = bench_train(model, master, train_ids, kernel, observed, meter, gate_ms, args)
+            results.append(row)
+            observed = observed or (row.layers or None)
+            print("\n".join(summary_table([row])[2:]), flush=True)
+        if args.max_train_batch:
+            results += largest_batches(model, master, args, vocab, observed, device)
+    meter.close()
+    return results, render_report(results, header)
+
+
+def main(argv: Sequence[str] | None = None) -> list[VariantResult]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results, report = run(args)
+    print("\n" + report, flush=True)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n\n" + report)
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

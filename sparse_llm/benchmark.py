@@ -1,0 +1,191 @@
+"""Measurement helpers shared by the benchmark scripts: time, energy, peak memory, per-module time.
+
+Conventions (DESIGN.md "Conventions"): a time is the median of several timings taken after warm-up
+calls; on a GPU each timing is a pair of CUDA events around the call, on a CPU (smoke tests) a
+`time.perf_counter` pair, which is exact there because CPU kernels run synchronously. Energy comes from
+the NVML cumulative counter (`sparse_llm.energy.EnergyMeter`) over a window of at least `seconds` of
+back-to-back calls, because the counter only advances every 20-100 ms.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparse_llm.energy import EnergyMeter
+
+Mark = Any  # a recorded torch.cuda.Event on a GPU, a perf_counter() float on a CPU
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Clock:
+    """Timestamps on one device's timeline: CUDA events on a GPU, wall-clock time on a CPU."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else default_device()
+        self.cuda = self.device.type == "cuda"
+
+    def mark(self) -> Mark:
+        """A timestamp taken after all work queued so far on the current stream."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Mark, end: Mark) -> float:
+        """Milliseconds between two marks (waits for `end` on a GPU)."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def time_samples_ms(
+    fn: Callable[[], object], warmup: int = 5, reps: int = 30, device: torch.device | str | None = None
+) -> list[float]:
+    """Per-call times of `reps` calls of fn() in ms, after `warmup` untimed calls."""
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"time_samples_ms: reps={reps} must be >= 1 and warmup={warmup} >= 0.")
+    clock = Clock(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = clock.mark()
+        fn()
+        times.append(clock.elapsed_ms(start, clock.mark()))
+    return times
+
+
+def time_ms(
+    fn: Callable[[], object], warmup: int = 5, reps: int = 30, device: torch.device | str | None = None
+) -> float:
+    """Median time of fn() in ms (CUDA events on a GPU; see the module docstring)."""
+    return statistics.median(time_samples_ms(fn, warmup, reps, device))
+
+
+def energy_mj_per_call(
+    meter: EnergyMeter, fn: Callable[[], object], seconds: float = 1.0, calls_per_sync: int = 10
+) -> float | None:
+    """Energy of one fn() call in mJ, over a window of at least `seconds` of back-to-back calls.
+
+    None when the meter has no reading (CPU, no pynvml, MIG). `calls_per_sync` calls are queued between
+    the checks of the wall clock so the GPU never idles while the host waits. Windows under ~1 s are
+    unreliable (the counter's update period is 20-100 ms).
+    """
+    if not meter.available:
+        return None
+    meter.lap()  # synchronises, then starts the window
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(calls_per_sync):
+            fn()
+        calls += calls_per_sync
+        if meter.device.type == "cuda":
+            torch.cuda.synchronize(meter.device)
+    joules = meter.lap()
+    return None if joules is None else 1e3 * joules / calls
+
+
+class PeakMemory:
+    """Peak allocated device memory (GiB) inside a `with` block; `gib` is None on a CPU.
+
+    Counts what the torch caching allocator hands out (tensors), not its reserve or the CUDA context.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.gib: float | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+
+class SectionTimer:
+    """Time spent inside the forward calls of chosen modules, summed per named section.
+
+    sections maps a name to modules, e.g. {"attention": [layer.self_attn, ...], "ffn": [layer.mlp, ...]}.
+    While the timer is entered and `active`, a pre-forward hook marks each call's start and a forward
+    hook its end. Marks are CUDA events, so measuring adds no host synchronisation inside the model;
+    `totals_ms()` waits once and sums. Clear `active` around code whose module calls must not count
+    (e.g. the recomputation of gradient checkpointing during backward).
+    """
+
+    def __init__(self, sections: dict[str, list[nn.Module]], device: torch.device | str) -> None:
+        self.sections = sections
+        self.clock = Clock(device)
+        self.active = True
+        self._spans: dict[str, list[tuple[Mark, Mark]]] = defaultdict(list)
+        self._open: dict[int, Mark] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> SectionTimer:
+        for name, modules in self.sections.items():
+            for module in modules:
+                self._handles.append(module.register_forward_pre_hook(self._start))
+                self._handles.append(module.register_forward_hook(self._ender(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _start(self, module: nn.Module, args: object) -> None:
+        if self.active:
+            self._open[id(module)] = self.clock.mark()
+
+    def _ender(self, name: str) -> Callable[[nn.Module, object, object], None]:
+        def end(module: nn.Module, args: object, output: object) -> None:
+            start = self._open.pop(id(module), None)
+            if self.active and start is not None:
+                self._spans[name].append((start, self.clock.mark()))
+
+        return end
+
+    def totals_ms(self) -> dict[str, float]:
+        """Summed ms per section since the last call (every section named, 0.0 if it never ran)."""
+        totals = {name: sum(self.clock.elapsed_ms(a, b) for a, b in self._spans.get(name, [])) for name in self.sections}
+        self._spans.clear()
+        self._open.clear()
+        return totals
+
+
+def l0_summary(l0_M: torch.Tensor) -> tuple[float, float, float]:
+    """(mean, p99, max) of per-token non-zero counts l0_M [M]."""
+    if l0_M.numel() == 0:
+        raise ValueError("l0_summary: l0_M is empty; run the model on at least one token first.")
+    l0 = l0_M.detach().float().flatten()
+    return l0.mean().item(), torch.quantile(l0, 0.99).item(), l0.max().item()
+
+
+def hardware_summary(device: torch.device | str) -> str:
+    """One line naming the device and the software stack, for benchmark tables."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return f"{name} ({sms} SMs), torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"

@@ -1,0 +1,142 @@
+"""CPU tests of the model-level benchmark (scripts/bench_model.py) and its helpers (sparse_llm/benchmark.py)."""
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from sparse_llm.benchmark import PeakMemory, SectionTimer, energy_mj_per_call, l0_summary, time_ms
+from sparse_llm.energy import EnergyMeter
+from sparse_llm.model import ModelConfig, build_model, sparse_mlps
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_model", ROOT / "scripts" / "bench_model.py")
+bench_model = importlib.util.module_from_spec(_spec)
+sys.modules["bench_model"] = bench_model  # dataclasses look their module up there
+_spec.loader.exec_module(bench_model)
+
+TINY = ["--size", "tiny", "--seq-len", "16", "--batch", "2", "--reps", "1", "--warmup", "0", "--device", "cpu"]
+
+
+class Sleeper(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def test_time_ms_is_the_median_of_the_timed_calls():
+    delays = iter([0.0, 0.03, 0.01, 0.01])  # one warm-up call (not timed), then three timed calls
+    ms = time_ms(lambda: time.sleep(next(delays)), warmup=1, reps=3, device="cpu")
+    assert 9.0 < ms < 25.0
+
+
+def test_section_timer_sums_module_time_per_section_and_can_pause():
+    fast, slow = Sleeper(0.005), Sleeper(0.02)
+    timer = SectionTimer({"fast": [fast], "slow": [slow], "unused": []}, "cpu")
+    with timer:
+        fast(torch.zeros(1))
+        fast(torch.zeros(1))
+        slow(torch.zeros(1))
+        timer.active = False
+        slow(torch.zeros(1))  # not counted
+        timer.active = True
+        totals = timer.totals_ms()
+    assert 10.0 <= totals["fast"] < 18.0
+    assert 20.0 <= totals["slow"] < 35.0
+    assert totals["unused"] == 0.0
+    slow(torch.zeros(1))  # hooks are gone after the block
+    assert timer.totals_ms()["slow"] == 0.0
+
+
+def test_l0_summary_and_cpu_meters():
+    mean, p99, top = l0_summary(torch.tensor([0] * 99 + [100], dtype=torch.int32))
+    assert mean == pytest.approx(1.0) and top == 100.0 and 0.0 < p99 <= 100.0
+    with pytest.raises(ValueError, match="empty"):
+        l0_summary(torch.zeros(0))
+    with PeakMemory("cpu") as peak:
+        pass
+    assert peak.gib is None
+    start = time.perf_counter()
+    assert energy_mj_per_call(EnergyMeter(torch.device("cpu")), lambda: time.sleep(1.0), seconds=5.0) is None
+    assert time.perf_counter() - start < 0.5  # no meter: returns at once instead of running the window
+
+
+def test_make_sparse_gives_the_target_l0_in_every_layer():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(hidden_size=64, intermediate_size=512, num_layers=3, num_heads=2,
+                                    vocab_size=300, max_position_embeddings=64), kernel="torch")
+    ids = torch.randint(0, 300, (4, 64))
+    with torch.no_grad():
+        model.model(input_ids=ids)
+    dense_l0 = [m.last_result.l0_M.float().mean().item() for m in sparse_mlps(model)]
+    assert min(dense_l0) > 100  # random init: about half of the 512 gates are positive
+
+    shifts = bench_model.make_sparse(model, 12.0, ids)
+    assert len(shifts) == 3 and min(shifts) > 0
+    with torch.no_grad():
+        out = model.model(input_ids=ids, output_hidden_states=True)
+    for mlp in sparse_mlps(model):
+        assert mlp.last_result.l0_M.float().mean().item() == pytest.approx(12.0, abs=0.5)
+    # The shift feature is constant through the whole residual stream: no layer writes to it.
+    for hidden in out.hidden_states[:-1]:  # the last entry is after the final norm
+        assert torch.allclose(hidden[..., 0], torch.full_like(hidden[..., 0], model.config.initializer_range))
+    with pytest.raises(ValueError, match="--density-l0"):
+        bench_model.make_sparse(model, 400.0, ids)
+
+
+def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
+    markdown = tmp_path / "BENCHMARKS.md"
+    markdown.write_text("# Benchmarks\n")
+    results = bench_model.main(TINY + ["--density-l0", "24", "--markdown", str(markdown),
+                                       "--json", str(tmp_path / "r.json")])
+    by_key = {(r.mode, r.kernel): r for r in results}
+    assert set(by_key) == {("forward", "torch"), ("forward", "auto"), ("forward", "twell"),
+                           ("train", "torch"), ("train", "auto")}
+    assert "CUDA" in by_key["forward", "twell"].skipped  # said, not silently replaced by the torch path
+    for key in [("forward", "torch"), ("forward", "auto"), ("train", "torch"), ("train", "auto")]:
+        r = by_key[key]
+        assert r.skipped is None and r.tokens == 32 and r.tokens_per_ms > 0 and r.mj_per_token is None
+        assert [layer.path for layer in r.layers] == ["torch"] * 4  # no sparse kernel on a CPU
+        assert set(r.breakdown_ms) >= {"attention", "ffn gate GEMM", "ffn rest", "other fwd", "total"}
+    assert "backward" in by_key["train", "torch"].breakdown_ms
+    fwd = by_key["forward", "torch"].layers
+    assert sum(layer.l0_mean for layer in fwd) / 4 == pytest.approx(24.0, rel=0.5)
+    assert all(layer.l0_max >= layer.l0_p99 >= 0 for layer in fwd)
+
+    printed = capsys.readouterr().out
+    text = markdown.read_text()
+    assert text.startswith("# Benchmarks\n")
+    assert "## Model-level benchmark: random-init tiny" in text and "Hardware: CPU" in text
+    for row in ("| forward | torch | 2 |", "| train | auto | 2 |", "| forward | twell | 2 | skipped:"):
+        assert row in text and row in printed
+    assert "| layer | forward L0 mean / p99 / max |" in text
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 5
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--modes", "forward,decode"], "--modes"),
+        (["--density-l0", "10", "--checkpoint", "x"], "not allowed with"),
+        (["--energy-seconds", "0.5"], "--energy-seconds"),
+        (["--batch", "0"], "--batch"),
+    ],
+)
+def test_bad_arguments_are_named(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(TINY + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_sequence_longer_than_the_context_is_refused():
+    with pytest.raises(ValueError, match="--seq-len 4096"):
+        bench_model.main(["--size", "tiny", "--seq-len", "4096", "--device", "cpu"])
