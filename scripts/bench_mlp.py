@@ -144,7 +144,9 @@ def fmt(v, spec=".3f"):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mode", choices=["infer"], default="infer")
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=2048)
@@ -169,8 +171,14 @@ def main() -> None:
         for row in results["calibration"]:
             print(json.dumps(row), flush=True)
 
-    cases = [(args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, args.nnz.split(","))]
-    cases += [(m, nnz, 0.0) for m in map(int, args.decode_m.split(",")) for nnz in map(int, args.decode_nnz.split(","))]
+    cases = [
+        (args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, args.nnz.split(","))
+    ]
+    cases += [
+        (m, nnz, 0.0)
+        for m in map(int, args.decode_m.split(","))
+        for nnz in map(int, args.decode_nnz.split(","))
+    ]
     for m, nnz, sigma in cases:
         row = bench_case(m, args.k, args.n, nnz, sigma, meter, args.energy_seconds)
         results["cases"].append(row)

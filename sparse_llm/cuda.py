@@ -164,7 +164,9 @@ def get_function(filename: str, name: str, device: torch.device | None = None) -
     `name` is an `extern "C"` symbol or a template instantiation such as "twell_up_down<8>".
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    return _function(device.index if device.index is not None else torch.cuda.current_device(), filename, name)
+    return _function(
+        device.index if device.index is not None else torch.cuda.current_device(), filename, name
+    )
 
 
 def set_dynamic_smem(kernel: Any, nbytes: int) -> None:

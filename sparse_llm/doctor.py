@@ -24,7 +24,11 @@ KERNELS = (
 
 
 def _versions() -> list[tuple[str, str]]:
-    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__), ("torch CUDA", str(torch.version.cuda))]
+    rows = [
+        ("python", sys.version.split()[0]),
+        ("torch", torch.__version__),
+        ("torch CUDA", str(torch.version.cuda)),
+    ]
     cupy = cuda._import_cupy()
     rows.append(("cupy", getattr(cupy, "__version__", "not installed")))
     if cupy is not None:
@@ -35,7 +39,9 @@ def _versions() -> list[tuple[str, str]]:
             rows.append(("CUDA driver", f"unavailable ({type(error).__name__})"))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        rows.append(("GPU", f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"))
+        rows.append(
+            ("GPU", f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+        )
         rows.append(("compute capability", "%d.%d" % torch.cuda.get_device_capability(0)))
     else:
         rows.append(("GPU", "none visible to torch"))

@@ -124,7 +124,9 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     up_down = sparse_tokens * light_mean * row_bytes / (UP_DOWN_GBPS * 1e6)
     up_down = up_down * (TAIL_FACTOR if dense_fraction > 0 else 1.0) + m * UP_DOWN_MS_PER_TOKEN
-    up_down = max(up_down, min(sparse_tokens * light_mean, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
+    up_down = max(
+        up_down, min(sparse_tokens * light_mean, n) * row_bytes / (HBM_GBPS * 1e6)
+    )  # rows read once
     dense_rows = DENSE_ROW_FACTOR * dense_ms(math.ceil(dense_fraction * m), k, n)
     return max(gate + up_down + dense_rows, CPU_FLOOR_MS)
 
@@ -151,18 +153,24 @@ def _check_tensor(t: object, name: str, shape: tuple[int, int], layout: str) -> 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} has dtype {t.dtype}; the twell kernels take bfloat16, e.g. {name}.to(torch.bfloat16)")
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; the twell kernels take bfloat16, e.g. {name}.to(torch.bfloat16)"
+        )
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)} ({layout})")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
 
 
-def check_inputs(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor) -> None:
+def check_inputs(
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor
+) -> None:
     """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands."""
     if not isinstance(x_MK, torch.Tensor) or x_MK.dim() != 2:
         got = tuple(x_MK.shape) if isinstance(x_MK, torch.Tensor) else type(x_MK).__name__
-        raise ValueError(f"x_MK must be a 2-D tensor [M, K], got {got}; flatten leading dims with x.reshape(-1, K)")
+        raise ValueError(
+            f"x_MK must be a 2-D tensor [M, K], got {got}; flatten leading dims with x.reshape(-1, K)"
+        )
     if not isinstance(w_gate_NK, torch.Tensor) or w_gate_NK.dim() != 2:
         raise ValueError("w_gate_NK must be a 2-D tensor [N, K] (gate_proj.weight)")
     m, k = x_MK.shape
@@ -173,12 +181,16 @@ def check_inputs(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Ten
     _check_tensor(w_down_KN, "w_down_KN", (k, n), "down_proj.weight in nn.Linear layout [K, N]")
     reason = shape_unsupported_reason(k, n)
     if reason is not None:
-        raise ValueError(f"w_gate_NK: {reason}; the twell kernels cannot run this layer, use kernel=torch or auto")
+        raise ValueError(
+            f"w_gate_NK: {reason}; the twell kernels cannot run this layer, use kernel=torch or auto"
+        )
     for name, t in (("w_gate_NK", w_gate_NK), ("w_up_NK", w_up_NK), ("w_down_KN", w_down_KN)):
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
     if x_MK.device.type != "cuda":
-        raise ValueError(f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)")
+        raise ValueError(
+            f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)"
+        )
 
 
 def _check_gate_route(route: str) -> None:
@@ -207,7 +219,12 @@ class TransposeCache:
     def get(self, w_KN: torch.Tensor) -> torch.Tensor:
         key = id(w_KN)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w_KN and entry[1] == _version(w_KN) and entry[2] == w_KN.data_ptr():
+        if (
+            entry is not None
+            and entry[0]() is w_KN
+            and entry[1] == _version(w_KN)
+            and entry[2] == w_KN.data_ptr()
+        ):
             return entry[3]
         w_t_NK = w_KN.detach().t().contiguous()
         ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
@@ -268,7 +285,9 @@ def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto")
 def twell_pack(gate_MN: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack the positives of a bf16 pre-activation gate [M, N] into TwELL int32 [M, (N/256) * 32] on the GPU."""
     if gate_MN.dtype != torch.bfloat16 or gate_MN.dim() != 2 or not gate_MN.is_contiguous():
-        raise ValueError(f"gate_MN must be a contiguous 2-D bf16 tensor, got {gate_MN.dtype} {tuple(gate_MN.shape)}")
+        raise ValueError(
+            f"gate_MN must be a contiguous 2-D bf16 tensor, got {gate_MN.dtype} {tuple(gate_MN.shape)}"
+        )
     m, n = gate_MN.shape
     if n % TILE != 0 or n > MAX_N:
         raise ValueError(f"gate_MN has N={n} columns; TwELL needs a multiple of {TILE} up to {MAX_N}")
@@ -330,7 +349,12 @@ def twell_up_down(
     splits = splits_for(m, n_tiles)
     # One zeroed int32 workspace for all statistics (one fill instead of four): l0 | l1 (fp32 bits) | dense | fired.
     stats = torch.zeros(3 * m + n, dtype=torch.int32, device=device)
-    l0_M, l1_M, dense_M, fired_N = stats[:m], stats[m : 2 * m].view(torch.float32), stats[2 * m : 3 * m], stats[3 * m :]
+    l0_M, l1_M, dense_M, fired_N = (
+        stats[:m],
+        stats[m : 2 * m].view(torch.float32),
+        stats[2 * m : 3 * m],
+        stats[3 * m :],
+    )
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     if m:
         y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
@@ -409,12 +433,16 @@ def twell_gated_mlp(
 
 
 class TwellFFN(FFNBackend):
-    """Inference through the TwELL kernels on Hopper GPUs (sm_90a); elsewhere the torch path, with a warning."""
+    """Inference through the TwELL kernels on Hopper GPUs (sm_90a) with bf16 tensors.
+
+    Elsewhere (CPU, other GPUs, fp32/fp16 tensors such as fp32 weights under autocast) the call runs the
+    torch path instead, with one warning per reason and a `path` that says so.
+    """
 
     name = "twell"
 
     def __init__(self) -> None:
-        self._warned = False
+        self._warned: set[str] = set()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return cuda.unavailable_reason(device)
@@ -425,10 +453,12 @@ class TwellFFN(FFNBackend):
                 "The twell backend runs inference only (training=False); train with kernel=torch or kernel=auto."
             )
         reason = self.unavailable_reason(x_MK.device)
+        if reason is None and any(t.dtype != torch.bfloat16 for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)):
+            reason = f"the kernels take bf16 tensors, got x {x_MK.dtype} and weights {w_gate_NK.dtype}"
         if reason is not None:
-            if not self._warned:
-                warnings.warn(f"twell kernels unavailable ({reason}); using the dense torch path.", stacklevel=2)
-                self._warned = True
+            if reason not in self._warned:
+                warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
+                self._warned.add(reason)
             result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False)
             result.path = "torch (twell unavailable)"
             return result
@@ -480,4 +510,6 @@ def synthetic_block(
     w_gate_NK[:, 0] = -t
     w_up_NK = torch.randn(n, k, generator=gen) / math.sqrt(k)
     w_down_KN = torch.randn(k, n, generator=gen) / math.sqrt(n)
-    return tuple(t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))
+    return tuple(
+        t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    )

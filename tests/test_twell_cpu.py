@@ -31,7 +31,9 @@ from sparse_llm.twell_backend import (
 )
 
 KERNEL_FILES = ("twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu")
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+NVCC = shutil.which("nvcc") or (
+    "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+)
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -62,7 +64,15 @@ def test_missing_kernel_names_the_places_tried():
 def test_kernels_compile_for_sm90a(filename, tmp_path):
     src = tmp_path / filename
     src.write_text(cuda.kernel_source(filename))
-    cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--cubin", "-o", str(tmp_path / "k.cubin"), str(src)]
+    cmd = [
+        NVCC,
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-std=c++17",
+        "--cubin",
+        "-o",
+        str(tmp_path / "k.cubin"),
+        str(src),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -96,7 +106,9 @@ def test_bad_inputs_name_the_argument(mutate, name):
         check_inputs(*args)
 
 
-@pytest.mark.parametrize("k, n, what", [(96, 512, "multiple of 64"), (128, 384, "multiple of 256"), (8192, 256, "exceeds")])
+@pytest.mark.parametrize(
+    "k, n, what", [(96, 512, "multiple of 64"), (128, 384, "multiple of 256"), (8192, 256, "exceeds")]
+)
 def test_unsupported_widths_are_rejected(k, n, what):
     with pytest.raises(ValueError, match=what):
         check_inputs(*block(2, k, n))
@@ -165,6 +177,16 @@ def test_cpu_falls_back_to_torch_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         backend.forward(*args, training=False)  # warned once only
+    assert result.path == "torch (twell unavailable)"
+    torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
+
+
+def test_non_bf16_tensors_take_the_torch_path(monkeypatch):
+    """fp32 weights (e.g. under autocast) must not crash a layer that auto-dispatched to twell."""
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
+    args = [t.float() for t in block()]
+    with pytest.warns(UserWarning, match="bf16"):
+        result = TwellFFN().forward(*args, training=False)
     assert result.path == "torch (twell unavailable)"
     torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
 

@@ -15,10 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.formats import canonicalize_twell, gated_mlp_ref, pack_twell, TwellPacked, unpack_twell, validate_twell
+from sparse_llm.formats import (
+    canonicalize_twell,
+    gated_mlp_ref,
+    pack_twell,
+    TwellPacked,
+    unpack_twell,
+    validate_twell,
+)
 
 REASON = cuda.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}"),
+]
 
 if REASON is None:
     from sparse_llm.twell_backend import (
@@ -50,12 +60,14 @@ def assert_close_to_ref(y_MK: torch.Tensor, x_MK, w_gate_NK, w_up_NK, w_down_KN)
     dense_err_M = (dense_MK - ref_MK).norm(dim=1)
     ref_M = ref_MK.norm(dim=1)
     rel_dense = (dense_err_M.norm() / ref_M.norm().clamp_min(1e-30)).item()
-    assert err_M.norm() <= 2 * dense_err_M.norm() + ATOL * (1 + ref_M.norm()), (
-        f"global error {err_M.norm().item():.3e} vs dense bf16 {dense_err_M.norm().item():.3e}"
-    )
+    assert err_M.norm() <= 2 * dense_err_M.norm() + ATOL * (
+        1 + ref_M.norm()
+    ), f"global error {err_M.norm().item():.3e} vs dense bf16 {dense_err_M.norm().item():.3e}"
     budget_M = 2 * torch.maximum(dense_err_M, rel_dense * ref_M) + ATOL * (1 + ref_M)
     bad = (err_M > budget_M).nonzero()[:, 0]
-    assert bad.numel() == 0, f"rows {bad[:10].tolist()} off: err {err_M[bad[:5]].tolist()} budget {budget_M[bad[:5]].tolist()}"
+    assert (
+        bad.numel() == 0
+    ), f"rows {bad[:10].tolist()} off: err {err_M[bad[:5]].tolist()} budget {budget_M[bad[:5]].tolist()}"
 
 
 def check_stats(result, x_MK, w_gate_NK, w_up_NK) -> None:
@@ -73,7 +85,9 @@ def check_stats(result, x_MK, w_gate_NK, w_up_NK) -> None:
 def run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="auto", dense_row_nnz=128):
     m, k = x_MK.shape
     poison(((m, k), torch.bfloat16))
-    result = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=gate_route, dense_row_nnz=dense_row_nnz)
+    result = twell_gated_mlp(
+        x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=gate_route, dense_row_nnz=dense_row_nnz
+    )
     torch.cuda.synchronize()
     assert_close_to_ref(result.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
     check_stats(result, x_MK, w_gate_NK, w_up_NK)
