@@ -7,7 +7,8 @@
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
 --max-train-batch (also find the largest training micro-batch each path fits, doubling up to this),
---grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --seed.
+--tokens (inputs from a token file), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
+--device; `--help` describes each.
 
 What is measured, per mode and per FFN path (`kernel=torch`: dense cuBLAS; `kernel=auto`: each layer
 picks by the cost model from the L0 it showed on the dense pass; `kernel=twell`: forced, inference only,
@@ -50,11 +51,13 @@ GPU time: train from scratch with a larger L1 coefficient than the paper's 2e-5 
 a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0/layer_NN`, `l0/mean`,
 `l0_p99/...`, `l0_max/...`), then benchmark the checkpoint on held-out text:
 
-    python scripts/tokenize_corpus.py ...                        # a token file of the training corpus
-    python train.py model=2b l1=1e-4 data=tokens data.paths=<prefix> trainer.max_steps=300 \\
-        trainer.global_batch=64 trainer.micro_batch=8 trainer.warmup_steps=50 seed=0
-    python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens <prefix>
+    python scripts/tokenize_corpus.py --out data/embedded      # the shipped corpus (or a fineweb_edu file)
+    python train.py model=2b l1=1e-4 data=tokens 'data.paths=[data/embedded.bin]' trainer.max_steps=300 \\
+        trainer.global_batch=16 trainer.micro_batch=4 trainer.warmup_steps=50 seed=0
+    python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/embedded --batch 8
 
+At the paper's 2B training rate (22.4 tokens/ms) 300 steps of 16 x 2048 tokens take about 8 minutes
+(an estimate, not a measurement); if micro-batch 4 does not fit, add trainer.gradient_checkpointing=true.
 l1=1e-4 is a starting point, not a measured setting: raise it if `l0/mean` is still above ~40 when it
 stops falling, lower it if it drops under ~24; record the value, steps and seed used next to the numbers.
 """
@@ -184,14 +187,18 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
     layers = decoder_layers(model)
     n = layers[0].mlp.intermediate_size
     if not 0 < target_l0 < n / 2:
-        raise ValueError(f"--density-l0 {target_l0}: use a mean non-zero count in (0, {n // 2}) (FFN width {n}).")
+        raise ValueError(
+            f"--density-l0 {target_l0}: use a mean non-zero count in (0, {n // 2}) (FFN width {n})."
+        )
     c = model.config.initializer_range
     model.model.embed_tokens.weight[:, 0] = c
     for layer in layers:
         layer.self_attn.o_proj.weight[0].zero_()
         layer.mlp.down_proj.weight[0].zero_()
         if layer.post_attention_layernorm.weight[0] <= 0:
-            raise ValueError("make_sparse needs a positive post-attention norm weight on feature 0 (random init has 1).")
+            raise ValueError(
+                "make_sparse needs a positive post-attention norm weight on feature 0 (random init has 1)."
+            )
 
     shifts: list[float] = []
 
@@ -263,7 +270,9 @@ def make_inputs(args: argparse.Namespace, rows: int, vocab_size: int) -> torch.T
         raise ValueError(f"--tokens {args.tokens}: {len(source)} tokens, fewer than {rows} x {args.seq_len}.")
     ids = source.blocks(range(0, rows * args.seq_len, args.seq_len), args.seq_len)
     if int(ids.max()) >= vocab_size:
-        raise ValueError(f"--tokens {args.tokens} holds ids >= the model's vocabulary ({vocab_size}): wrong tokenizer.")
+        raise ValueError(
+            f"--tokens {args.tokens} holds ids >= the model's vocabulary ({vocab_size}): wrong tokenizer."
+        )
     return ids
 
 
@@ -287,7 +296,9 @@ def gate_gemm_ms(model: LlamaForCausalLM, tokens: int, dtype: torch.dtype, args:
 
 def section_timer(model: LlamaForCausalLM, device: torch.device) -> SectionTimer:
     layers = decoder_layers(model)
-    return SectionTimer({"attention": [l.self_attn for l in layers], "ffn": [l.mlp for l in layers]}, device)
+    return SectionTimer(
+        {"attention": [layer.self_attn for layer in layers], "ffn": [layer.mlp for layer in layers]}, device
+    )
 
 
 def split_forward(total: float, sections: dict[str, float], gate_ms: float) -> dict[str, float]:
@@ -431,7 +442,9 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
     return median_dicts(runs)
 
 
-def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None) -> None:
+def fill_timing(
+    result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None
+) -> None:
     result.ms = statistics.median(samples)
     result.ms_spread = (min(samples), max(samples))
     result.tokens_per_ms = result.tokens / result.ms
@@ -440,18 +453,19 @@ def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | N
 
 
 def largest_batches(
-    model: LlamaForCausalLM, master: dict[str, torch.Tensor], args: argparse.Namespace, vocab: int,
-    observed: list[LayerStats] | None, device: torch.device,
+    model: LlamaForCausalLM,
+    master: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    observed: list[LayerStats] | None,
+    args: argparse.Namespace,
 ) -> list[VariantResult]:
     """Per training kernel, the largest micro-batch (doubling from --train-batch up to --max-train-batch)
-    that fits in memory, with its throughput."""
+    that fits in memory, with its throughput; ids [>= max_train_batch, T] holds the inputs."""
     found = []
     for kernel in KERNELS["train"]:
         best, batch = None, args.train_batch * 2
         while batch <= args.max_train_batch:
-            ids = make_inputs(args, batch, vocab).to(device)
-            row = bench_train(model, master, ids, kernel, observed, None, None, args)
-            del ids
+            row = bench_train(model, master, ids[:batch], kernel, observed, None, None, args)
             if row.skipped:
                 break
             best, batch = row, batch * 2
@@ -471,6 +485,7 @@ def summary_table(results: list[VariantResult]) -> list[str]:
         "L0 mean (layer avg) | L0 p99 (worst layer) | L0 max | layer paths |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
     def key(r: VariantResult) -> tuple[str, int | None]:  # largest-fit rows compare across micro-batches
         return r.mode, (r.batch if r.mode in MODES else None)
 
@@ -497,9 +512,14 @@ def breakdown_table(results: list[VariantResult]) -> list[str]:
     if not rows:
         return []
     keys = ["attention", "ffn gate GEMM", "ffn rest", "other fwd", "backward", "optimizer", "total"]
-    lines = ["| mode | kernel | " + " | ".join(f"{k} ms" for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
+    lines = [
+        "| mode | kernel | " + " | ".join(f"{k} ms" for k in keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
     for r in rows:
-        lines.append(f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |")
+        lines.append(
+            f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |"
+        )
     return lines
 
 
@@ -514,7 +534,9 @@ def layer_table(results: list[VariantResult]) -> list[str]:
     head += "".join(f" | {r.mode} {r.kernel} path (dense rows)" for r in sparse) + " |"
     lines = [head, "|---|" + "---|" * (len(dense) + len(sparse))]
     for i in range(len(dense[0].layers)):
-        cells = [f"{r.layers[i].l0_mean:.1f} / {r.layers[i].l0_p99:.0f} / {r.layers[i].l0_max:.0f}" for r in dense]
+        cells = [
+            f"{r.layers[i].l0_mean:.1f} / {r.layers[i].l0_p99:.0f} / {r.layers[i].l0_max:.0f}" for r in dense
+        ]
         cells += [f"{r.layers[i].path} ({r.layers[i].overflow_rows})" for r in sparse]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return lines
@@ -525,8 +547,13 @@ def render_report(results: list[VariantResult], header: list[str]) -> str:
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
 
 
-def report_header(args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device, energy_note: str,
-                  shifts: list[float] | None) -> list[str]:
+def report_header(
+    args: argparse.Namespace,
+    model: LlamaForCausalLM,
+    device: torch.device,
+    energy_note: str,
+    shifts: list[float] | None,
+) -> list[str]:
     cfg = model.config
     what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random-init {args.size}"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -554,28 +581,48 @@ def report_header(args: argparse.Namespace, model: LlamaForCausalLM, device: tor
 
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
     source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward call")
-    parser.add_argument("--train-batch", type=int, default=None, help="training micro-batch (default --batch)")
-    parser.add_argument("--max-train-batch", type=int, default=0,
-                        help="also find the largest training micro-batch that fits, doubling up to this")
+    parser.add_argument(
+        "--train-batch", type=int, default=None, help="training micro-batch (default --batch)"
+    )
+    parser.add_argument(
+        "--max-train-batch",
+        type=int,
+        default=0,
+        help="also find the largest training micro-batch that fits, doubling up to this",
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--density-l0", type=float, default=None,
-                        help="random-init models only: target mean non-zeros per token in every FFN layer")
-    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    parser.add_argument(
+        "--density-l0",
+        type=float,
+        default=None,
+        help="random-init models only: target mean non-zeros per token in every FFN layer",
+    )
+    parser.add_argument(
+        "--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs"
+    )
     parser.add_argument("--modes", default="forward,train")
-    parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
+    parser.add_argument(
+        "--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)"
+    )
     parser.add_argument("--json", default=None, help="write every measurement here")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--energy-seconds", type=float, default=2.0)
     parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
-    parser.add_argument("--lr", type=float, default=1e-5,
-                        help="AdamW lr of the timed steps (small, so the weights and L0 barely move)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-5,
+        help="AdamW lr of the timed steps (small, so the weights and L0 barely move)",
+    )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -590,22 +637,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.density_l0 is not None and args.checkpoint:
-        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+        parser.error(
+            "--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)"
+        )
+    if args.max_train_batch and args.max_train_batch < 2 * args.train_batch:
+        parser.error(f"--max-train-batch must be 0 (off) or >= 2 x --train-batch ({2 * args.train_batch})")
     if args.energy_seconds < 1.0:
         parser.error("--energy-seconds must be >= 1 (the NVML counter updates every 20-100 ms)")
     return args
 
 
 def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        torch.device(args.device)
+        if args.device
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 leftovers stay fp32, as in the dense reference
     model = load_model(args, device)
     if args.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context "
-                         f"({model.config.max_position_embeddings}); pass --seq-len <= that.")
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds the model's context "
+            f"({model.config.max_position_embeddings}); pass --seq-len <= that."
+        )
     vocab = model.config.vocab_size
-    ids = make_inputs(args, max(args.batch, args.train_batch), vocab).to(device)
+    ids = make_inputs(args, max(args.batch, args.train_batch, args.max_train_batch), vocab).to(device)
     shifts = None
     if args.density_l0 is not None:
         shifts = make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
@@ -632,8 +689,13 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
             try:
                 row = bench_forward(model, fwd_ids, kernel, observed, meter, gate_ms, args)
             except torch.OutOfMemoryError:
-                row = VariantResult("forward", kernel, args.batch, fwd_ids.numel(),
-                                    skipped=f"out of memory at micro-batch {args.batch}")
+                row = VariantResult(
+                    "forward",
+                    kernel,
+                    args.batch,
+                    fwd_ids.numel(),
+                    skipped=f"out of memory at micro-batch {args.batch}",
+                )
             free_memory(device)
             results.append(row)
             observed = observed or (row.layers or None)  # the dense pass feeds the `auto` decisions
@@ -641,8 +703,9 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
     if "train" in args.modes:
         model.to(torch.float32)
         train_ids = ids[: args.train_batch]
-        gate_ms = gate_gemm_ms(model, train_ids.numel(), torch.bfloat16 if device.type == "cuda" else torch.float32,
-                               args)
+        gate_ms = gate_gemm_ms(
+            model, train_ids.numel(), torch.bfloat16 if device.type == "cuda" else torch.float32, args
+        )
         observed = None
         for kernel in KERNELS["train"]:
             row = bench_train(model, master, train_ids, kernel, observed, meter, gate_ms, args)
@@ -650,7 +713,7 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
             observed = observed or (row.layers or None)
             print("\n".join(summary_table([row])[2:]), flush=True)
         if args.max_train_batch:
-            results += largest_batches(model, master, args, vocab, observed, device)
+            results += largest_batches(model, master, ids, observed, args)
     meter.close()
     return results, render_report(results, header)
 

@@ -167,7 +167,10 @@ class SectionTimer:
 
     def totals_ms(self) -> dict[str, float]:
         """Summed ms per section since the last call (every section named, 0.0 if it never ran)."""
-        totals = {name: sum(self.clock.elapsed_ms(a, b) for a, b in self._spans.get(name, [])) for name in self.sections}
+        totals = {
+            name: sum(self.clock.elapsed_ms(a, b) for a, b in self._spans.get(name, []))
+            for name in self.sections
+        }
         self._spans.clear()
         self._open.clear()
         return totals
