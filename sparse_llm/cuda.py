@@ -23,8 +23,9 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     return _cuda_device_reason(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_device_reason(index: int) -> str | None:
     """unavailable_reason for CUDA device `index`; cached (it does not change while the process runs)."""
     device = torch.device("cuda", index)
@@ -141,7 +142,7 @@ def _compile_in_child(filename: str, name: str) -> None:
     marker.touch()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _function(device_index: int, filename: str, name: str) -> Any:
     cupy = _import_cupy()
     if cupy is None:

@@ -543,7 +543,7 @@ def held_out_documents(cfg: DataConfig) -> list[str]:
         tokens = np.asarray(val.tokens, dtype=np.int64)
         ends = np.flatnonzero(tokens == tokenizer.eos_token_id)
         starts = np.concatenate([[0], ends[:-1] + 1])
-        return [tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
+        return [tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends, strict=False)]
     if _is_streamed(cfg):
         return _open_document_stream(cfg)[1]
     return _split_documents(cfg, _documents(cfg))[1]
@@ -636,7 +636,7 @@ class _StreamCursor:
         """Read documents until ``need`` unused tokens are buffered, starting new epochs at the end."""
         empty_epochs = 0
         while sum(len(t) - used for _, _, t, used in self._pending) < need:
-            texts = [text for _, text in zip(range(_ENCODE_BATCH), self._texts)]
+            texts = [text for _, text in zip(range(_ENCODE_BATCH), self._texts, strict=False)]
             if not texts:
                 empty_epochs += 1
                 if empty_epochs > 1:

@@ -447,7 +447,7 @@ def format_table(models: list[dict[str, Any]]) -> str:
     header = ("metric", [m["label"] for m in models])
     rows = [header] + table_rows(models)
     widths = [max(len(r[0]) for r in rows)] + [max(len(r[1][i]) for r in rows) for i in range(len(models))]
-    lines = ["  ".join([name.ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells, widths[1:])])
+    lines = ["  ".join([name.ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells, widths[1:], strict=False)])
              for name, cells in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
@@ -549,7 +549,7 @@ def _log_telemetry(cfg: EvalConfig, out_dir: Path, results: dict[str, Any]) -> N
     quiet = LoggingConfig(**{**asdict(cfg.logging), "progress_bar": False, "console": False})
     step = results["models"][0]["step"] or 0
     metrics: dict[str, float | str] = {}
-    for prefix, record in zip(("eval", "compare"), results["models"]):
+    for prefix, record in zip(("eval", "compare"), results["models"], strict=False):
         metrics.update(_flat_metrics(record, prefix))
     with Telemetry(quiet, out_dir, results["settings"], is_main=True, total_steps=step) as telemetry:
         telemetry.log(step, metrics)

@@ -24,7 +24,7 @@ _LAYER_L0 = re.compile(r"^l0/layer_(\d+)$")
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of the records that hold a number under ``key``."""
     pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-    steps, values = zip(*pairs) if pairs else ((), ())
+    steps, values = zip(*pairs, strict=False) if pairs else ((), ())
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Number
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 

@@ -107,7 +107,7 @@ def test_val_batches_are_fixed_and_in_order(embedded):
     first = val_batches(embedded.val, 4, SEQ, max_batches=3)
     again = val_batches(embedded.val, 4, SEQ, max_batches=3)
     assert len(first) == 3 and all(b.shape == (4, SEQ) for b in first)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))
     assert torch.equal(first[0][1], torch.from_numpy(embedded.val.tokens[SEQ : 2 * SEQ].astype(np.int64)))
     everything = val_batches(embedded.val, 4, SEQ, max_batches=10**6)
     assert sum(len(b) for b in everything) == len(embedded.val) // SEQ
@@ -122,8 +122,8 @@ def test_loader_is_deterministic_given_seed(embedded):
     a = _take(TrainLoader(embedded.train, 2, SEQ, seed=5), 4)
     b = _take(TrainLoader(embedded.train, 2, SEQ, seed=5), 4)
     c = _take(TrainLoader(embedded.train, 2, SEQ, seed=6), 4)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=False))
 
 
 def test_array_loader_resume_matches_uninterrupted_run_across_epochs():
@@ -137,7 +137,7 @@ def test_array_loader_resume_matches_uninterrupted_run_across_epochs():
         state = json.loads(json.dumps(first.state_dict()))
         resumed = TrainLoader(source, micro, seq, seed=3)
         resumed.load_state_dict(state)
-        assert all(torch.equal(x, y) for x, y in zip(_take(resumed, 60 - k), reference[k:])), k
+        assert all(torch.equal(x, y) for x, y in zip(_take(resumed, 60 - k), reference[k:], strict=False)), k
         assert resumed.tokens_seen == 60 * micro * seq
     assert full.state_dict()["position"]["epoch"] == 2
 
@@ -222,7 +222,7 @@ def test_token_file_round_trip(tmp_path, embedded):
     assert held_out_documents(cfg) == held_out_documents(DataConfig())
     a = _take(TrainLoader(data.train, 2, SEQ, seed=0), 3)
     b = _take(TrainLoader(embedded.train, 2, SEQ, seed=0), 3)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
 
 
 def test_token_file_uses_uint32_for_large_vocabularies(tmp_path, monkeypatch):
@@ -295,7 +295,7 @@ def test_stream_packs_documents_with_eos_and_resumes_exactly(stream_cfg, tokeniz
         _take(first, k)
         resumed = TrainLoader(data.train, 2, 16, seed=9)
         resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-        assert all(torch.equal(x, y) for x, y in zip(_take(resumed, 80 - k), reference[k:])), k
+        assert all(torch.equal(x, y) for x, y in zip(_take(resumed, 80 - k), reference[k:], strict=False)), k
 
 
 def test_stream_ranks_read_disjoint_documents(stream_cfg, tokenizer):

@@ -6,7 +6,14 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from sparse_llm.backends import get_backend
 from sparse_llm.mlp import SparseMLP
-from sparse_llm.model import ModelConfig, build_model, count_parameters, llama_config, load_pretrained, sparse_mlps
+from sparse_llm.model import (
+    ModelConfig,
+    build_model,
+    count_parameters,
+    llama_config,
+    load_pretrained,
+    sparse_mlps,
+)
 
 TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, vocab_size=97,
                    max_position_embeddings=64)

@@ -1,6 +1,5 @@
 """End-to-end training on CPU: loss falls, resume reproduces an uninterrupted run, bad losses stop the run."""
 
-import json
 from pathlib import Path
 
 import pytest

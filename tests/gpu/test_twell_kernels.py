@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.formats import (
+    TwellPacked,
     canonicalize_twell,
     gated_mlp_ref,
     pack_twell,
-    TwellPacked,
     unpack_twell,
     validate_twell,
 )
