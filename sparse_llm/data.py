@@ -576,25 +576,29 @@ def _check_positive(**values: int) -> None:
 class _ArrayCursor:
     """Shuffled blocks of a ``TokenArray``; each epoch draws a new block offset and permutation."""
 
-    def __init__(self, source: TokenArray, micro_batch: int, seq_len: int, seed: int, rank: int, world_size: int):
+    def __init__(self, source: TokenArray, micro_batch: int, seq_len: int, seed: int, rank: int, world_size: int,
+                 step_sequences: int):
         self.source, self.micro_batch, self.seq_len = source, micro_batch, seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step_sequences = step_sequences
         worst_blocks = (len(source) - (seq_len - 1)) // seq_len  # with the largest per-epoch offset
-        if worst_blocks // world_size < micro_batch:
+        if worst_blocks < step_sequences:
             raise ValueError(
-                f"the training split has {len(source)} tokens, too few for one batch of micro_batch={micro_batch} "
-                f"x seq_len={seq_len} on each of {world_size} ranks; lower seq_len or micro_batch, or add data"
+                f"the training split has {len(source)} tokens, too few for one optimizer step of {step_sequences} "
+                f"sequences of seq_len={seq_len}; lower seq_len or the global batch, or add data"
             )
         self.epoch, self.batch = 0, 0
         self._order = self._epoch_starts(0)
 
     def _epoch_starts(self, epoch: int) -> np.ndarray:
-        """This rank's block start positions for ``epoch``, truncated to whole batches (equal on all ranks)."""
+        """This rank's block start positions for ``epoch``, truncated to whole optimizer steps."""
         rng = np.random.default_rng([self.seed, epoch])
         offset = int(rng.integers(self.seq_len))  # varies the block boundaries between epochs
         n_blocks = (len(self.source) - offset) // self.seq_len
-        per_rank = n_blocks // self.world_size // self.micro_batch * self.micro_batch
-        order = rng.permutation(n_blocks)[: per_rank * self.world_size][self.rank :: self.world_size]
+        # An epoch holds whole optimizer steps, so its length, and hence the data order, does not depend on
+        # how a step is split over ranks and micro-batches.
+        usable = n_blocks // self.step_sequences * self.step_sequences
+        order = rng.permutation(n_blocks)[:usable][self.rank :: self.world_size]
         return offset + order * self.seq_len
 
     def next_batch(self) -> torch.Tensor:
@@ -681,17 +685,29 @@ class TrainLoader:
     Deterministic given ``seed``; each rank reads a disjoint share of every epoch (same number of batches
     per rank); a new epoch reshuffles. ``state_dict()`` / ``load_state_dict()`` save and restore the exact
     position (JSON-serialisable; for streamed sources it is per rank, see the module docstring).
+
+    ``step_sequences`` is the number of sequences of one optimizer step over all ranks and accumulation
+    steps (default: ``micro_batch * world_size``). For token arrays, step ``s`` then reads the same
+    sequences whatever the split over ranks and micro-batches: rank ``r`` takes every ``world_size``-th
+    block of the epoch's order, so the ranks' micro-batches of one step cover one contiguous stretch of it.
     """
 
     def __init__(self, source: TokenSource, micro_batch: int, seq_len: int, seed: int, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, step_sequences: int | None = None):
         _check_positive(micro_batch=micro_batch, seq_len=seq_len, world_size=world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        cursor_type = _ArrayCursor if isinstance(source, TokenArray) else _StreamCursor
-        self._cursor = cursor_type(source, micro_batch, seq_len, seed, rank, world_size)
+        step_sequences = step_sequences or micro_batch * world_size
+        if step_sequences % (micro_batch * world_size):
+            raise ValueError(f"step_sequences={step_sequences} is not a multiple of micro_batch x world_size "
+                             f"= {micro_batch * world_size}")
+        if isinstance(source, TokenArray):
+            self._cursor = _ArrayCursor(source, micro_batch, seq_len, seed, rank, world_size, step_sequences)
+        else:
+            self._cursor = _StreamCursor(source, micro_batch, seq_len, seed, rank, world_size)
+        cursor_type = type(self._cursor)
         self._identity = {"micro_batch": micro_batch, "seq_len": seq_len, "seed": seed, "rank": rank,
-                          "world_size": world_size, "kind": cursor_type.__name__}
+                          "world_size": world_size, "step_sequences": step_sequences, "kind": cursor_type.__name__}
         self.batches_seen = 0
 
     @property

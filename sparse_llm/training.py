@@ -137,6 +137,7 @@ class Trainer:
         self.loader = TrainLoader(
             self.data.train, self.plan.micro_batch, self.plan.seq_len, cfg.seed,
             rank=self.acc.process_index, world_size=self.acc.num_processes,
+            step_sequences=self.plan.tokens_per_step // self.plan.seq_len,
         )
         self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
         self.energy = EnergyMeter(self.acc.device)

@@ -350,7 +350,7 @@ def test_seq_len_larger_than_the_corpus_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="fewer than seq_len=4096"):
         build_token_data(cfg, 4096)
     data = build_token_data(cfg, 16)
-    with pytest.raises(ValueError, match="too few for one batch"):
+    with pytest.raises(ValueError, match="too few for one optimizer step"):
         TrainLoader(data.train, 64, 16, seed=0)
 
 
@@ -360,3 +360,16 @@ def test_fineweb_fails_fast_when_offline(monkeypatch):
     with pytest.raises(ConnectionError, match="data=local.*data=tokens"):
         build_token_data(DataConfig(name="fineweb_edu", tokenizer="HuggingFaceTB/SmolLM2-360M"), SEQ)
     assert time.perf_counter() - start < 5
+
+
+def test_step_data_does_not_depend_on_the_rank_split():
+    """One rank with 2 micro-batches per step and 2 ranks with 1 each read the same sequences per step,
+    across epoch boundaries too."""
+    source = TokenArray(np.arange(64 * 53, dtype=np.uint16), 1)  # 52-53 blocks of 64: not a multiple of a step
+    single = TrainLoader(source, micro_batch=4, seq_len=64, seed=3, step_sequences=8)
+    ranks = [TrainLoader(source, micro_batch=4, seq_len=64, seed=3, rank=r, world_size=2, step_sequences=8)
+             for r in range(2)]
+    for _ in range(20):  # ~3 epochs of 6 steps
+        one = torch.cat([single.next_batch(), single.next_batch()])
+        two = torch.cat([loader.next_batch() for loader in ranks])
+        assert sorted(one[:, 0].tolist()) == sorted(two[:, 0].tolist())
