@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Loss parity and throughput scaling of one GPU vs DDP vs FSDP at the same global batch, then an FSDP resume.
-#   bash scripts/multi_gpu_check.sh [model=0.5b] [extra overrides...]     (needs >= 2 GPUs)
+#   [STEPS=300] [LOG_EVERY=25] [RESUME=1] bash scripts/multi_gpu_check.sh [extra overrides...]     (needs >= 2 GPUs)
 # Run directories: outputs/mgpu_{one,one_split,ddp,fsdp,fsdp_resumed}; the table is printed and appended to BENCHMARKS.md.
 set -euo pipefail
 STEPS=${STEPS:-300}
 COMMON=(model=0.5b l1=2e-5 trainer.max_steps=$STEPS trainer.global_batch=16 trainer.micro_batch=8
-        trainer.warmup_steps=30 trainer.val_every=0 logging.every=25 logging.progress_bar=false
+        trainer.warmup_steps=30 trainer.val_every=0 logging.every=${LOG_EVERY:-25} logging.progress_bar=false
         logging.wandb=false checkpoint.every=$((STEPS / 2)) "$@")
 LAUNCH=(accelerate launch --num_processes 2 --num_machines 1)
 
@@ -14,13 +14,16 @@ CUDA_VISIBLE_DEVICES=0 python train.py "${COMMON[@]}" run_name=mgpu_one
 CUDA_VISIBLE_DEVICES=0 python train.py "${COMMON[@]}" trainer.micro_batch=4 run_name=mgpu_one_split
 "${LAUNCH[@]}" --config_file configs/accelerate/ddp.yaml train.py "${COMMON[@]}" run_name=mgpu_ddp
 "${LAUNCH[@]}" --config_file configs/accelerate/fsdp.yaml train.py "${COMMON[@]}" run_name=mgpu_fsdp
-# Resume the FSDP run from its mid-run checkpoint into a copy and check it reproduces the last steps.
-mkdir -p outputs/mgpu_fsdp_resumed/checkpoints
-cp -r "outputs/mgpu_fsdp/checkpoints/step_$((STEPS / 2))" outputs/mgpu_fsdp_resumed/checkpoints/
-"${LAUNCH[@]}" --config_file configs/accelerate/fsdp.yaml train.py "${COMMON[@]}" run_name=mgpu_fsdp_resumed \
-  checkpoint.resume=auto
+RUNS=(outputs/mgpu_one outputs/mgpu_one_split outputs/mgpu_ddp outputs/mgpu_fsdp)
+if [ "${RESUME:-1}" = 1 ]; then
+  # Resume the FSDP run from its mid-run checkpoint into a copy and check it reproduces the last steps.
+  mkdir -p outputs/mgpu_fsdp_resumed/checkpoints
+  cp -r "outputs/mgpu_fsdp/checkpoints/step_$((STEPS / 2))" outputs/mgpu_fsdp_resumed/checkpoints/
+  "${LAUNCH[@]}" --config_file configs/accelerate/fsdp.yaml train.py "${COMMON[@]}" run_name=mgpu_fsdp_resumed \
+    checkpoint.resume=auto
+  RUNS+=(outputs/mgpu_fsdp_resumed)
+fi
 
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
-python scripts/compare_runs.py outputs/mgpu_one outputs/mgpu_one_split outputs/mgpu_ddp outputs/mgpu_fsdp outputs/mgpu_fsdp_resumed \
-  --markdown BENCHMARKS.md --title "Multi-GPU training: 1 GPU vs DDP vs FSDP" \
-  --note "2x $GPU, bf16, ${COMMON[*]}; the resumed run restarts FSDP from step $((STEPS / 2))."
+python scripts/compare_runs.py "${RUNS[@]}" --markdown BENCHMARKS.md --title "Multi-GPU training: 1 GPU vs DDP vs FSDP" \
+  --note "2x $GPU, bf16, ${COMMON[*]}; mgpu_one_split: 1 GPU, 4 micro-batches of 4 (the noise floor); mgpu_fsdp_resumed (if run): FSDP restarted from step $((STEPS / 2))."
