@@ -10,9 +10,11 @@ Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-ba
 --tokens (inputs from a token file), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
 --device; `--help` describes each.
 
-What is measured, per mode and per FFN path (`kernel=torch`: dense cuBLAS; `kernel=auto`: each layer
-picks by the cost model from the L0 it showed on the dense pass; `kernel=twell`: forced, inference only,
-where the TwELL kernels can run):
+What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP on the same weights:
+the plain dense model, no sparsity statistics and no L1 term, i.e. the paper's non-sparse baseline),
+`torch` (our SparseMLP on the dense torch backend, which also computes L0/L1 statistics), `auto` (each
+layer picks by the cost model from the L0 it showed on the `torch` pass) and `twell` (forced; inference
+only, where the TwELL kernels can run). Speeds are given as ratios to both dense paths:
 - forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
   batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
 - train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
@@ -83,6 +85,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from sparse_llm.backends import get_backend
 from sparse_llm.benchmark import (
@@ -106,7 +109,9 @@ from sparse_llm.training import make_optimizer
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
 MODES = ("forward", "train")
-KERNELS = {"forward": ("torch", "auto", "twell"), "train": ("torch", "auto")}  # twell is inference only
+STOCK = "stock"  # transformers' LlamaMLP: the plain dense baseline
+# `stock` first (it needs no statistics), then `torch`, whose L0 feeds the `auto` decisions.
+KERNELS = {"forward": (STOCK, "torch", "auto", "twell"), "train": (STOCK, "torch", "auto")}  # twell: inference
 BREAKDOWN_REPS = 3
 CALIBRATION_TOKENS = 8192  # tokens per layer used to solve the gate shift (more adds nothing but memory)
 
@@ -142,6 +147,8 @@ class VariantResult:
 
     def path_summary(self) -> str:
         """e.g. 'twell x6, twell+dense-rows x2 (140 rows dense)'."""
+        if not self.layers:
+            return "LlamaMLP (no statistics)"
         counts = collections.Counter(layer.path for layer in self.layers)
         text = ", ".join(f"{path} x{n}" for path, n in counts.most_common())
         rerouted = sum(layer.overflow_rows for layer in self.layers)
@@ -187,9 +194,7 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
     layers = decoder_layers(model)
     n = layers[0].mlp.intermediate_size
     if not 0 < target_l0 < n / 2:
-        raise ValueError(
-            f"--density-l0 {target_l0}: use a mean non-zero count in (0, {n // 2}) (FFN width {n})."
-        )
+        raise ValueError(f"--density-l0 {target_l0}: use a mean non-zero count in (0, {n // 2}) (FFN width {n}).")
     c = model.config.initializer_range
     model.model.embed_tokens.weight[:, 0] = c
     for layer in layers:
@@ -224,12 +229,25 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
     return shifts
 
 
+def use_stock_mlps(model: LlamaForCausalLM) -> None:
+    """Swap every SparseMLP for transformers' LlamaMLP on the same weight tensors (in place)."""
+    for layer in decoder_layers(model):
+        old = layer.mlp
+        with torch.device("meta"):  # its own Linear layers are replaced at once: allocate nothing
+            new = LlamaMLP(model.config)
+        new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+        layer.mlp = new
+
+
 def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None) -> None:
-    """Route every FFN through `kernel`; `auto` layers decide from `observed` (the dense pass's L0).
+    """Route every FFN through `kernel` (or the stock MLP); `auto` layers decide from `observed`.
 
     Self-observation is switched off so that no layer changes its mind (or syncs the host) mid-timing.
     """
-    sparsify(model, kernel)  # resets each layer's dispatcher to `kernel`
+    if kernel == STOCK:
+        use_stock_mlps(model)
+        return
+    sparsify(model, kernel)  # SparseMLPs again (same weights), each dispatcher reset to `kernel`
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:
@@ -247,7 +265,7 @@ def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
 
 def kernel_unavailable_reason(kernel: str, model: LlamaForCausalLM, device: torch.device) -> str | None:
     """Why a forced kernel cannot run this model here (None if it can); `auto` and `torch` always run."""
-    if kernel in ("torch", "auto"):
+    if kernel in (STOCK, "torch", "auto"):
         return None
     reason = get_backend(kernel).unavailable_reason(device)
     if reason is None and kernel == "twell":
@@ -270,16 +288,15 @@ def make_inputs(args: argparse.Namespace, rows: int, vocab_size: int) -> torch.T
         raise ValueError(f"--tokens {args.tokens}: {len(source)} tokens, fewer than {rows} x {args.seq_len}.")
     ids = source.blocks(range(0, rows * args.seq_len, args.seq_len), args.seq_len)
     if int(ids.max()) >= vocab_size:
-        raise ValueError(
-            f"--tokens {args.tokens} holds ids >= the model's vocabulary ({vocab_size}): wrong tokenizer."
-        )
+        raise ValueError(f"--tokens {args.tokens} holds ids >= the model's vocabulary ({vocab_size}): wrong tokenizer.")
     return ids
 
 
 # ------------------------------------------------------------------------------------------ measurements
 def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
+    """Return a variant's cached GPU blocks, so each variant's peak starts from the same state."""
+    if device.type == "cuda":  # gc.collect() takes seconds in a big process: only where memory is measured
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -351,7 +368,8 @@ class TrainStep:
     """One training step as train.py runs it on a GPU, split in phases for the time breakdown.
 
     fp32 master weights; the forward under bf16 autocast (no autocast on a CPU, as train.py);
-    loss = CE + l1 * L1 term; backward; clip the gradient norm to 1; AdamW (train.py's optimizer).
+    loss = CE + l1 * L1 term (CE alone with stock MLPs, which have no L1 term); backward; clip the
+    gradient norm to 1; AdamW (train.py's optimizer).
     """
 
     def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float) -> None:
@@ -368,6 +386,8 @@ class TrainStep:
     def forward(self) -> torch.Tensor:
         with self.autocast():
             out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
+            if not self.mlps:
+                return out.loss
             return out.loss + self.l1 * l1_term([m.last_result for m in self.mlps])
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -442,9 +462,7 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
     return median_dicts(runs)
 
 
-def fill_timing(
-    result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None
-) -> None:
+def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None) -> None:
     result.ms = statistics.median(samples)
     result.ms_spread = (min(samples), max(samples))
     result.tokens_per_ms = result.tokens / result.ms
@@ -481,27 +499,36 @@ def fmt(value: float | None, spec: str) -> str:
 
 def summary_table(results: list[VariantResult]) -> list[str]:
     lines = [
-        "| mode | kernel | micro-batch | ms/iter (min-max) | tokens/ms | vs dense | peak GiB | mJ/token | "
+        "| mode | kernel | micro-batch | ms/iter (min-max) | tokens/ms | vs stock | vs torch | peak GiB | mJ/token | "
         "L0 mean (layer avg) | L0 p99 (worst layer) | L0 max | layer paths |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def key(r: VariantResult) -> tuple[str, int | None]:  # largest-fit rows compare across micro-batches
         return r.mode, (r.batch if r.mode in MODES else None)
 
-    dense = {key(r): r for r in results if r.kernel == "torch" and not r.skipped}
+    bases = {
+        (kernel, key(r)): r for r in results for kernel in (STOCK, "torch") if r.kernel == kernel and not r.skipped
+    }
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.mode} | {r.kernel} | {r.batch} | skipped: {r.skipped} |" + " |" * 8)
+            lines.append(f"| {r.mode} | {r.kernel} | {r.batch} | skipped: {r.skipped} |" + " |" * 9)
             continue
-        base = dense.get(key(r))
-        ratio = f"{r.tokens_per_ms / base.tokens_per_ms:.3f}x" if base else "-"
+        ratios = []
+        for kernel in (STOCK, "torch"):
+            base = bases.get((kernel, key(r)))
+            ratios.append(f"{r.tokens_per_ms / base.tokens_per_ms:.3f}x" if base else "-")
         lo, hi = r.ms_spread
-        l0_mean = sum(layer.l0_mean for layer in r.layers) / len(r.layers)
+        if r.layers:
+            l0 = (
+                f"{sum(layer.l0_mean for layer in r.layers) / len(r.layers):.1f} | "
+                f"{max(layer.l0_p99 for layer in r.layers):.0f} | {max(layer.l0_max for layer in r.layers):.0f}"
+            )
+        else:
+            l0 = "- | - | -"
         lines.append(
-            f"| {r.mode} | {r.kernel} | {r.batch} | {r.ms:.2f} ({lo:.2f}-{hi:.2f}) | {r.tokens_per_ms:.2f} | {ratio} | "
-            f"{fmt(r.peak_gib, '.2f')} | {fmt(r.mj_per_token, '.4f')} | {l0_mean:.1f} | "
-            f"{max(layer.l0_p99 for layer in r.layers):.0f} | {max(layer.l0_max for layer in r.layers):.0f} | "
+            f"| {r.mode} | {r.kernel} | {r.batch} | {r.ms:.2f} ({lo:.2f}-{hi:.2f}) | {r.tokens_per_ms:.2f} | "
+            f"{ratios[0]} | {ratios[1]} | {fmt(r.peak_gib, '.2f')} | {fmt(r.mj_per_token, '.4f')} | {l0} | "
             f"{r.path_summary()} |"
         )
     return lines
@@ -517,15 +544,13 @@ def breakdown_table(results: list[VariantResult]) -> list[str]:
         "|---|---|" + "---|" * len(keys),
     ]
     for r in rows:
-        lines.append(
-            f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |"
-        )
+        lines.append(f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |")
     return lines
 
 
 def layer_table(results: list[VariantResult]) -> list[str]:
     """Per-layer L0 of each mode's dense pass, and the path every sparse variant took in that layer."""
-    ran = [r for r in results if not r.skipped and r.mode in MODES]
+    ran = [r for r in results if not r.skipped and r.mode in MODES and r.layers]
     dense = [r for r in ran if r.kernel == "torch"]
     sparse = [r for r in ran if r.kernel != "torch"]
     if not dense:
@@ -534,9 +559,7 @@ def layer_table(results: list[VariantResult]) -> list[str]:
     head += "".join(f" | {r.mode} {r.kernel} path (dense rows)" for r in sparse) + " |"
     lines = [head, "|---|" + "---|" * (len(dense) + len(sparse))]
     for i in range(len(dense[0].layers)):
-        cells = [
-            f"{r.layers[i].l0_mean:.1f} / {r.layers[i].l0_p99:.0f} / {r.layers[i].l0_max:.0f}" for r in dense
-        ]
+        cells = [f"{r.layers[i].l0_mean:.1f} / {r.layers[i].l0_p99:.0f} / {r.layers[i].l0_max:.0f}" for r in dense]
         cells += [f"{r.layers[i].path} ({r.layers[i].overflow_rows})" for r in sparse]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return lines
@@ -572,7 +595,7 @@ def report_header(
         f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}; {sparsity}.",
         f"Settings: `{' '.join(['python scripts/bench_model.py', *args.argv])}`; inputs: {inputs}; "
         f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head); "
-        f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW, "
+        f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; times: median of {args.reps} after "
         f"{args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: median of "
         f"{BREAKDOWN_REPS} instrumented passes. `auto` layers decide from the dense pass's L0.",
@@ -581,17 +604,13 @@ def report_header(
 
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
     source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward call")
-    parser.add_argument(
-        "--train-batch", type=int, default=None, help="training micro-batch (default --batch)"
-    )
+    parser.add_argument("--train-batch", type=int, default=None, help="training micro-batch (default --batch)")
     parser.add_argument(
         "--max-train-batch",
         type=int,
@@ -605,13 +624,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="random-init models only: target mean non-zeros per token in every FFN layer",
     )
-    parser.add_argument(
-        "--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs"
-    )
+    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
     parser.add_argument("--modes", default="forward,train")
-    parser.add_argument(
-        "--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)"
-    )
+    parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
     parser.add_argument("--json", default=None, help="write every measurement here")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -620,8 +635,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--lr",
         type=float,
-        default=1e-5,
-        help="AdamW lr of the timed steps (small, so the weights and L0 barely move)",
+        default=0.0,
+        help="AdamW lr of the timed steps: AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
     parser.add_argument("--seed", type=int, default=0)
@@ -637,9 +652,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.density_l0 is not None and args.checkpoint:
-        parser.error(
-            "--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)"
-        )
+        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
     if args.max_train_batch and args.max_train_batch < 2 * args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or >= 2 x --train-batch ({2 * args.train_batch})")
     if args.energy_seconds < 1.0:
@@ -648,11 +661,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
-    device = (
-        torch.device(args.device)
-        if args.device
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 leftovers stay fp32, as in the dense reference
     model = load_model(args, device)

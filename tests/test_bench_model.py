@@ -125,6 +125,9 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     )
     by_key = {(r.mode, r.kernel): r for r in results}
     assert set(by_key) == {
+        ("forward", "stock"),
+        ("train", "stock"),
+        ("train (largest fit)", "stock"),
         ("forward", "torch"),
         ("forward", "auto"),
         ("forward", "twell"),
@@ -140,10 +143,12 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
         assert [layer.path for layer in r.layers] == ["torch"] * 4  # no sparse kernel on a CPU
         assert set(r.breakdown_ms) >= {"attention", "ffn gate GEMM", "ffn rest", "other fwd", "total"}
     assert "backward" in by_key["train", "torch"].breakdown_ms
+    for mode in ("forward", "train"):  # the plain dense baseline: transformers' MLP, no statistics
+        stock = by_key[mode, "stock"]
+        assert stock.skipped is None and stock.layers == [] and stock.tokens_per_ms > 0
+        assert stock.path_summary() == "LlamaMLP (no statistics)"
     fwd = by_key["forward", "torch"].layers
-    assert sum(layer.l0_mean for layer in fwd) / 4 == pytest.approx(
-        24.0, abs=1.0
-    )  # calibrated on these tokens
+    assert sum(layer.l0_mean for layer in fwd) / 4 == pytest.approx(24.0, abs=1.0)  # calibrated on these tokens
     assert all(layer.l0_max >= layer.l0_p99 >= 0 for layer in fwd)
 
     printed = capsys.readouterr().out
@@ -155,7 +160,7 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert "| layer | forward L0 mean / p99 / max |" in text
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
-    assert len(json.loads((tmp_path / "r.json").read_text())) == 7
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 10
 
 
 @pytest.mark.parametrize(
@@ -190,6 +195,7 @@ def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypat
     args = TINY + ["--modes", "train", "--train-batch", "4", "--max-train-batch", "8"]
     results = bench_model.main(args)
     assert [(r.mode, r.kernel, r.skipped) for r in results] == [
+        ("train", "stock", "out of memory at micro-batch 4"),
         ("train", "torch", "out of memory at micro-batch 4"),
         ("train", "auto", "out of memory at micro-batch 4"),
     ]
@@ -197,6 +203,24 @@ def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypat
     assert "| train | auto | 4 | skipped: out of memory at micro-batch 4 |" in report
 
     results = bench_model.main(TINY + ["--modes", "train", "--max-train-batch", "8"])
-    assert [(r.mode, r.batch) for r in results] == [
-        ("train", 2)
-    ] * 2  # batch 4 did not fit: no largest-fit row
+    assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 3  # batch 4 did not fit: no largest-fit row
+
+
+def test_stock_mlps_share_the_weights_and_compute_the_same_function():
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50), kernel="torch"
+    )
+    ids = torch.randint(0, 50, (2, 8))
+    weights = [mlp.gate_proj.weight for mlp in sparse_mlps(model)]
+    with torch.no_grad():
+        sparse_out = model(input_ids=ids).logits
+        bench_model.set_kernel(model, "stock", None)
+        assert sparse_mlps(model) == []
+        stock_weights = [layer.mlp.gate_proj.weight for layer in model.model.layers]
+        assert all(a is b for a, b in zip(stock_weights, weights, strict=True))  # the same tensors, no copies
+        stock_out = model(input_ids=ids).logits
+        bench_model.set_kernel(model, "auto", None)
+        assert [mlp.dispatcher.kernel for mlp in sparse_mlps(model)] == ["auto", "auto"]
+        assert all(mlp.gate_proj.weight is w for mlp, w in zip(sparse_mlps(model), weights, strict=True))
+    torch.testing.assert_close(stock_out, sparse_out)
