@@ -1,0 +1,138 @@
+// Training forward of the gated FFN on the hybrid format (after the TwELL gate GEMM of twell_gate_wgmma.cu
+// or twell_pack.cu has packed g = relu(x w_gate^T)). UNTESTED ON A GPU so far: compile-checked only.
+//
+//   train_ell_from_twell : TwELL words -> ELL rows (light tokens) + a list of backup rows (heavy tokens).
+//                          torch reference: formats.pack_hybrid(relu(x w_gate^T), width)
+//   train_fwd_light      : per light token, u = x . w_up[n] at the gate's non-zeros, h = g * u,
+//                          y = sum h w_down[:, n], |h| and h != 0 statistics.
+//                          torch reference: formats.hybrid_sddmm, hybrid_mul, hybrid_matmul, hybrid_abs_sum
+// Heavy tokens (backup rows) are computed by dense cuBLAS GEMMs in sparse_llm/twell_train.py.
+#include "train_common.cuh"
+
+// One warp per token. A token is heavy (goes whole to the dense backup) when its gate has more than W
+// non-zeros or when one of its TwELL tiles overflowed (more than 31 positives: the words hold only 31 of
+// them, so only the dense path can be exact). Heavy tokens get a backup slot from an atomic counter, so
+// the backup list is in arbitrary order; each row's result does not depend on its slot.
+extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
+    const uint32_t *__restrict__ packed,   // [M, T * 32] TwELL words of the gate
+    int *__restrict__ ell_cols,            // [M, W] out: column of each ELL entry (light rows, slots < count)
+    __nv_bfloat16 *__restrict__ ell_g,     // [M, W] out: gate value of each ELL entry
+    int *__restrict__ ell_count,           // [M] out: true gate non-zeros of the token
+    int *__restrict__ row_slot,            // [M] out: -1 for a light token, else its backup slot
+    long long *__restrict__ backup_rows,   // [M] out: token of each backup slot (first counters[0] valid)
+    int *__restrict__ counters,            // [2] zeroed: heavy tokens, tokens with an overflowed tile
+    int M, int T, int W) {
+    const int lane = threadIdx.x & 31;
+    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    if (m >= M) return;  // whole warp
+    const uint32_t *row = packed + m * T * TWELL_SLOTS;
+
+    int total = 0;
+    bool overflow = false;
+    for (int t = lane; t < T; t += 32) {
+        const int count = static_cast<int>(row[t * TWELL_SLOTS]);
+        total += count;
+        overflow |= count > TWELL_CAPACITY;
+    }
+    total = warp_sum_int(total);
+    overflow = __any_sync(FULL_MASK, overflow);
+    const bool heavy = overflow || total > W;
+    if (lane == 0) {
+        ell_count[m] = total;
+        int slot = -1;
+        if (heavy) {
+            slot = atomicAdd(&counters[0], 1);
+            backup_rows[slot] = m;
+            if (overflow) atomicAdd(&counters[1], 1);
+        }
+        row_slot[m] = slot;
+    }
+    if (heavy) return;
+
+    // Light token: copy the segments in tile order; lane i moves payload word i of each segment.
+    int base = 0;
+    for (int t = 0; t < T; ++t) {
+        const uint32_t word = row[t * TWELL_SLOTS + lane];
+        const int count = static_cast<int>(__shfl_sync(FULL_MASK, word, 0));
+        if (lane >= 1 && lane <= count) {
+            const long long slot = m * W + base + lane - 1;
+            ell_cols[slot] = twell_col(word);
+            ell_g[slot] = __ushort_as_bfloat16(static_cast<unsigned short>(word >> 16));
+        }
+        base += count;
+    }
+}
+
+// One warp per light token (heavy tokens are skipped: the dense backup path writes their rows). The
+// token's ELL entries are read 32 at a time (lane j holds entry j) and walked by the whole warp: for entry
+// (n, g), u = bf16(x[m] . w_up[n]) (fp32 dot), h = bf16(g * u), acc += h * w_down_t[n]. The u values are
+// stored for the backward (h is recomputed there); y[m] = bf16(acc).
+template <int KV>
+__global__ void __launch_bounds__(128) train_fwd_light(
+    const __nv_bfloat16 *__restrict__ x,         // [M, K]
+    const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
+    const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of down_proj.weight [K, N])
+    const int *__restrict__ ell_cols,            // [M, W]
+    const __nv_bfloat16 *__restrict__ ell_g,     // [M, W]
+    const int *__restrict__ ell_count,           // [M]
+    const int *__restrict__ row_slot,            // [M]
+    __nv_bfloat16 *__restrict__ ell_u,           // [M, W] out: u at the ELL entries
+    __nv_bfloat16 *__restrict__ y,               // [M, K] out (light rows)
+    float *__restrict__ l1,                      // [M] out (light rows): sum |h|
+    int *__restrict__ l0,                        // [M] out (light rows): #(h != 0)
+    int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
+    int M, int K, int W) {
+    const int lane = threadIdx.x & 31;
+    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    if (m >= M || row_slot[m] >= 0) return;  // whole warp
+    extern __shared__ uint4 smem[];
+    uint4 *x_row = smem + (threadIdx.x / 32) * KV * 32;
+    stage_row<KV>(x_row, x + m * K, lane, K);
+    __syncwarp();
+
+    float acc[KV][8];
+    zero_acc<KV>(acc);
+    float l1_sum = 0.0f;
+    int l0_sum = 0;
+    const int count = ell_count[m];
+    for (int base = 0; base < count; base += 32) {
+        const int mine = base + lane;
+        const bool has = mine < count;
+        const int my_col = has ? ell_cols[m * W + mine] : 0;
+        const float my_g = has ? bf16_load(ell_g + m * W + mine) : 0.0f;
+        float my_u = 0.0f;
+        const int here = min(32, count - base);
+        for (int j = 0; j < here; ++j) {
+            const long long n = __shfl_sync(FULL_MASK, my_col, j);
+            const float g = __shfl_sync(FULL_MASK, my_g, j);
+            uint4 w[KV];
+            load_row<KV>(w, w_up + n * K, lane, K);
+            const float u = bf16_round(warp_sum(lane_dot<KV>(x_row, w, lane)));
+            const float h = bf16_round(g * u);
+            load_row<KV>(w, w_down_t + n * K, lane, K);
+            axpy<KV>(acc, h, w);
+            if (lane == j) my_u = u;
+            l1_sum += fabsf(h);
+            if (h != 0.0f) {
+                ++l0_sum;
+                if (lane == 0 && fired[n] == 0) fired[n] = 1;  // read first: no write traffic once set
+            }
+        }
+        if (has) ell_u[m * W + mine] = __float2bfloat16_rn(my_u);
+    }
+    store_row_bf16<KV>(y + m * K, acc, lane, K);
+    if (lane == 0) {
+        l1[m] = l1_sum;
+        l0[m] = l0_sum;
+    }
+}
+
+// Instantiations for the nvcc compile check; NVRTC builds the one named by the launcher (KV = ceil(K/256)).
+#define TRAIN_FWD_LIGHT(KV)                                                                                      \
+    template __global__ void train_fwd_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                \
+                                                 const __nv_bfloat16 *, const int *, const __nv_bfloat16 *,   \
+                                                 const int *, const int *, __nv_bfloat16 *, __nv_bfloat16 *,  \
+                                                 float *, int *, int *, int, int, int);
+TRAIN_FWD_LIGHT(1)
+TRAIN_FWD_LIGHT(8)
+TRAIN_FWD_LIGHT(16)

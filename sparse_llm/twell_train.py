@@ -1,0 +1,526 @@
+"""Training path of the gated feedforward block on the hybrid sparse format: an autograd-aware op.
+
+Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) are compile-checked for
+sm_90a but have NOT yet run on a GPU. Until tests/gpu/test_twell_train.py passes on an H100, the
+per-layer dispatcher never picks this path by itself: `train_estimated_ms` returns None unless the
+environment sets SPARSE_LLM_TWELL_TRAIN=1. Calling `twell_train_ffn` directly (what a forced
+`kernel=twell` training backend would do) runs it regardless.
+
+The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
+
+    g = relu(x w_gate^T),  u = x w_up^T,  h = g * u,  y = h w_down^T,  l1_sum = sum |h|
+
+and the exact gradients of y and l1_sum (the trainer's loss is CE + coeff * mean_layers(l1_sum / M)).
+Only the gate GEMM is dense work; everything else runs at the gate's non-zeros.
+
+Format and saved state (sparse only: no dense [M, N] activation is kept except backup rows)
+-------------------------------------------------------------------------------------------
+A token with at most ``width`` gate non-zeros is *light*: its entries live in an ELL row (column
+``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused).
+Any other token is *heavy* and lives whole in the dense backup rows (``backup_g_RN``, ``backup_u_RN``;
+``backup_rows_R`` names the tokens, ``row_slot_M`` maps token -> slot, -1 for light tokens). On the GPU a
+token whose TwELL tile overflowed (more than 31 positives in 256 columns) is also heavy, since its packed
+words are incomplete. Nothing is ever dropped: there is no backup capacity to run out of (see "Host sync").
+h is recomputed from g * u in the backward. Token indices are int32/int64 throughout (no 65536-token limit).
+
+GPU pipeline (CUDA tensors, sm_90a, bf16)
+-----------------------------------------
+forward:  twell_gate (the inference gate GEMM + TwELL packing)  ->  train_ell_from_twell (ELL + backup
+          list)  ->  train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  cuBLAS on the backup
+          rows (gate, up, down; their y, L1, L0, fired rows scattered back).
+backward: train_bwd_light (dh at the support with the L1 term, du, dg, dx for light tokens)  ->  a
+          stable sort of the ELL entries by column (the transposed, CSC view; its size is bounded by the
+          ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)
+          -> cuBLAS on the backup rows.
+
+Host sync: the forward reads one int (the number of heavy tokens) to size the backup GEMMs exactly. The
+read is issued right after the ELL conversion and waited for only after the light-token kernel is queued,
+so the GPU keeps working while the host waits; the cost is a launch bubble of the few backup kernels. The
+backward has no host sync (the CSC sizes stay on the device). Fixed-capacity backups with a deferred
+check would avoid the read but then need a redo of the step on overflow; that is not implemented.
+
+Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
+atomics, so their summation order varies run to run; the TwELL entry order of the fused gate route varies
+too. Everything else is deterministic.
+
+On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference built on
+`sparse_llm.formats` (`hybrid_gated_mlp_forward_ref` / `hybrid_gated_mlp_backward_ref`), any float dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparse_llm import cuda
+from sparse_llm.backends import FFNResult
+from sparse_llm.formats import (
+    HybridPacked,
+    HybridSaved,
+    hybrid_gated_mlp_backward_ref,
+    hybrid_gated_mlp_forward_ref,
+    hybrid_mul,
+)
+from sparse_llm.twell_backend import (
+    CUBLAS_GEMM_TFLOPS,
+    HBM_GBPS,
+    PACK_GBPS,
+    TILE,
+    UP_DOWN_GBPS,
+    check_inputs,
+    dense_row_split,
+    shape_unsupported_reason,
+    twell_gate,
+)
+
+Tensor = torch.Tensor
+
+DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
+MAX_WIDTH = 4096
+CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradient kernel
+OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
+WARPS_PER_BLOCK = 4
+WGRAD_BLOCKS_PER_SM = 4
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The op's outputs after (y_MK, l1_sum, l0_M, fired_N): the saved sparse state, in this order.
+STATE_NAMES = (
+    "ell_cols_MW",
+    "ell_count_M",
+    "row_slot_M",
+    "ell_g_MW",
+    "ell_u_MW",
+    "backup_rows_R",
+    "backup_g_RN",
+    "backup_u_RN",
+)
+_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+# ------------------------------------------------------------------------------------------------
+# Opt-in and cost model
+# ------------------------------------------------------------------------------------------------
+
+
+def training_opted_in() -> bool:
+    """True when SPARSE_LLM_TWELL_TRAIN=1: lets `kernel=auto` consider the (GPU-untested) training kernels."""
+    return os.environ.get(OPT_IN_ENV) == "1"
+
+
+def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
+    """Predicted ms of one forward + backward, or None (not opted in, or a shape the kernels cannot take).
+
+    Uncalibrated first model from the inference calibration constants: the gate (cuBLAS + packing),
+    weight rows streamed per light non-zero (2 forward, 3 backward, 2 gathered token rows for the weight
+    gradients), the fp32 weight-gradient buffers, and the dense training cost of the backup rows.
+    """
+    if not training_opted_in() or shape_unsupported_reason(k, n) is not None:
+        return None
+    gate = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9) + m * n * 2.5 / (PACK_GBPS * 1e6)
+    heavy_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
+    light_entries = m * (1.0 - heavy_fraction) * light_mean
+    rows = light_entries * (2 + 3 + 2) * 2 * k / (UP_DOWN_GBPS * 1e6)
+    wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
+    backup = 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
+    return gate + rows + wgrad_buffers + backup
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+def check_train_inputs(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int
+) -> tuple[int, int, int]:
+    """Raise TypeError/ValueError naming the bad argument; returns (M, K, N).
+
+    Any float dtype on CPU (the torch reference); on CUDA the kernels' rules (bf16, contiguous, K % 64,
+    N % 256, K <= 4096, N <= 65536, sm_90a) apply.
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"width={width!r} must be an int in [1, {MAX_WIDTH}] (the ELL row width, default 128)")
+    named = (("x_MK", x_MK), ("w_gate_NK", w_gate_NK), ("w_up_NK", w_up_NK), ("w_down_KN", w_down_KN))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}; flatten tokens with x.reshape(-1, K)")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; pass floating tensors (bf16 on the GPU)")
+        if t.dtype != x_MK.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x_MK has {x_MK.dtype}; cast them to one dtype")
+        if t.device != x_MK.device:
+            raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    expected = {"w_gate_NK": (n, k), "w_up_NK": (n, k), "w_down_KN": (k, n)}
+    for name, t in named[1:]:
+        if tuple(t.shape) != expected[name]:
+            hint = " (it looks transposed: pass down_proj.weight itself)" if tuple(t.shape) == (n, k) else ""
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {list(expected[name])} in nn.Linear layout "
+                f"(K={k} from x_MK, N={n} from w_gate_NK){hint}"
+            )
+    if n > 1 << 16:
+        raise ValueError(f"w_gate_NK has N={n} rows; the formats store 16-bit columns, so N must be <= 65536")
+    if x_MK.is_cuda:
+        check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    return m, k, n
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch reference (CPU, CI): formats.py
+# ------------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+    fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
+    g, u = fwd.saved.g, fwd.saved.u
+    h = hybrid_mul(g, u)
+    m, n = g.n_rows, g.n_cols
+    nonzero_MW = h.ell_values_MW != 0  # padding slots hold 0
+    nonzero_RN = h.backup_values_RN != 0
+    l0_M = nonzero_MW.sum(dim=1, dtype=torch.int32)
+    l0_M[g.backup_rows_R] = nonzero_RN.sum(dim=1, dtype=torch.int32)
+    fired_N = torch.zeros(n, dtype=torch.bool, device=x_MK.device)
+    fired_N[g.ell_cols_MW[nonzero_MW].long()] = True
+    fired_N |= nonzero_RN.any(dim=0)
+    row_slot_M = torch.full((m,), -1, dtype=torch.int32, device=x_MK.device)
+    row_slot_M[g.backup_rows_R] = torch.arange(g.backup_rows_R.numel(), dtype=torch.int32, device=x_MK.device)
+    return (
+        fwd.y_MK, fwd.l1_sum, l0_M, fired_N,
+        g.ell_cols_MW, g.ell_count_M, row_slot_M, g.ell_values_MW, u.ell_values_MW,
+        g.backup_rows_R, g.backup_values_RN, u.backup_values_RN,
+    )  # fmt: skip
+
+
+def _reference_backward(
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
+    backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    g = HybridPacked(
+        ell_values_MW=ell_g_MW,
+        ell_cols_MW=ell_cols_MW,
+        ell_count_M=ell_count_M,
+        backup_rows_R=backup_rows_R,
+        backup_values_RN=backup_g_RN,
+        n_cols=w_gate_NK.shape[0],
+        width=ell_cols_MW.shape[1],
+        capacity=max(1, backup_rows_R.numel()),
+        capacity_grown=False,
+    )
+    saved = HybridSaved(g=g, u=g.with_values(ell_u_MW, backup_u_RN))
+    grads = hybrid_gated_mlp_backward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, saved, dy_MK, dl1)
+    return grads.dx_MK, grads.dw_gate_NK, grads.dw_up_NK, grads.dw_down_KN
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA implementation
+# ------------------------------------------------------------------------------------------------
+
+
+def _launch(filename: str, name: str, grid: int, args: tuple, device: torch.device, smem: int = 0) -> None:
+    kernel = cuda.get_function(filename, name, device)
+    cuda.launch(kernel, (grid,), (32 * WARPS_PER_BLOCK,), args, device, shared_mem=smem)
+
+
+def _pieces(k: int) -> int:
+    """KV of the kernels: 16-byte pieces per lane of a K-wide bf16 row (lane owns 8 of every 256 columns)."""
+    return math.ceil(k / 256)
+
+
+def _require_kernels(device: torch.device) -> None:
+    reason = cuda.unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(
+            f"The twell training kernels cannot run on {device}: {reason} Use kernel=torch (or auto) there."
+        )
+
+
+def _backup_forward(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, rows_R: Tensor,
+    y_MK: Tensor, l1_M: Tensor, l0_M: Tensor, fired_N: Tensor,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Heavy tokens through cuBLAS; writes their y, L1, L0 rows and fired neurons. Returns (g_RN, u_RN).
+
+    torch reference: the backup branch of formats.hybrid_sddmm / hybrid_matmul (u is masked by g's support).
+    """
+    x_RK = x_MK.index_select(0, rows_R)
+    g_RN = F.relu(F.linear(x_RK, w_gate_NK))
+    u_RN = torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
+    h_RN = g_RN * u_RN
+    y_MK.index_copy_(0, rows_R, F.linear(h_RN, w_down_KN))
+    nonzero_RN = h_RN != 0
+    l1_M.index_copy_(0, rows_R, h_RN.float().abs().sum(dim=1))
+    l0_M.index_copy_(0, rows_R, nonzero_RN.sum(dim=1, dtype=torch.int32))
+    fired_N.bitwise_or_(nonzero_RN.any(dim=0).to(torch.int32))
+    return g_RN, u_RN
+
+
+def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+    device = x_MK.device
+    _require_kernels(device)
+    check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    i32, bf16 = torch.int32, torch.bfloat16
+    with torch.cuda.device(device):
+        ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
+        ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
+        ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)
+        ell_count_M = torch.empty(m, dtype=i32, device=device)
+        row_slot_M = torch.empty(m, dtype=i32, device=device)
+        l0_M = torch.empty(m, dtype=i32, device=device)
+        l1_M = torch.empty(m, dtype=torch.float32, device=device)
+        backup_rows_M = torch.empty(m, dtype=torch.int64, device=device)
+        counters = torch.zeros(2, dtype=i32, device=device)  # heavy tokens, tokens with an overflowed tile
+        fired_N = torch.zeros(n, dtype=i32, device=device)
+        y_MK = torch.empty(m, k, dtype=bf16, device=device)
+        heavy = 0
+        if m:
+            packed_MS = twell_gate(x_MK, w_gate_NK)
+            blocks = math.ceil(m / WARPS_PER_BLOCK)
+            args = (
+                cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M),
+                cuda.ptr(row_slot_M), cuda.ptr(backup_rows_M), cuda.ptr(counters),
+                np.int32(m), np.int32(n // TILE), np.int32(width),
+            )  # fmt: skip
+            _launch("train_forward.cu", "train_ell_from_twell", blocks, args, device)
+            del packed_MS
+            counts_host = torch.empty(2, dtype=i32, pin_memory=True)
+            counts_host.copy_(counters, non_blocking=True)
+            counted = torch.cuda.Event()
+            counted.record()
+            w_down_t_NK = w_down_KN.t().contiguous()
+            kv = _pieces(k)
+            args = (
+                cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
+                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(ell_u_MW),
+                cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N),
+                np.int32(m), np.int32(k), np.int32(width),
+            )  # fmt: skip
+            smem = WARPS_PER_BLOCK * kv * 32 * 16
+            _launch("train_forward.cu", f"train_fwd_light<{kv}>", blocks, args, device, smem)
+            counted.synchronize()  # the forward's one host read: the light-token kernel is already queued
+            heavy = int(counts_host[0])
+        backup_rows_R = backup_rows_M[:heavy].clone()
+        if heavy:
+            backup_g_RN, backup_u_RN = _backup_forward(
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, y_MK, l1_M, l0_M, fired_N
+            )
+        else:
+            backup_g_RN, backup_u_RN = x_MK.new_empty(0, n), x_MK.new_empty(0, n)
+        return (
+            y_MK, l1_M.sum(), l0_M, fired_N.bool(),
+            ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
+            backup_rows_R, backup_g_RN, backup_u_RN,
+        )  # fmt: skip
+
+
+def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
+
+    order_E lists positions m * W + s sorted by column (stable: ascending tokens within a column); column n
+    owns order_E[col_start[n] : col_start[n + 1]]. Unused and heavy-token slots sort last (key N). No host
+    sync. torch reference of the transposed view: formats.hybrid_t_matmul's entry list.
+    """
+    width = ell_cols_MW.shape[1]
+    used_MW = torch.arange(width, device=ell_cols_MW.device) < ell_count_M[:, None]
+    used_MW &= (row_slot_M < 0)[:, None]
+    key_E = torch.where(used_MW, ell_cols_MW, n).flatten()
+    sorted_E, order_E = torch.sort(key_E, stable=True)
+    col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=key_E.dtype, device=key_E.device))
+    return order_E, col_start
+
+
+def _csc_wgrad(
+    order_E: Tensor, col_start: Tensor, values: tuple[Tensor, ...], src_MK: Tensor, n: int, width: int
+) -> tuple[Tensor, ...]:
+    """fp32 [N, K] sums over column n's entries of value * src_MK[token]; one per value array (1 or 2)."""
+    device = src_MK.device
+    k = src_MK.shape[1]
+    chunks = (col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK
+    chunk_start = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    torch.cumsum(chunks, 0, out=chunk_start[1:])
+    outs = tuple(torch.zeros(n, k, dtype=torch.float32, device=device) for _ in values)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    kv = _pieces(k)
+    args = (
+        cuda.ptr(order_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
+        cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
+        cuda.ptr(outs[0]), cuda.ptr(outs[-1]),
+        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK),
+    )  # fmt: skip
+    _launch("train_backward.cu", f"train_csc_wgrad<{kv}, {len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
+    return outs
+
+
+def _cuda_backward(
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
+    backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    device = x_MK.device
+    _require_kernels(device)
+    m, k = x_MK.shape
+    n, width = w_gate_NK.shape[0], ell_cols_MW.shape[1]
+    bf16 = torch.bfloat16
+    with torch.cuda.device(device):
+        dy_MK = dy_MK.to(bf16).contiguous()
+        dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
+        dx_MK = torch.empty(m, k, dtype=bf16, device=device)
+        ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=bf16, device=device).unbind(0)
+        kv = _pieces(k)
+        if m:
+            w_down_t_NK = w_down_KN.t().contiguous()
+            args = (
+                cuda.ptr(dy_MK), cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
+                cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M),
+                cuda.ptr(row_slot_M), cuda.ptr(dl1_1), cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW),
+                cuda.ptr(ell_dg_MW), cuda.ptr(dx_MK), np.int32(m), np.int32(k), np.int32(width),
+            )  # fmt: skip
+            smem = WARPS_PER_BLOCK * kv * 32 * 16
+            _launch("train_backward.cu", f"train_bwd_light<{kv}>", math.ceil(m / WARPS_PER_BLOCK), args, device, smem)
+            del w_down_t_NK
+            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, row_slot_M, n)
+            dw_gate_NK, dw_up_NK = _csc_wgrad(order_E, col_start, (ell_dg_MW, ell_du_MW), x_MK, n, width)
+            (dw_down_NK,) = _csc_wgrad(order_E, col_start, (ell_h_MW,), dy_MK, n, width)
+        else:
+            dw_gate_NK, dw_up_NK, dw_down_NK = (torch.zeros(n, k, device=device) for _ in range(3))
+        if backup_rows_R.numel():
+            _backup_backward(
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
+                dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
+            )  # fmt: skip
+        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), dw_down_NK.t().to(bf16).contiguous()
+
+
+def _backup_backward(
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, g_RN, u_RN, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
+) -> None:  # fmt: skip
+    """Heavy tokens' gradients through cuBLAS: writes their dx rows, adds to the fp32 weight gradients.
+
+    torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
+    """
+    x_RK, dy_RK = x_MK.index_select(0, rows_R), dy_MK.index_select(0, rows_R)
+    h_RN = g_RN * u_RN
+    dh_RN = torch.where(g_RN != 0, dy_RK @ w_down_KN, 0)
+    dh_RN = (dh_RN.float() + dl1_1 * h_RN.float().sign()).to(dh_RN.dtype)
+    du_RN, dg_RN = dh_RN * g_RN, dh_RN * u_RN
+    dx_MK.index_copy_(0, rows_R, du_RN @ w_up_NK + dg_RN @ w_gate_NK)
+    dw_gate_NK += dg_RN.t() @ x_RK
+    dw_up_NK += du_RN.t() @ x_RK
+    dw_down_NK += h_RN.t() @ dy_RK
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("sparsellm::twell_train_forward", mutates_args=())
+def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+    """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES.
+
+    Inputs are validated by `twell_train_ffn`; call that instead. This default implementation is the
+    torch reference (any device); CUDA tensors take the kernels.
+    """
+    return _reference_forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, width)
+
+
+@torch.library.custom_op("sparsellm::twell_train_backward", mutates_args=())
+def twell_train_backward_op(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor,
+    ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
+    backup_rows_R: Tensor, backup_g_RN: Tensor, backup_u_RN: Tensor, dy_MK: Tensor, dl1: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor)."""
+    return _reference_backward(
+        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
+        backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+    )  # fmt: skip
+
+
+twell_train_forward_op.register_kernel("cuda")(_cuda_forward)
+twell_train_backward_op.register_kernel("cuda")(_cuda_backward)
+
+
+@twell_train_forward_op.register_fake
+def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    r = torch.library.get_ctx().new_dynamic_size()  # heavy tokens: data dependent
+    i32 = torch.int32
+    return (
+        x_MK.new_empty(m, k), x_MK.new_empty((), dtype=_acc_dtype(x_MK.dtype)),
+        x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
+        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=i32),
+        x_MK.new_empty(m, width), x_MK.new_empty(m, width),
+        x_MK.new_empty(r, dtype=torch.int64), x_MK.new_empty(r, n), x_MK.new_empty(r, n),
+    )  # fmt: skip
+
+
+@twell_train_backward_op.register_fake
+def _backward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, *_):
+    return torch.empty_like(x_MK), torch.empty_like(w_gate_NK), torch.empty_like(w_up_NK), torch.empty_like(w_down_KN)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, _ = inputs
+    ctx.save_for_backward(x_MK, w_gate_NK, w_up_NK, w_down_KN, *output[4:])
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, dy_MK, dl1, *_):
+    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = twell_train_backward_op(*ctx.saved_tensors, dy_MK, dl1)
+    return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None
+
+
+twell_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry
+# ------------------------------------------------------------------------------------------------
+
+
+def twell_train_ffn(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, *, width: int = DEFAULT_WIDTH
+) -> FFNResult:
+    """The gated FFN block for training on the hybrid sparse format, differentiable through y and l1_sum.
+
+    Args:
+        x_MK: tokens [M, K]. w_gate_NK, w_up_NK: [N, K]; w_down_KN: [K, N] (nn.Linear layouts).
+            Under autocast all four are cast to the autocast dtype first (gradients reach the originals).
+        width: ELL width W; tokens with more gate non-zeros are computed as dense backup rows.
+
+    Returns:
+        FFNResult with y_MK, l1_sum (fp32 sum |h|), l0_M (int32 non-zeros of h per token), fired_N (bool),
+        path "twell-train" or "twell-train+backup-rows", overflow_rows = tokens computed as backup rows.
+    """
+    device_type = x_MK.device.type if isinstance(x_MK, torch.Tensor) else "cpu"
+    tensors = (x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    if torch.is_autocast_enabled(device_type) and all(isinstance(t, torch.Tensor) for t in tensors):
+        dtype = torch.get_autocast_dtype(device_type)
+        tensors = tuple(t.to(dtype) for t in tensors)
+    tensors = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors)
+    check_train_inputs(*tensors, width)
+    with torch.autocast(device_type, enabled=False):
+        y_MK, l1_sum, l0_M, fired_N, *state = twell_train_forward_op(*tensors, width)
+    heavy = state[STATE_NAMES.index("backup_rows_R")].shape[0]
+    return FFNResult(
+        y_MK=y_MK,
+        l1_sum=l1_sum,
+        l0_M=l0_M,
+        fired_N=fired_N,
+        path="twell-train+backup-rows" if heavy else "twell-train",
+        overflow_rows=int(heavy),
+    )
