@@ -75,6 +75,7 @@ import json
 import math
 import statistics
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ from sparse_llm.benchmark import (
 from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
 from sparse_llm.energy import EnergyMeter
+from sparse_llm.mlp import SparseMLP
 from sparse_llm.model import ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
@@ -229,13 +231,20 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
     return shifts
 
 
+# The SparseMLP each decoder layer had before `use_stock_mlps`, restored by `set_kernel` (no new weights).
+_SPARSE_MLPS: weakref.WeakKeyDictionary[nn.Module, SparseMLP] = weakref.WeakKeyDictionary()
+
+
 def use_stock_mlps(model: LlamaForCausalLM) -> None:
-    """Swap every SparseMLP for transformers' LlamaMLP on the same weight tensors (in place)."""
+    """Swap every SparseMLP for transformers' LlamaMLP on the same Linear modules (in place)."""
     for layer in decoder_layers(model):
         old = layer.mlp
+        if not isinstance(old, SparseMLP):
+            continue
         with torch.device("meta"):  # its own Linear layers are replaced at once: allocate nothing
             new = LlamaMLP(model.config)
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+        _SPARSE_MLPS[layer] = old
         layer.mlp = new
 
 
@@ -247,7 +256,10 @@ def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] 
     if kernel == STOCK:
         use_stock_mlps(model)
         return
-    sparsify(model, kernel)  # SparseMLPs again (same weights), each dispatcher reset to `kernel`
+    for layer in decoder_layers(model):
+        if layer in _SPARSE_MLPS:  # it shares its Linear modules (and so any dtype change) with the stock MLP
+            layer.mlp = _SPARSE_MLPS.pop(layer)
+    sparsify(model, kernel)  # resets each layer's dispatcher to `kernel`
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:

@@ -212,7 +212,8 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
         ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50), kernel="torch"
     )
     ids = torch.randint(0, 50, (2, 8))
-    weights = [mlp.gate_proj.weight for mlp in sparse_mlps(model)]
+    originals = sparse_mlps(model)
+    weights = [mlp.gate_proj.weight for mlp in originals]
     with torch.no_grad():
         sparse_out = model(input_ids=ids).logits
         bench_model.set_kernel(model, "stock", None)
@@ -221,6 +222,11 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
         assert all(a is b for a, b in zip(stock_weights, weights, strict=True))  # the same tensors, no copies
         stock_out = model(input_ids=ids).logits
         bench_model.set_kernel(model, "auto", None)
+        assert sparse_mlps(model) == originals  # the same modules come back, no new weights
         assert [mlp.dispatcher.kernel for mlp in sparse_mlps(model)] == ["auto", "auto"]
         assert all(mlp.gate_proj.weight is w for mlp, w in zip(sparse_mlps(model), weights, strict=True))
     torch.testing.assert_close(stock_out, sparse_out)
+    bench_model.set_kernel(model, "stock", None)
+    model.to(torch.float64)  # a dtype change while the stock MLPs are in place reaches the SparseMLPs too
+    bench_model.set_kernel(model, "torch", None)
+    assert {mlp.down_proj.weight.dtype for mlp in sparse_mlps(model)} == {torch.float64}
