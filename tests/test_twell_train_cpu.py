@@ -1,0 +1,261 @@
+"""CPU tests of the sparse training op (sparse_llm.twell_train): the torch reference path against dense
+autograd, torch.library checks, validation, routing to the dense backup, the host-side pieces of the GPU
+path, and an sm_90a compile check of the training kernels (needs nvcc; no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from sparse_llm import cuda
+from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
+from sparse_llm.twell_train import (
+    OPT_IN_ENV,
+    STATE_NAMES,
+    _backup_backward,
+    _backup_forward,
+    check_train_inputs,
+    csc_order,
+    train_estimated_ms,
+    twell_train_backward_op,
+    twell_train_ffn,
+    twell_train_forward_op,
+)
+
+KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def block(m=24, k=16, n=64, dtype=torch.float64, seed=0, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*s, generator=gen, dtype=dtype) for s in ((m, k), (n, k), (n, k), (k, n))]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def dense_loss_and_grads(x, wg, wu, wd, dy, dl1):
+    """Dense autograd reference: gradients of <y, dy> + dl1 * sum |h|."""
+    y, h = gated_mlp_ref(x, wg, wu, wd)
+    l1 = h.abs().sum()
+    grads = torch.autograd.grad((y * dy).sum() + dl1 * l1, (x, wg, wu, wd))
+    return y, l1, h, grads
+
+
+# ---------------------------------------------------------------- the reference path is the dense function
+
+
+@pytest.mark.parametrize("width", [64, 20, 1])  # all light; mixed; every non-empty token in the backup
+def test_forward_and_gradients_match_dense_autograd(width):
+    x, wg, wu, wd = block()
+    x.data[3] = 0.0  # an all-zero token
+    dy = torch.randn(x.shape, dtype=x.dtype)
+    result = twell_train_ffn(x, wg, wu, wd, width=width)
+    y, l1, h, want = dense_loss_and_grads(x, wg, wu, wd, dy, 0.37)
+    torch.testing.assert_close(result.y_MK, y)
+    torch.testing.assert_close(result.l1_sum, l1)
+    assert torch.equal(result.l0_M, (h != 0).sum(dim=1, dtype=torch.int32))
+    assert torch.equal(result.fired_N, (h != 0).any(dim=0))
+    assert result.l0_M[3] == 0
+    got = torch.autograd.grad((result.y_MK * dy).sum() + 0.37 * result.l1_sum, (x, wg, wu, wd))
+    for name, g, w in zip(("dx", "dw_gate", "dw_up", "dw_down"), got, want):
+        torch.testing.assert_close(g, w, msg=lambda s, name=name: f"{name}: {s}")
+
+
+def test_heavy_tokens_go_to_the_backup_and_are_counted():
+    x, wg, wu, wd = block(requires_grad=False)
+    count_M = (torch.relu(x @ wg.t()) != 0).sum(dim=1)
+    width = int(count_M.float().median())
+    result = twell_train_ffn(x, wg, wu, wd, width=width)
+    heavy = int((count_M > width).sum())
+    assert 0 < heavy < x.shape[0]
+    assert result.overflow_rows == heavy and result.path == "twell-train+backup-rows"
+    assert twell_train_ffn(x, wg, wu, wd, width=wg.shape[0]).path == "twell-train"
+
+
+def test_state_is_sparse_and_names_the_backup_rows():
+    x, wg, wu, wd = block(requires_grad=False)
+    outputs = twell_train_forward_op(x, wg, wu, wd, 20)
+    state = dict(zip(STATE_NAMES, outputs[4:]))
+    heavy_M = state["ell_count_M"] > 20
+    assert torch.equal(state["backup_rows_R"], heavy_M.nonzero()[:, 0])
+    assert torch.equal(state["row_slot_M"][heavy_M], torch.arange(int(heavy_M.sum()), dtype=torch.int32))
+    assert (state["row_slot_M"][~heavy_M] == -1).all()
+    assert state["ell_g_MW"].shape == (x.shape[0], 20) and state["backup_g_RN"].shape == (int(heavy_M.sum()), 64)
+
+
+def test_gradcheck():
+    x, wg, wu, wd = block(m=8, k=6, n=12, seed=1)
+
+    def fn(*args):
+        result = twell_train_ffn(*args, width=5)
+        return result.y_MK, result.l1_sum
+
+    assert torch.autograd.gradcheck(fn, (x, wg, wu, wd))
+
+
+def test_opcheck_forward_and_backward():
+    x, wg, wu, wd = block(m=10, k=8, n=16, dtype=torch.float32)
+    torch.library.opcheck(twell_train_forward_op, (x, wg, wu, wd, 6))
+    outputs = twell_train_forward_op(x.detach(), wg.detach(), wu.detach(), wd.detach(), 6)
+    dy = torch.randn(x.shape)
+    torch.library.opcheck(
+        twell_train_backward_op, (x.detach(), wg.detach(), wu.detach(), wd.detach(), *outputs[4:], dy, torch.tensor(0.5))
+    )
+
+
+def test_gradient_checkpointing_recomputes_the_op():
+    x, wg, wu, wd = block()
+    dy = torch.randn(x.shape, dtype=x.dtype)
+
+    def run(*args):
+        result = twell_train_ffn(*args, width=20)
+        return result.y_MK, result.l1_sum
+
+    y, l1 = checkpoint(run, x, wg, wu, wd, use_reentrant=False)
+    got = torch.autograd.grad((y * dy).sum() + 0.2 * l1, (x, wg, wu, wd))
+    *_, want = dense_loss_and_grads(x, wg, wu, wd, dy, 0.2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_autocast_casts_to_bf16_and_gradients_reach_fp32_weights():
+    x, wg, wu, wd = block(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = twell_train_ffn(x, wg, wu, wd, width=20)
+        y_dense, _ = gated_mlp_ref(x.bfloat16(), wg.bfloat16(), wu.bfloat16(), wd.bfloat16())
+    assert result.y_MK.dtype == torch.bfloat16 and result.l1_sum.dtype == torch.float32
+    torch.testing.assert_close(result.y_MK.float(), y_dense.float(), atol=0.1, rtol=0.05)
+    result.y_MK.float().sum().backward()
+    assert wg.grad is not None and wg.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_empty_batch():
+    x, wg, wu, wd = block(m=0)
+    result = twell_train_ffn(x, wg, wu, wd)
+    assert result.y_MK.shape == (0, 16) and result.l1_sum.item() == 0.0 and result.overflow_rows == 0
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "mutate, name",
+    [
+        (lambda a: a.__setitem__(0, a[0].float()), "w_gate_NK"),  # dtype mismatch, reported on the weight
+        (lambda a: a.__setitem__(0, a[0][None]), "x_MK"),
+        (lambda a: a.__setitem__(1, a[1][:, :4]), "w_gate_NK"),
+        (lambda a: a.__setitem__(2, a[2][:8]), "w_up_NK"),
+        (lambda a: a.__setitem__(3, a[3].t()), "w_down_KN"),
+        (lambda a: a.__setitem__(2, a[2].int()), "w_up_NK"),
+        (lambda a: a.__setitem__(3, "weights"), "w_down_KN"),
+    ],
+)
+def test_bad_inputs_name_the_argument(mutate, name):
+    args = block(requires_grad=False)
+    mutate(args)
+    with pytest.raises((TypeError, ValueError), match=name):
+        twell_train_ffn(*args)
+
+
+@pytest.mark.parametrize("width", [0, -3, 1.5, True, 5000])
+def test_bad_width_is_rejected(width):
+    with pytest.raises(ValueError, match="width"):
+        check_train_inputs(*block(requires_grad=False), width)
+
+
+def test_transposed_down_weight_gets_a_hint():
+    x, wg, wu, wd = block(requires_grad=False)
+    with pytest.raises(ValueError, match="transposed"):
+        twell_train_ffn(x, wg, wu, wd.t().contiguous())
+
+
+# ---------------------------------------------------------------- dispatch opt-in and cost model
+
+
+def test_not_picked_by_auto_unless_opted_in(monkeypatch):
+    monkeypatch.delenv(OPT_IN_ENV, raising=False)
+    assert train_estimated_ms(16384, 2048, 5632, 28, 50) is None
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+    times = [train_estimated_ms(16384, 2048, 5632, l0, 1.5 * l0) for l0 in (28, 56, 112)]
+    assert all(t is not None and t > 0 for t in times) and times == sorted(times)
+    assert train_estimated_ms(16384, 2000, 5632, 28, 50) is None  # K not a multiple of 64
+
+
+# ---------------------------------------------------------------- host-side pieces of the GPU path
+
+
+def test_csc_order_lists_light_entries_by_column():
+    m, w, n = 50, 6, 40
+    gen = torch.Generator().manual_seed(3)
+    cols = torch.randint(0, n, (m, w), generator=gen, dtype=torch.int32)
+    count = torch.randint(0, w + 3, (m,), generator=gen, dtype=torch.int32)  # > w: heavy
+    row_slot = torch.where(count > w, 0, -1).to(torch.int32)
+    order, col_start = csc_order(cols, count, row_slot, n)
+    assert col_start.shape == (n + 1,) and col_start[0] == 0
+    expected = [(int(cols[r, s]), r * w + s) for r in range(m) for s in range(w) if s < count[r] <= w]
+    expected.sort()  # by column, then position (the sort is stable)
+    assert col_start[-1] == len(expected)
+    got = [(c, int(order[e])) for c in range(n) for e in range(int(col_start[c]), int(col_start[c + 1]))]
+    assert got == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backup_rows_match_the_reference(dtype):
+    """The cuBLAS backup branch (all tokens heavy) equals formats' hybrid reference with width 1."""
+    x, wg, wu, wd = block(m=12, dtype=dtype, requires_grad=False)
+    x[5] = 0.0
+    m, k, n = x.shape[0], x.shape[1], wg.shape[0]
+    ref = hybrid_gated_mlp_forward_ref(x, wg, wu, wd, width=1)
+    rows = torch.arange(m)
+    rows = rows[ref.saved.g.heavy_M]
+    y = torch.zeros(m, k, dtype=dtype)
+    l1, l0, fired = torch.zeros(m), torch.zeros(m, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    g, u = _backup_forward(x, wg, wu, wd, rows, y, l1, l0, fired)
+    torch.testing.assert_close(g, ref.saved.g.backup_values_RN)
+    torch.testing.assert_close(u, ref.saved.u.backup_values_RN)
+    torch.testing.assert_close(y[rows], ref.y_MK[rows])
+    torch.testing.assert_close(l1.sum(), ref.l1_sum)
+
+    dy = torch.randn(m, k).to(dtype)
+    want = hybrid_gated_mlp_backward_ref(x, wg, wu, wd, ref.saved, dy, 0.25)
+    dx = torch.zeros(m, k, dtype=dtype)
+    dws = [torch.zeros(n, k) for _ in range(3)]
+    _backup_backward(x, wg, wu, wd, rows, g, u, dy, torch.tensor([0.25]), dx, *dws)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(dx[rows], want.dx_MK[rows], **tol)
+    torch.testing.assert_close(dws[0].to(dtype), want.dw_gate_NK, **tol)
+    torch.testing.assert_close(dws[1].to(dtype), want.dw_up_NK, **tol)
+    torch.testing.assert_close(dws[2].t().to(dtype), want.dw_down_KN, **tol)
+
+
+# ---------------------------------------------------------------- kernel sources
+
+
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_kernel_sources_are_self_contained(filename):
+    source = cuda.kernel_source(filename)
+    assert '#include "' not in source
+    assert "<cstdint>" not in source and "<cmath>" not in source  # NVRTC has no host headers
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_kernels_compile_for_sm90a_without_spills(filename, tmp_path):
+    """Compiles as NVRTC sees it; the K <= 2048 instantiations (KV <= 8) keep everything in registers."""
+    src = tmp_path / filename
+    src.write_text(cuda.kernel_source(filename))
+    cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--cubin", "-Xptxas", "-v",
+           "-o", str(tmp_path / "k.cubin"), str(src)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # ptxas prints "Compiling entry function '<mangled>'" then "<n> bytes spill stores" per kernel.
+    reports = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", done.stderr, re.S)
+    assert reports, done.stderr[-2000:]
+    spilling = [name for name, spill in reports if int(spill) and not re.search(r"ILi16E", name)]
+    assert not spilling, f"kernels spill registers: {spilling}"
