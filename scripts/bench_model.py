@@ -7,7 +7,8 @@
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
 --max-train-batch (also find the largest training micro-batch each path fits, doubling up to this),
---tokens (inputs from a token file), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
+--tokens (inputs from a token file), --profile-dir (a torch.profiler trace and top-kernel table per
+variant, to see inside the breakdown), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
 --device; `--help` describes each.
 
 What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP on the same weights:
@@ -96,6 +97,7 @@ from sparse_llm.benchmark import (
     energy_mj_per_call,
     hardware_summary,
     l0_summary,
+    profile_once,
     time_ms,
     time_samples_ms,
 )
@@ -373,6 +375,7 @@ def bench_forward(
             total = clock.elapsed_ms(start, clock.mark())
             runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
     result.breakdown_ms = median_dicts(runs)
+    write_profile(forward, result, args)
     return result
 
 
@@ -441,6 +444,7 @@ def bench_train(
         fill_timing(result, samples, peak.gib, energy)
         if gate_ms is not None:
             result.breakdown_ms = train_breakdown(model, step, gate_ms)
+            write_profile(step, result, args)
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
     finally:
@@ -472,6 +476,19 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
                 "optimizer": clock.elapsed_ms(t2, t3),
             })  # fmt: skip
     return median_dicts(runs)
+
+
+def write_profile(fn: Callable[[], object], result: VariantResult, args: argparse.Namespace) -> None:
+    """With --profile-dir: one profiled call of fn, as <dir>/<mode>_<kernel>.json (trace) and .txt (top ops)."""
+    if not args.profile_dir:
+        return
+    out = Path(args.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{result.mode}_{result.kernel}"
+    with torch.inference_mode() if result.mode == "forward" else nullcontext():
+        table = profile_once(fn, stem.with_suffix(".json"), args.device)
+    stem.with_suffix(".txt").write_text(table)
+    print(f"profile: {stem}.json / .txt", flush=True)
 
 
 def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None) -> None:
@@ -651,11 +668,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="AdamW lr of the timed steps: AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
+    parser.add_argument(
+        "--profile-dir", default=None, help="also profile one call per variant: Chrome trace + top-ops table here"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     args.train_batch = args.train_batch or args.batch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
@@ -673,7 +694,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 leftovers stay fp32, as in the dense reference
     model = load_model(args, device)

@@ -13,10 +13,12 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from sparse_llm.energy import EnergyMeter
 
@@ -168,8 +170,7 @@ class SectionTimer:
     def totals_ms(self) -> dict[str, float]:
         """Summed ms per section since the last call (every section named, 0.0 if it never ran)."""
         totals = {
-            name: sum(self.clock.elapsed_ms(a, b) for a, b in self._spans.get(name, []))
-            for name in self.sections
+            name: sum(self.clock.elapsed_ms(a, b) for a, b in self._spans.get(name, [])) for name in self.sections
         }
         self._spans.clear()
         self._open.clear()
@@ -192,3 +193,23 @@ def hardware_summary(device: torch.device | str) -> str:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return f"{name} ({sms} SMs), torch {torch.__version__}, CUDA {torch.version.cuda}"
     return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def profile_once(
+    fn: Callable[[], object], trace_path: str | Path, device: torch.device | str, row_limit: int = 15
+) -> str:
+    """Run fn() once under torch.profiler; write a Chrome trace to `trace_path`, return the op table.
+
+    The table lists the `row_limit` ops/kernels with the most self time on the device (CPU time on a
+    CPU), which names the kernels that a module-level breakdown lumps together. CUDA kernels launched
+    outside torch (CuPy) are recorded too: CUPTI sees every kernel on the device.
+    """
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)

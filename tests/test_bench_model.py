@@ -121,7 +121,7 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     results = bench_model.main(
         TINY
         + ["--density-l0", "24", "--max-train-batch", "4"]
-        + ["--markdown", str(markdown), "--json", str(tmp_path / "r.json")]
+        + ["--markdown", str(markdown), "--json", str(tmp_path / "r.json"), "--profile-dir", str(tmp_path / "prof")]
     )
     by_key = {(r.mode, r.kernel): r for r in results}
     assert set(by_key) == {
@@ -161,6 +161,8 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
     assert len(json.loads((tmp_path / "r.json").read_text())) == 10
+    assert "aten::mm" in (tmp_path / "prof" / "train_auto.txt").read_text()  # one profiled step per variant
+    assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
 
 
 @pytest.mark.parametrize(
