@@ -31,8 +31,9 @@ only, where the TwELL kernels can run). Speeds are given as ratios to both dense
   down GEMMs; sparse: packing, sparse up/down, rerouted rows, statistics; in train mode also autocast's
   weight casts), other forward work (norms, embeddings, residuals, loss), and in train mode backward
   (with any gradient-checkpointing recomputation) and optimizer (gradient clipping + AdamW).
-Training kernels do not exist yet: in train mode `kernel=auto` runs the dense path in every layer, and the
-per-layer paths in the report show it.
+In train mode `twell` runs once the twell backend takes training=True (until then the row says why it
+was skipped), and `auto` takes a sparse path only where the backend's cost model offers one for
+training; the per-layer paths in the report show what each layer ran.
 
 Random-init models (--size) are dense-ish (half the gate pre-activations are positive). --density-l0 T
 makes them sparse without changing any cost of the dense path: Llama MLPs have no bias, so we build a
@@ -115,7 +116,8 @@ SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
 MODES = ("forward", "train")
 STOCK = "stock"  # transformers' LlamaMLP: the plain dense baseline
 # `stock` first (it needs no statistics), then `torch`, whose L0 feeds the `auto` decisions.
-KERNELS = {"forward": (STOCK, "torch", "auto", "twell"), "train": (STOCK, "torch", "auto")}  # twell: inference
+# A forced kernel that cannot run (no GPU, or no training path yet) is reported as skipped, with the reason.
+KERNELS = {"forward": (STOCK, "torch", "auto", "twell"), "train": (STOCK, "torch", "auto", "twell")}
 BREAKDOWN_REPS = 3
 CALIBRATION_TOKENS = 8192  # tokens per layer used to solve the gate shift (more adds nothing but memory)
 
@@ -447,6 +449,8 @@ def bench_train(
             write_profile(step, result, args)
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
+    except NotImplementedError as exc:  # a backend without a training path says so in its error
+        result.skipped = f"no training path: {exc}"
     finally:
         del step
         model.zero_grad(set_to_none=True)
@@ -503,13 +507,14 @@ def largest_batches(
     model: LlamaForCausalLM,
     master: dict[str, torch.Tensor],
     ids: torch.Tensor,
+    kernels: list[str],
     observed: list[LayerStats] | None,
     args: argparse.Namespace,
 ) -> list[VariantResult]:
     """Per training kernel, the largest micro-batch (doubling from --train-batch up to --max-train-batch)
     that fits in memory, with its throughput; ids [>= max_train_batch, T] holds the inputs."""
     found = []
-    for kernel in KERNELS["train"]:
+    for kernel in kernels:
         best, batch = None, args.train_batch * 2
         while batch <= args.max_train_batch:
             row = bench_train(model, master, ids[:batch], kernel, observed, None, None, args)
@@ -749,13 +754,19 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
             model, train_ids.numel(), torch.bfloat16 if device.type == "cuda" else torch.float32, args
         )
         observed = None
+        ran = []
         for kernel in KERNELS["train"]:
-            row = bench_train(model, master, train_ids, kernel, observed, meter, gate_ms, args)
+            reason = kernel_unavailable_reason(kernel, model, device)
+            if reason is not None:
+                row = VariantResult("train", kernel, args.train_batch, train_ids.numel(), skipped=reason)
+            else:
+                row = bench_train(model, master, train_ids, kernel, observed, meter, gate_ms, args)
             results.append(row)
+            ran += [] if row.skipped else [kernel]
             observed = observed or (row.layers or None)
             print("\n".join(summary_table([row])[2:]), flush=True)
         if args.max_train_batch:
-            results += largest_batches(model, master, ids, observed, args)
+            results += largest_batches(model, master, ids, ran, observed, args)
     meter.close()
     return results, render_report(results, header)
 

@@ -133,10 +133,12 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
         ("forward", "twell"),
         ("train", "torch"),
         ("train", "auto"),
+        ("train", "twell"),
         ("train (largest fit)", "torch"),
         ("train (largest fit)", "auto"),
     }
-    assert "CUDA" in by_key["forward", "twell"].skipped  # said, not silently replaced by the torch path
+    for mode in ("forward", "train"):  # said, not silently replaced by the torch path
+        assert "CUDA" in by_key[mode, "twell"].skipped
     for key in [("forward", "torch"), ("forward", "auto"), ("train", "torch"), ("train", "auto")]:
         r = by_key[key]
         assert r.skipped is None and r.tokens == 32 and r.tokens_per_ms > 0 and r.mj_per_token is None
@@ -160,7 +162,7 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert "| layer | forward L0 mean / p99 / max |" in text
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
-    assert len(json.loads((tmp_path / "r.json").read_text())) == 10
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 11
     assert "aten::mm" in (tmp_path / "prof" / "train_auto.txt").read_text()  # one profiled step per variant
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
 
@@ -196,16 +198,17 @@ def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypat
     monkeypatch.setattr(bench_model.TrainStep, "__call__", call)
     args = TINY + ["--modes", "train", "--train-batch", "4", "--max-train-batch", "8"]
     results = bench_model.main(args)
-    assert [(r.mode, r.kernel, r.skipped) for r in results] == [
+    assert [(r.mode, r.kernel, r.skipped) for r in results[:3]] == [
         ("train", "stock", "out of memory at micro-batch 4"),
         ("train", "torch", "out of memory at micro-batch 4"),
         ("train", "auto", "out of memory at micro-batch 4"),
     ]
+    assert results[3].kernel == "twell" and "CUDA" in results[3].skipped
     report = bench_model.render_report(results, ["## header"])
     assert "| train | auto | 4 | skipped: out of memory at micro-batch 4 |" in report
 
     results = bench_model.main(TINY + ["--modes", "train", "--max-train-batch", "8"])
-    assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 3  # batch 4 did not fit: no largest-fit row
+    assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 4  # batch 4 did not fit: no largest-fit row
 
 
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
