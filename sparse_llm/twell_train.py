@@ -40,8 +40,9 @@ backward has no host sync (the CSC sizes stay on the device). Fixed-capacity bac
 check would avoid the read but then need a redo of the step on overflow; that is not implemented.
 
 Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
-atomics, so their summation order varies run to run; the TwELL entry order of the fused gate route varies
-too. Everything else is deterministic.
+atomics, so their summation order varies run to run. With the cuBLAS gate route (what `twell_gate` picks
+today) the forward is deterministic: ELL rows in ascending columns, backup rows in ascending tokens, zero
+padding, as in formats.py; the fused gate route packs a tile's entries in arrival order.
 
 On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference built on
 `sparse_llm.formats` (`hybrid_gated_mlp_forward_ref` / `hybrid_gated_mlp_backward_ref`), any float dtype.
@@ -170,6 +171,9 @@ def check_train_inputs(
         raise ValueError(f"w_gate_NK has N={n} rows; the formats store 16-bit columns, so N must be <= 65536")
     if x_MK.is_cuda:
         check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+        for name, t in named:
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} is not 16-byte aligned (a view at an odd offset); pass {name}.clone()")
     return m, k, n
 
 
@@ -274,9 +278,10 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
-        ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
-        ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
-        ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)
+        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable.
+        ell_cols_MW = torch.zeros(m, width, dtype=i32, device=device)
+        ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
+        ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
         row_slot_M = torch.empty(m, dtype=i32, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
@@ -312,7 +317,9 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             _launch("train_forward.cu", f"train_fwd_light<{kv}>", blocks, args, device, smem)
             counted.synchronize()  # the forward's one host read: the light-token kernel is already queued
             heavy = int(counts_host[0])
-        backup_rows_R = backup_rows_M[:heavy].clone()
+        # The kernel hands out backup slots in arrival order; ascending tokens make the state deterministic.
+        backup_rows_R = backup_rows_M[:heavy].sort().values
+        row_slot_M[backup_rows_R] = torch.arange(heavy, dtype=i32, device=device)
         if heavy:
             backup_g_RN, backup_u_RN = _backup_forward(
                 x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, y_MK, l1_M, l0_M, fired_N
@@ -360,7 +367,7 @@ def _csc_wgrad(
         cuda.ptr(outs[0]), cuda.ptr(outs[-1]),
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK),
     )  # fmt: skip
-    _launch("train_backward.cu", f"train_csc_wgrad<{kv}, {len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
+    _launch("train_backward.cu", f"train_csc_wgrad<{kv},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
     return outs
 
 

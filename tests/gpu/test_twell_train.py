@@ -1,0 +1,233 @@
+"""Sparse training op (sparse_llm.twell_train) on the GPU vs torch autograd on the dense block.
+
+Needs an sm_90 GPU and cupy. Forward output y, L1, L0, fired neurons and the four gradients (x, w_gate,
+w_up, w_down) of loss = <y, dy> + dl1 * sum|h> are compared with an fp32 dense reference; the budget is
+twice the error of the dense bf16 torch path against the same reference, plus a small atol (DESIGN.md
+conventions), globally and per token for y and dx. Buffers the op allocates are poisoned first (the
+caching allocator hands NaN / 0xFF-filled blocks back), so an element left unwritten or a padding slot
+read by mistake shows up. Densities: uniform, heavy-tailed, fully dense and all-zero tokens, a hot
+neuron, ELL-width overflow, TwELL-tile overflow, every token in the backup, general shapes and more
+than 65536 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparse_llm import cuda
+from sparse_llm.formats import hybrid_sddmm, hybrid_t_matmul, pack_hybrid
+
+REASON = cuda.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
+
+if REASON is None:
+    from sparse_llm.twell_backend import synthetic_block
+    from sparse_llm.twell_train import (
+        STATE_NAMES,
+        _csc_wgrad,
+        csc_order,
+        twell_train_ffn,
+        twell_train_forward_op,
+    )
+
+ATOL = 1e-3
+DL1 = 0.3  # comparable to the dy term's dh (std ~ sqrt(K/N)), so the L1 gradient is exercised
+
+
+def poison(m: int, k: int, n: int, width: int) -> None:
+    """Fill and free blocks of the op's buffer sizes so its next allocations of those sizes hold garbage."""
+    shapes = [((m, k), torch.bfloat16), ((m, width), torch.int32), ((m, width), torch.bfloat16),
+              ((3, m, width), torch.bfloat16), ((m,), torch.int32), ((m,), torch.float32), ((m,), torch.int64)]  # fmt: skip
+    blocks = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in shapes]
+    for block in blocks:
+        block.view(torch.uint8).fill_(0xFF)
+    del blocks
+
+
+def dense_run(x, wg, wu, wd, dy, dl1, upcast: bool):
+    """Dense autograd: (y, l1_sum, h, grads); fp32 from the bf16 inputs when upcast, else bf16 like training."""
+    leaves = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
+    xl, wgl, wul, wdl = leaves
+    h = F.relu(F.linear(xl, wgl)) * F.linear(xl, wul)
+    y = F.linear(h, wdl)
+    l1 = h.float().abs().sum()
+    ((y.float() * dy).sum() + dl1 * l1).backward()
+    return y.detach(), l1.detach(), h.detach(), [t.grad for t in leaves]
+
+
+def ours_run(x, wg, wu, wd, dy, dl1, width):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
+    poison(x.shape[0], x.shape[1], wg.shape[0], width)
+    result = twell_train_ffn(*leaves, width=width)
+    ((result.y_MK.float() * dy).sum() + dl1 * result.l1_sum).backward()
+    torch.cuda.synchronize()
+    return result, [t.grad for t in leaves]
+
+
+def assert_budget(name: str, got: torch.Tensor, ref: torch.Tensor, dense: torch.Tensor, per_row: bool) -> None:
+    """||got - ref|| <= 2 ||dense - ref|| + ATOL (1 + ||ref||), globally and (per_row) per token."""
+    assert not torch.isnan(got).any(), f"{name} has NaN: an element was not written or garbage was read"
+    got, dense = got.float(), dense.float()
+    err, dense_err, scale = (got - ref).norm(), (dense - ref).norm(), ref.norm()
+    assert err <= 2 * dense_err + ATOL * (1 + scale), (
+        f"{name}: error {err.item():.3e} vs dense bf16 {dense_err.item():.3e} (|ref| {scale.item():.3e})"
+    )
+    if per_row:
+        err_M, dense_M, ref_M = (got - ref).norm(dim=1), (dense - ref).norm(dim=1), ref.norm(dim=1)
+        rel = (dense_err / scale.clamp_min(1e-30)).item()
+        budget_M = 2 * torch.maximum(dense_M, rel * ref_M) + ATOL * (1 + ref_M)
+        bad = (err_M > budget_M).nonzero()[:, 0]
+        assert bad.numel() == 0, f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
+
+
+def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dy = torch.randn(x.shape, device="cuda", generator=gen).bfloat16().float()
+    result, grads = ours_run(x, wg, wu, wd, dy, dl1, width)
+    y_ref, l1_ref, h_ref, grads_ref = dense_run(x, wg, wu, wd, dy, dl1, upcast=True)
+    y_dense, l1_dense, _, grads_dense = dense_run(x, wg, wu, wd, dy, dl1, upcast=False)
+
+    assert_budget("y", result.y_MK, y_ref, y_dense, per_row=True)
+    for name, got, ref, dense in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, grads_ref, grads_dense):
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert_budget(name, got, ref, dense, per_row=False)
+    assert abs(result.l1_sum.item() - l1_ref.item()) <= 2 * abs(l1_dense.item() - l1_ref.item()) + 1e-3 * l1_ref.item() + 1e-3
+    l0_ref = (h_ref != 0).sum(dim=1)
+    diff_M = (result.l0_M.long() - l0_ref).abs()  # a near-zero gate may flip sign between bf16 and fp32
+    assert diff_M.max() <= 2 and diff_M.sum() <= 1e-3 * l0_ref.sum() + 2, f"l0 off by up to {diff_M.max()}"
+    fired_ref = (h_ref != 0).any(dim=0)
+    assert result.fired_N.dtype == torch.bool and (result.fired_N != fired_ref).sum() <= 2 + 1e-3 * fired_ref.numel()
+    return result
+
+
+# ---------------------------------------------------------------- densities
+
+
+@pytest.mark.parametrize("m, nnz", [(4096, 28), (4096, 56), (4096, 112), (16384, 56), (300, 280)])
+def test_uniform_density(m, nnz):
+    check_case(*synthetic_block(m, 2048, 5632, nnz, seed=m + nnz))
+
+
+@pytest.mark.parametrize("sigma", [0.3, 0.5, 1.0])
+def test_heavy_tailed(sigma):
+    """Tokens above the ELL width, and with overflowed TwELL tiles, take the backup rows; all exact."""
+    block = synthetic_block(4096, 2048, 5632, 60, sigma=sigma, seed=int(10 * sigma))
+    result = check_case(*block)
+    if sigma >= 0.5:
+        assert result.overflow_rows > 0 and result.path == "twell-train+backup-rows"
+
+
+def test_dense_zero_and_hot_rows():
+    x, wg, wu, wd = synthetic_block(2048, 2048, 5632, 28, seed=5)
+    x[::5, 0] = -1.0  # flips the shift: ~99.5% of the gate positive, fully dense tokens
+    x[1::5] = 0.0  # all-zero tokens: nothing fires
+    wg[123, 0] = 10.0  # neuron 123 fires for (almost) every token: a CSC column of ~M entries, many chunks
+    result = check_case(x, wg, wu, wd)
+    assert result.overflow_rows >= len(range(0, 2048, 5))
+    assert (result.l0_M[1::5] == 0).all() and bool(result.fired_N[123])
+
+
+@pytest.mark.parametrize("width", [1, 16, 512])
+def test_ell_width(width):
+    """Narrow widths push most tokens into the backup (width 1: nearly all); a wide one keeps all light."""
+    result = check_case(*synthetic_block(2048, 2048, 5632, 40, sigma=0.3, seed=width), width=width)
+    if width == 1:
+        assert result.overflow_rows > 2000
+
+
+def test_twell_tile_overflow_goes_to_the_backup():
+    """Neurons 0..63 (all in TwELL tile 0) fire for about half the tokens: ~32 positives in one tile."""
+    x, wg, wu, wd = synthetic_block(2048, 2048, 5632, 20, seed=11)
+    wg[:64, 0] = 0.0  # no negative shift for these neurons: they fire ~50% of the time
+    result = check_case(x, wg, wu, wd, width=512)  # wide: only the tile overflow makes tokens heavy
+    tile0_M = (F.linear(x.float(), wg[:256].float()) > 0).sum(dim=1)
+    assert result.overflow_rows >= int((tile0_M > 32).sum())  # margin of 1 for near-zero sign flips
+
+
+def test_without_l1_gradient():
+    check_case(*synthetic_block(1024, 2048, 5632, 56, seed=2), dl1=0.0)
+
+
+@pytest.mark.parametrize("k, n", [(64, 256), (320, 768), (1024, 2816), (4096, 1024)])
+@pytest.mark.parametrize("m", [1, 129, 1000])
+def test_general_shapes(m, k, n):
+    check_case(*synthetic_block(m, k, n, n * 0.02, sigma=0.3, seed=k + n + m))
+
+
+def test_more_than_65536_tokens():
+    check_case(*synthetic_block(70000, 256, 512, 8, sigma=0.3, seed=1))
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_saved_state_is_the_hybrid_packing_of_the_gate():
+    x, wg, wu, wd = synthetic_block(1024, 2048, 5632, 60, sigma=0.5, seed=3)
+    outputs = twell_train_forward_op(x, wg, wu, wd, 128)
+    state = dict(zip(STATE_NAMES, outputs[4:]))
+    # The cuBLAS gate route packs the same bf16 gate values in column order, so light rows match exactly.
+    ref = pack_hybrid(F.relu(F.linear(x, wg)), width=128)
+    assert torch.equal(state["ell_count_M"], ref.ell_count_M)
+    light = state["row_slot_M"] < 0
+    assert (ref.ell_count_M[light] <= 128).all() and (~light).sum() >= ref.heavy_M.sum()
+    assert torch.equal(state["ell_cols_MW"][light], ref.ell_cols_MW[light])
+    assert torch.equal(state["ell_g_MW"][light], ref.ell_values_MW[light])
+    assert (state["ell_g_MW"][~light] == 0).all() and (state["ell_u_MW"][~light] == 0).all()
+    u_ref = hybrid_sddmm(x, wu, ref).ell_values_MW  # fp32 dots rounded to bf16; the kernel sums in another order
+    torch.testing.assert_close(state["ell_u_MW"][light].float(), u_ref[light].float(), rtol=1e-2, atol=1e-3)
+    heavy = state["backup_rows_R"]
+    assert torch.equal(heavy, (~light).nonzero()[:, 0])  # ascending tokens
+    assert torch.equal(state["row_slot_M"][heavy].long().cpu(), torch.arange(heavy.numel()))
+    torch.testing.assert_close(state["backup_g_RN"], F.relu(F.linear(x[heavy], wg)), atol=0, rtol=0)
+
+
+def test_csc_weight_gradient_kernel_with_hot_columns():
+    """_csc_wgrad vs formats.hybrid_t_matmul, with columns of 0, 1, 64 and ~M entries (multi-chunk atomics)."""
+    m, k, n, width = 3000, 2048, 512, 40
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(m, n, device="cuda", generator=gen)
+    h *= torch.rand(m, n, device="cuda", generator=gen) < 0.03
+    h[:, 7] = torch.randn(m, device="cuda", generator=gen)  # hot column
+    h[:64, 9] = 1.0
+    h[:, 11] = 0.0
+    h[::50] = torch.randn(n, device="cuda", generator=gen)  # heavy tokens: excluded from the CSC walk
+    packed = pack_hybrid(h.bfloat16(), width=width)
+    row_slot = torch.where(packed.heavy_M, 0, -1).to(torch.int32)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    order, col_start = csc_order(packed.ell_cols_MW, packed.ell_count_M, row_slot, n)
+    values = packed.ell_values_MW.contiguous()
+    second = (values * 2).contiguous()
+    out1, out2 = _csc_wgrad(order, col_start, (values, second), x, n, width)
+    light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
+    want = hybrid_t_matmul(light, x.float())
+    torch.testing.assert_close(out1, want, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out2, 2 * want, atol=2e-3, rtol=1e-4)
+
+
+def test_backward_has_no_host_sync():
+    x, wg, wu, wd = synthetic_block(2048, 2048, 5632, 60, sigma=0.5, seed=9)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    result = twell_train_ffn(*leaves)
+    loss = result.y_MK.float().sum() + 0.1 * result.l1_sum
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_autocast_with_fp32_weights():
+    x, wg, wu, wd = (t.float().requires_grad_() for t in synthetic_block(512, 2048, 5632, 56, seed=4))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        result = twell_train_ffn(x, wg, wu, wd)
+    assert result.y_MK.dtype == torch.bfloat16
+    (result.y_MK.float().sum() + 0.1 * result.l1_sum).backward()
+    assert wg.grad.dtype == torch.float32 and torch.isfinite(wg.grad).all() and wg.grad.abs().sum() > 0
+
+
+def test_opcheck_on_cuda():
+    x, wg, wu, wd = (t.requires_grad_() for t in synthetic_block(64, 256, 512, 20, sigma=0.5, seed=6))
+    torch.library.opcheck(twell_train_forward_op, (x, wg, wu, wd, 16))
