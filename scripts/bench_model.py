@@ -287,8 +287,7 @@ def kernel_unavailable_reason(kernel: str, model: LlamaForCausalLM, device: torc
     if reason is None and kernel == "twell":
         from sparse_llm.twell_backend import shape_unsupported_reason
 
-        mlp = sparse_mlps(model)[0]
-        reason = shape_unsupported_reason(mlp.hidden_size, mlp.intermediate_size)
+        reason = shape_unsupported_reason(model.config.hidden_size, model.config.intermediate_size)
     return reason
 
 
@@ -318,13 +317,12 @@ def free_memory(device: torch.device) -> None:
 
 def gate_gemm_ms(model: LlamaForCausalLM, tokens: int, dtype: torch.dtype, args: argparse.Namespace) -> float:
     """All layers' gate GEMMs [tokens, K] x [K, N], timed alone (cost does not depend on the values)."""
-    mlp = sparse_mlps(model)[0]
-    device = mlp.gate_proj.weight.device
-    x_MK = torch.randn(tokens, mlp.hidden_size, device=device, dtype=dtype)
-    w_NK = mlp.gate_proj.weight.detach().to(dtype)
+    layers = decoder_layers(model)
+    w_NK = layers[0].mlp.gate_proj.weight.detach().to(dtype)
+    x_MK = torch.randn(tokens, w_NK.shape[1], device=w_NK.device, dtype=dtype)
     with torch.no_grad():
-        one = time_ms(lambda: F.linear(x_MK, w_NK), warmup=args.warmup, reps=max(args.reps, 3), device=device)
-    return one * len(sparse_mlps(model))
+        one = time_ms(lambda: F.linear(x_MK, w_NK), warmup=args.warmup, reps=max(args.reps, 3), device=w_NK.device)
+    return one * len(layers)
 
 
 def section_timer(model: LlamaForCausalLM, device: torch.device) -> SectionTimer:
@@ -364,20 +362,25 @@ def bench_forward(
     def forward() -> object:
         return model.model(input_ids=ids, use_cache=False)
 
-    with torch.inference_mode(), PeakMemory(device) as peak:
-        samples = time_samples_ms(forward, args.warmup, args.reps, device)
-        result.layers = layer_stats(model)
-        energy = energy_mj_per_call(meter, forward, args.energy_seconds)
-    fill_timing(result, samples, peak.gib, energy)
-    clock, runs = Clock(device), []
-    with torch.inference_mode(), section_timer(model, device) as timer:
-        for _ in range(BREAKDOWN_REPS):
-            start = clock.mark()
-            forward()
-            total = clock.elapsed_ms(start, clock.mark())
-            runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
-    result.breakdown_ms = median_dicts(runs)
-    write_profile(forward, result, args)
+    try:
+        with torch.inference_mode(), PeakMemory(device) as peak:
+            samples = time_samples_ms(forward, args.warmup, args.reps, device)
+            result.layers = layer_stats(model)
+            energy = energy_mj_per_call(meter, forward, args.energy_seconds)
+        fill_timing(result, samples, peak.gib, energy)
+        clock, runs = Clock(device), []
+        with torch.inference_mode(), section_timer(model, device) as timer:
+            for _ in range(BREAKDOWN_REPS):
+                start = clock.mark()
+                forward()
+                total = clock.elapsed_ms(start, clock.mark())
+                runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
+        result.breakdown_ms = median_dicts(runs)
+        write_profile(forward, result, args)
+    except torch.OutOfMemoryError:
+        result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
+    finally:
+        free_memory(device)
     return result
 
 
@@ -698,6 +701,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def run_variants(
+    mode: str,
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    bench: Callable[[str, list[LayerStats] | None], VariantResult],
+) -> list[VariantResult]:
+    """bench(kernel, observed) for each kernel of `mode` that can run here; the others are listed as skipped.
+
+    `observed` is the per-layer L0 of the first variant that recorded it (the `torch` pass), which the
+    `auto` variant decides from.
+    """
+    rows: list[VariantResult] = []
+    observed = None
+    for kernel in KERNELS[mode]:
+        reason = kernel_unavailable_reason(kernel, model, ids.device)
+        row = (
+            VariantResult(mode, kernel, ids.shape[0], ids.numel(), skipped=reason)
+            if reason
+            else bench(kernel, observed)
+        )
+        rows.append(row)
+        observed = observed or (row.layers or None)
+        print("\n".join(summary_table([row])[2:]), flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -715,7 +744,10 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         shifts = make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    master = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    # Training variants start from these weights; kept on the host so they cost no GPU memory.
+    master = (
+        {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if "train" in args.modes else {}
+    )
     meter = EnergyMeter(device)
     energy_note = "NVML" if meter.available else f"not measured ({meter.unavailable_reason})"
     header = report_header(args, model, device, energy_note, shifts)
@@ -727,46 +759,28 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         model.to(dtype).eval()
         fwd_ids = ids[: args.batch]
         gate_ms = gate_gemm_ms(model, fwd_ids.numel(), dtype, args)
-        observed = None
-        for kernel in KERNELS["forward"]:
-            reason = kernel_unavailable_reason(kernel, model, device)
-            if reason is not None:
-                results.append(VariantResult("forward", kernel, args.batch, fwd_ids.numel(), skipped=reason))
-                continue
-            try:
-                row = bench_forward(model, fwd_ids, kernel, observed, meter, gate_ms, args)
-            except torch.OutOfMemoryError:
-                row = VariantResult(
-                    "forward",
-                    kernel,
-                    args.batch,
-                    fwd_ids.numel(),
-                    skipped=f"out of memory at micro-batch {args.batch}",
-                )
-            free_memory(device)
-            results.append(row)
-            observed = observed or (row.layers or None)  # the dense pass feeds the `auto` decisions
-            print("\n".join(summary_table([row])[2:]), flush=True)
+        results += run_variants(
+            "forward",
+            model,
+            fwd_ids,
+            lambda kernel, seen: bench_forward(model, fwd_ids, kernel, seen, meter, gate_ms, args),
+        )
     if "train" in args.modes:
         model.to(torch.float32)
         train_ids = ids[: args.train_batch]
         gate_ms = gate_gemm_ms(
             model, train_ids.numel(), torch.bfloat16 if device.type == "cuda" else torch.float32, args
         )
-        observed = None
-        ran = []
-        for kernel in KERNELS["train"]:
-            reason = kernel_unavailable_reason(kernel, model, device)
-            if reason is not None:
-                row = VariantResult("train", kernel, args.train_batch, train_ids.numel(), skipped=reason)
-            else:
-                row = bench_train(model, master, train_ids, kernel, observed, meter, gate_ms, args)
-            results.append(row)
-            ran += [] if row.skipped else [kernel]
-            observed = observed or (row.layers or None)
-            print("\n".join(summary_table([row])[2:]), flush=True)
+        rows = run_variants(
+            "train",
+            model,
+            train_ids,
+            lambda kernel, seen: bench_train(model, master, train_ids, kernel, seen, meter, gate_ms, args),
+        )
+        results += rows
         if args.max_train_batch:
-            results += largest_batches(model, master, ids, ran, observed, args)
+            ran = [r.kernel for r in rows if not r.skipped]
+            results += largest_batches(model, master, ids, ran, next((r.layers for r in rows if r.layers), None), args)
     meter.close()
     return results, render_report(results, header)
 
