@@ -1,0 +1,172 @@
+"""Benchmark one gated MLP block for training (forward + backward with the L1 term): dense torch autograd
+vs the sparse training op (sparse_llm.twell_train), on one GPU.
+
+    python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
+    python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
+
+Per case: the loss is <y, dy> + coeff * l1_sum / M (the trainer's L1 term for one layer). Reported:
+median ms of forward+backward (CUDA events after warm-up) for dense bf16 autograd and for the op, their
+ratio, forward-only ms, peak memory above the inputs and weights during forward+backward and the memory
+held between forward and backward (the saved activations), relative errors of y and the four gradients
+vs an fp32 dense reference (dense bf16 beside them), the tokens' gate non-zeros (mean / p99 / max) and the
+tokens computed as dense backup rows. Sparsity is controlled with `synthetic_block` (a constant input
+feature with a negative gate weight; sigma > 0 scales tokens log-normally for heavy tails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sparse_llm.twell_backend import synthetic_block
+from sparse_llm.twell_train import twell_train_ffn
+
+# name: (mean gate non-zeros per token, sigma of the log-normal token scale)
+CASES = {
+    "u28": (28, 0.0),
+    "u56": (56, 0.0),
+    "u112": (112, 0.0),
+    "u279": (279, 0.0),
+    "h60": (60, 0.3),
+    "h79": (79, 0.3),
+    "h154": (154, 0.5),
+}
+L1_COEFF = 2e-5
+DEVICE = "cuda"
+MB = 1 << 20
+
+
+def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def dense_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path as training runs it: (y, l1_sum)."""
+    h = F.relu(F.linear(x, wg)) * F.linear(x, wu)
+    return F.linear(h, wd), h.float().abs().sum()
+
+
+def sparse_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
+    result = twell_train_ffn(x, wg, wu, wd)
+    return result.y_MK, result.l1_sum
+
+
+def step(forward, leaves, dy, coeff) -> list[torch.Tensor]:
+    y, l1 = forward(*leaves)
+    loss = (y.float() * dy).sum() + coeff * l1
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
+    """(peak MB above the live inputs during forward+backward, MB held between forward and backward)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y, l1 = forward(*leaves)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base
+    grads = torch.autograd.grad((y.float() * dy).sum() + coeff * l1, leaves)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads, y, l1
+    return peak / MB, saved / MB
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
+    nnz, sigma = CASES[name]
+    x, wg, wu, wd = synthetic_block(m, k, n, nnz, sigma, seed=list(CASES).index(name), device=DEVICE)
+    leaves = [t.requires_grad_() for t in (x, wg, wu, wd)]
+    dy = torch.randn(m, k, device=DEVICE).bfloat16().float() / m**0.5
+    coeff = L1_COEFF / m
+
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref_y, _ = dense_forward(*ref_leaves)
+    ref_grads = step(dense_forward, ref_leaves, dy, coeff)
+    ref_y = ref_y.detach()
+    del ref_leaves
+
+    result = twell_train_ffn(*leaves)
+    l0 = result.l0_M.float()
+    row = {
+        "case": name, "M": m, "K": k, "N": n, "sigma": sigma,
+        "nnz_mean": l0.mean().item(), "nnz_p99": l0.quantile(0.99).item(), "nnz_max": l0.max().item(),
+        "backup_rows": result.overflow_rows, "path": result.path,
+    }  # fmt: skip
+    names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
+    for label, forward in (("dense", dense_forward), ("twell", sparse_forward)):
+        with torch.no_grad():
+            y = forward(*leaves)[0]
+        grads = step(forward, leaves, dy, coeff)
+        for what, got, ref in zip(names, [y, *grads], [ref_y, *ref_grads]):
+            row[f"err_{what}_{label}"] = rel_err(got, ref)
+        del y, grads
+        row[f"{label}_ms"] = median_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
+        row[f"{label}_fwd_ms"] = median_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
+        row[f"{label}_peak_MB"], row[f"{label}_saved_MB"] = memory_mb(forward, leaves, dy, coeff)
+    row["speedup"] = row["dense_ms"] / row["twell_ms"]
+    row["peak_ratio"] = row["twell_peak_MB"] / row["dense_peak_MB"]
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | fwd ms dense / twell "
+            "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        errs = ", ".join(
+            f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
+        )
+        lines.append(
+            f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
+            f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['dense_fwd_ms']:.2f} / {r['twell_fwd_ms']:.2f} "
+            f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, default=16384, help="tokens per micro-batch")
+    parser.add_argument("--k", type=int, default=2048, help="hidden width")
+    parser.add_argument("--n", type=int, default=5632, help="FFN width")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", help="append one JSON line per case to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train_mlp.py needs a CUDA GPU (the sparse kernels are sm_90a).")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, M={args.m} K={args.k} N={args.n}, bf16")
+    rows = []
+    for name in args.cases:
+        row = bench_case(name, args.m, args.k, args.n, args.reps)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        torch.cuda.empty_cache()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
