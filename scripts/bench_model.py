@@ -321,7 +321,7 @@ def gate_gemm_ms(model: LlamaForCausalLM, tokens: int, dtype: torch.dtype, args:
     w_NK = layers[0].mlp.gate_proj.weight.detach().to(dtype)
     x_MK = torch.randn(tokens, w_NK.shape[1], device=w_NK.device, dtype=dtype)
     with torch.no_grad():
-        one = time_ms(lambda: F.linear(x_MK, w_NK), warmup=args.warmup, reps=max(args.reps, 3), device=w_NK.device)
+        one = time_ms(lambda: F.linear(x_MK, w_NK), warmup=args.warmup + 2, reps=max(args.reps, 20), device=w_NK.device)
     return one * len(layers)
 
 
