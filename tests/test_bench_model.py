@@ -20,20 +20,7 @@ bench_model = importlib.util.module_from_spec(_spec)
 sys.modules["bench_model"] = bench_model  # dataclasses look their module up there
 _spec.loader.exec_module(bench_model)
 
-TINY = [
-    "--size",
-    "tiny",
-    "--seq-len",
-    "16",
-    "--batch",
-    "2",
-    "--reps",
-    "1",
-    "--warmup",
-    "0",
-    "--device",
-    "cpu",
-]
+TINY = "--size tiny --seq-len 16 --batch 2 --reps 1 --warmup 0 --device cpu".split()
 
 
 class Sleeper(nn.Module):
