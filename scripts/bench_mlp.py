@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from sparse_llm.backends import TorchFFN
+from sparse_llm.benchmark import energy_mj_per_call, time_ms
+from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.twell_backend import (
@@ -33,39 +32,6 @@ from sparse_llm.twell_backend import (
     twell_gated_mlp,
     twell_up_down,
 )
-
-SWITCH_MARGIN = 0.95  # sparse_llm.dispatch's margin
-
-
-def time_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
-    """Median CUDA-event time of fn() in ms."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def energy_mj(meter: EnergyMeter, fn: Callable[[], object], seconds: float) -> float | None:
-    """Energy per call in mJ over a window of at least `seconds` of back-to-back calls."""
-    if not meter.available:
-        return None
-    torch.cuda.synchronize()
-    meter.lap()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            fn()
-        calls += 10
-        torch.cuda.synchronize()
-    joules = meter.lap()
-    return None if joules is None else 1e3 * joules / calls
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,8 +70,8 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         row["twell_ms"] = time_ms(run_twell, reps=reps)
         row["twell_fused_ms"] = time_ms(lambda: run_twell("fused"), reps=reps)
         row["twell_cublas_ms"] = time_ms(lambda: run_twell("cublas"), reps=reps)
-        row["dense_mJ"] = energy_mj(meter, run_dense, energy_s)
-        row["twell_mJ"] = energy_mj(meter, run_twell, energy_s)
+        row["dense_mJ"] = energy_mj_per_call(meter, run_dense, energy_s)
+        row["twell_mJ"] = energy_mj_per_call(meter, run_twell, energy_s)
     predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False)
     row["twell_predicted_ms"] = predicted
     row["auto"] = "twell" if predicted < SWITCH_MARGIN * dense.estimated_ms(m, k, n, 0, 0, False) else "torch"
