@@ -13,8 +13,10 @@
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
 #include "train_common.cuh"
 
+// __launch_bounds__(128, 1): without the 1, ptxas caps registers for occupancy (168 at KV = 8) and spills
+// the three weight rows in flight; 8 warps per SM with three rows in flight each beat 12 with one (untimed).
 template <int KV>
-__global__ void __launch_bounds__(128) train_bwd_light(
+__global__ void __launch_bounds__(128, 1) train_bwd_light(
     const __nv_bfloat16 *__restrict__ dy,        // [M, K]
     const __nv_bfloat16 *__restrict__ w_gate,    // [N, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
@@ -55,18 +57,26 @@ __global__ void __launch_bounds__(128) train_bwd_light(
             const long long n = __shfl_sync(FULL_MASK, my_col, j);
             const float g = __shfl_sync(FULL_MASK, my_g, j);
             const float u = __shfl_sync(FULL_MASK, my_u, j);
-            uint4 w[KV];
-            load_row<KV>(w, w_down_t + n * K, lane, K);
-            const float d = bf16_round(warp_sum(lane_dot<KV>(dy_row, w, lane)));
+            // Up to K = 2048 the three weight rows are requested together so their latencies overlap;
+            // above, the up and gate rows wait for the dot product, to stay within the register file.
+            uint4 down[KV], up[KV], gate[KV];
+            load_row<KV>(down, w_down_t + n * K, lane, K);
+            if constexpr (KV <= 8) {
+                load_row<KV>(up, w_up + n * K, lane, K);
+                load_row<KV>(gate, w_gate + n * K, lane, K);
+            }
+            const float d = bf16_round(warp_sum(lane_dot<KV>(dy_row, down, lane)));
             const float h = bf16_round(g * u);
             const float sign = h > 0.0f ? 1.0f : (h < 0.0f ? -1.0f : 0.0f);  // d|h|/dh, 0 at 0 like autograd
             const float dh = bf16_round(d + l1_grad * sign);
             const float du = bf16_round(dh * g);
             const float dg = bf16_round(dh * u);
-            load_row<KV>(w, w_up + n * K, lane, K);
-            axpy<KV>(acc, du, w);
-            load_row<KV>(w, w_gate + n * K, lane, K);
-            axpy<KV>(acc, dg, w);
+            if constexpr (KV > 8) {
+                load_row<KV>(up, w_up + n * K, lane, K);
+                load_row<KV>(gate, w_gate + n * K, lane, K);
+            }
+            axpy<KV>(acc, du, up);
+            axpy<KV>(acc, dg, gate);
             if (lane == j) {
                 my_h = h;
                 my_du = du;

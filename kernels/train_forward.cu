@@ -105,12 +105,15 @@ __global__ void __launch_bounds__(128) train_fwd_light(
         for (int j = 0; j < here; ++j) {
             const long long n = __shfl_sync(FULL_MASK, my_col, j);
             const float g = __shfl_sync(FULL_MASK, my_g, j);
-            uint4 w[KV];
-            load_row<KV>(w, w_up + n * K, lane, K);
-            const float u = bf16_round(warp_sum(lane_dot<KV>(x_row, w, lane)));
+            // Both weight rows are requested before the dot product so their latencies overlap; above
+            // K = 2048 the down row waits, to stay within the register file.
+            uint4 up[KV], down[KV];
+            load_row<KV>(up, w_up + n * K, lane, K);
+            if constexpr (KV <= 8) load_row<KV>(down, w_down_t + n * K, lane, K);
+            const float u = bf16_round(warp_sum(lane_dot<KV>(x_row, up, lane)));
             const float h = bf16_round(g * u);
-            load_row<KV>(w, w_down_t + n * K, lane, K);
-            axpy<KV>(acc, h, w);
+            if constexpr (KV > 8) load_row<KV>(down, w_down_t + n * K, lane, K);
+            axpy<KV>(acc, h, down);
             if (lane == j) my_u = u;
             l1_sum += fabsf(h);
             if (h != 0.0f) {

@@ -6,7 +6,7 @@ vs the sparse training op (sparse_llm.twell_train), on one GPU.
 
 Per case: the loss is <y, dy> + coeff * l1_sum / M (the trainer's L1 term for one layer). Reported:
 median ms of forward+backward (CUDA events after warm-up) for dense bf16 autograd and for the op, their
-ratio, forward-only ms, peak memory above the inputs and weights during forward+backward and the memory
+ratio, host wall-clock ms per step of back-to-back steps (exposes host stalls), forward-only ms, peak memory above the inputs and weights during forward+backward and the memory
 held between forward and backward (the saved activations), relative errors of y and the four gradients
 vs an fp32 dense reference (dense bf16 beside them), the tokens' gate non-zeros (mean / p99 / max) and the
 tokens computed as dense backup rows. Sparsity is controlled with `synthetic_block` (a constant input
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,18 @@ def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], reps: int) -> float:
+    """Host wall-clock ms per call of back-to-back calls (one sync at the end): shows host-side stalls,
+    such as the op's one host read per forward, that CUDA-event timings of a single call hide."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def dense_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +133,7 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
             row[f"err_{what}_{label}"] = rel_err(got, ref)
         del y, grads
         row[f"{label}_ms"] = median_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
+        row[f"{label}_wall_ms"] = wall_ms(lambda f=forward: step(f, leaves, dy, coeff), reps=reps)
         row[f"{label}_fwd_ms"] = median_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
         row[f"{label}_peak_MB"], row[f"{label}_saved_MB"] = memory_mb(forward, leaves, dy, coeff)
     row["speedup"] = row["dense_ms"] / row["twell_ms"]
@@ -128,9 +142,10 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | fwd ms dense / twell "
+    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | wall ms dense / twell "
+            "| fwd ms dense / twell "
             "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         errs = ", ".join(
             f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
@@ -138,6 +153,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
             f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['dense_wall_ms']:.2f} / {r['twell_wall_ms']:.2f} "
             f"| {r['dense_fwd_ms']:.2f} / {r['twell_fwd_ms']:.2f} "
             f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} |"
         )
