@@ -37,7 +37,18 @@ Host sync: the forward reads one int (the number of heavy tokens) to size the ba
 read is issued right after the ELL conversion and waited for only after the light-token kernel is queued,
 so the GPU keeps working while the host waits; the cost is a launch bubble of the few backup kernels. The
 backward has no host sync (the CSC sizes stay on the device). Fixed-capacity backups with a deferred
-check would avoid the read but then need a redo of the step on overflow; that is not implemented.
+check would avoid the read but then need a redo of the step on overflow; that is not implemented. The
+read also rules out CUDA-graph capture, and a gradient-checkpointed layer pays it again in its recompute.
+scripts/bench_train_mlp.py reports host wall-clock per step beside the CUDA-event time to measure it.
+
+Cost bound (why a target may be missed): past the gate GEMM, each light non-zero streams seven K-wide bf16
+rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: the token's x and dy rows),
+28 KiB at K = 2048, on CUDA cores. Dense training does 9 * 2 * K * N flops per token on tensor cores, so
+with the gate GEMM (1/9 of that) paid on both paths the break-even is (8 N / 7) * B / F non-zeros per
+token for a row bandwidth of B bytes/s and a tensor-core rate of F flop/s (K cancels): about 49 at
+N = 5632, B = 5.5 TB/s (the inference kernel's measured L2 rate), F = 720 TFLOP/s. The 2.3x target at
+28 non-zeros needs B near 9 TB/s; reuse of weight rows across tokens (real activations are correlated,
+the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
 Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
 atomics, so their summation order varies run to run. With the cuBLAS gate route (what `twell_gate` picks
