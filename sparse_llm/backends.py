@@ -75,6 +75,9 @@ def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.count_nonzero(nonzero_MN, dim=1).to(torch.int32), nonzero_MN.any(dim=0)
 
 
+STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
+
+
 class TorchFFN(FFNBackend):
     """The reference path: three dense GEMMs through torch (cuBLAS on GPU). Runs everywhere."""
 
@@ -94,11 +97,12 @@ class TorchFFN(FFNBackend):
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
-        # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward.
-        # The absolute scale only matters relative to other backends, which calibrate against this one;
-        # 600 TFLOP/s is a sustained bf16 rate of an H100 on GEMMs of these sizes.
+        # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
+        # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus the statistics
+        # pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
+        # M=16384, N=5632 on an H100 (BENCHMARKS.md, "re-check after the torch-path statistics change").
         flops = 2.0 * m * k * n * (9 if training else 3)
-        return flops / 600e12 * 1e3
+        return flops / 600e12 * 1e3 + m * n * STATS_MS_PER_ELEMENT
 
 
 _BACKENDS: dict[str, FFNBackend] = {}
