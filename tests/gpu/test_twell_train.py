@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.formats import hybrid_sddmm, hybrid_t_matmul, pack_hybrid
+from sparse_llm.formats import TwellPacked, hybrid_sddmm, hybrid_t_matmul, pack_hybrid, unpack_twell
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm.twell_backend import synthetic_block
+    from sparse_llm.twell_backend import synthetic_block, twell_gate
     from sparse_llm.twell_train import (
         STATE_NAMES,
         _csc_wgrad,
@@ -164,19 +164,26 @@ def test_more_than_65536_tokens():
 
 
 def test_saved_state_is_the_hybrid_packing_of_the_gate():
-    x, wg, wu, wd = synthetic_block(1024, 2048, 5632, 60, sigma=0.5, seed=3)
-    outputs = twell_train_forward_op(x, wg, wu, wd, 128)
-    state = dict(zip(STATE_NAMES, outputs[4:]))
-    # The cuBLAS gate route packs the same bf16 gate values in column order, so light rows match exactly.
-    ref = pack_hybrid(F.relu(F.linear(x, wg)), width=128)
-    assert torch.equal(state["ell_count_M"], ref.ell_count_M)
+    """Light tokens hold exactly the packed gate's entries (any gate route); the rest are backup rows."""
+    m, n, width = 1024, 5632, 128
+    x, wg, wu, wd = synthetic_block(m, 2048, n, 60, sigma=0.5, seed=3)
+    state = dict(zip(STATE_NAMES, twell_train_forward_op(x, wg, wu, wd, width)[4:]))
+    packed = TwellPacked(twell_gate(x, wg), n, 8)  # the gate the op packs
+    count_M = packed.counts_MT.sum(dim=1, dtype=torch.int32)
+    assert torch.equal(state["ell_count_M"], count_M)
     light = state["row_slot_M"] < 0
-    assert (ref.ell_count_M[light] <= 128).all() and (~light).sum() >= ref.heavy_M.sum()
-    assert torch.equal(state["ell_cols_MW"][light], ref.ell_cols_MW[light])
-    assert torch.equal(state["ell_g_MW"][light], ref.ell_values_MW[light])
+    assert torch.equal(light, ~packed.overflow_M & (count_M <= width))  # the routing rule
+    rows = light.nonzero()[:, 0]
+    ref = pack_hybrid(unpack_twell(packed, rows), width=width)  # ascending columns, zero padding
+    cols, g = state["ell_cols_MW"][rows], state["ell_g_MW"][rows]
+    used = torch.arange(width, device="cuda") < ref.ell_count_M[:, None]
+    order = torch.where(used, cols, n).argsort(dim=1, stable=True)  # entries by column, padding last
+    assert torch.equal(torch.where(used, cols.gather(1, order), 0), ref.ell_cols_MW)
+    assert torch.equal(torch.where(used, g.gather(1, order), 0), ref.ell_values_MW)
+    u_ref = hybrid_sddmm(x[rows], wu, ref).ell_values_MW  # fp32 dots rounded to bf16; another sum order
+    u = torch.where(used, state["ell_u_MW"][rows].gather(1, order), 0)
+    torch.testing.assert_close(u.float(), u_ref.float(), rtol=1e-2, atol=1e-3)
     assert (state["ell_g_MW"][~light] == 0).all() and (state["ell_u_MW"][~light] == 0).all()
-    u_ref = hybrid_sddmm(x, wu, ref).ell_values_MW  # fp32 dots rounded to bf16; the kernel sums in another order
-    torch.testing.assert_close(state["ell_u_MW"][light].float(), u_ref[light].float(), rtol=1e-2, atol=1e-3)
     heavy = state["backup_rows_R"]
     assert torch.equal(heavy, (~light).nonzero()[:, 0])  # ascending tokens
     assert torch.equal(state["row_slot_M"][heavy].long().cpu(), torch.arange(heavy.numel()))
