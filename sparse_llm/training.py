@@ -23,9 +23,10 @@ from omegaconf import OmegaConf
 
 from sparse_llm import checkpoint as ckpt
 from sparse_llm.config import TrainConfig
-from sparse_llm.data import TrainLoader, build_token_data, val_batches
+from sparse_llm.data import build_token_data
 from sparse_llm.dispatch import validate_kernel
 from sparse_llm.energy import EnergyMeter
+from sparse_llm.loader import TrainLoader, val_batches
 from sparse_llm.model import build_model, count_parameters, sparse_mlps
 from sparse_llm.plots import plot_run
 from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term

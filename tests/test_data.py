@@ -16,13 +16,12 @@ from huggingface_hub import constants
 from sparse_llm.data import (
     DataConfig,
     TokenArray,
-    TrainLoader,
     build_token_data,
     held_out_documents,
     read_token_file,
-    val_batches,
     write_token_file,
 )
+from sparse_llm.loader import TrainLoader, val_batches
 from sparse_llm.tokenizer import load_tokenizer
 
 SEQ = 64
