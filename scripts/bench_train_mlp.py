@@ -4,13 +4,14 @@ vs the sparse training op (sparse_llm.twell_train), on one GPU.
     python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
     python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
 
-Per case: the loss is <y, dy> + coeff * l1_sum / M (the trainer's L1 term for one layer). Reported:
-median ms of forward+backward (CUDA events after warm-up) for dense bf16 autograd and for the op, their
-ratio, host wall-clock ms per step of back-to-back steps (exposes host stalls), forward-only ms, peak memory above the inputs and weights during forward+backward and the memory
-held between forward and backward (the saved activations), relative errors of y and the four gradients
-vs an fp32 dense reference (dense bf16 beside them), the tokens' gate non-zeros (mean / p99 / max) and the
-tokens computed as dense backup rows. Sparsity is controlled with `synthetic_block` (a constant input
-feature with a negative gate weight; sigma > 0 scales tokens log-normally for heavy tails).
+Per case: the loss is <y, dy> + coeff * l1_sum / M (the trainer's L1 term for one layer). Reported: median
+ms of forward+backward (CUDA events after warm-up) for dense bf16 autograd and for the op, their ratio, host
+wall-clock ms per step of back-to-back steps (exposes host stalls), forward-only ms, peak memory above the
+inputs and weights during forward+backward and the memory held between forward and backward (the saved
+activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
+them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows. Sparsity
+is controlled with `synthetic_block` (a constant input feature with a negative gate weight; sigma > 0 scales
+tokens log-normally for heavy tails).
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def test_opcheck_forward_and_backward():
     outputs = twell_train_forward_op(x.detach(), wg.detach(), wu.detach(), wd.detach(), 6)
     dy = torch.randn(x.shape)
     torch.library.opcheck(
-        twell_train_backward_op, (x.detach(), wg.detach(), wu.detach(), wd.detach(), *outputs[4:], dy, torch.tensor(0.5))
+        twell_train_backward_op,
+        (x.detach(), wg.detach(), wu.detach(), wd.detach(), *outputs[4:], dy, torch.tensor(0.5)),
     )
 
 

@@ -3,11 +3,11 @@
 Needs an sm_90 GPU and cupy. Forward output y, L1, L0, fired neurons and the four gradients (x, w_gate,
 w_up, w_down) of loss = <y, dy> + dl1 * sum|h> are compared with an fp32 dense reference; the budget is
 twice the error of the dense bf16 torch path against the same reference, plus a small atol (DESIGN.md
-conventions; a bf16-roundoff floor for tiny tensors), globally and per token for y. Buffers the op allocates are poisoned first (the
-caching allocator hands NaN / 0xFF-filled blocks back), so an element left unwritten or a padding slot
-read by mistake shows up. Densities: uniform, heavy-tailed, fully dense and all-zero tokens, a hot
-neuron, ELL-width overflow, TwELL-tile overflow, every token in the backup, general shapes and more
-than 65536 tokens.
+conventions; a bf16-roundoff floor for tiny tensors), globally and per token for y. Buffers the op allocates
+are poisoned first (the caching allocator hands NaN / 0xFF-filled blocks back), so an element left unwritten
+or a padding slot read by mistake shows up. Densities: uniform, heavy-tailed, fully dense and all-zero
+tokens, a hot neuron, ELL-width overflow, TwELL-tile overflow, most tokens in the backup, general shapes and
+more than 65536 tokens.
 """
 
 from __future__ import annotations
@@ -79,15 +79,17 @@ def assert_budget(name: str, got: torch.Tensor, ref: torch.Tensor, dense: torch.
     got, dense = got.float(), dense.float()
     err, dense_err, scale = (got - ref).norm(), (dense - ref).norm(), ref.norm()
     floor = BF16_EPS * scale / got.shape[0] ** 0.5
-    assert err <= 2 * dense_err + ATOL * (1 + scale) + floor, (
-        f"{name}: error {err.item():.3e} vs dense bf16 {dense_err.item():.3e} (|ref| {scale.item():.3e})"
-    )
+    assert (
+        err <= 2 * dense_err + ATOL * (1 + scale) + floor
+    ), f"{name}: error {err.item():.3e} vs dense bf16 {dense_err.item():.3e} (|ref| {scale.item():.3e})"
     if per_row:
         err_M, dense_M, ref_M = (got - ref).norm(dim=1), (dense - ref).norm(dim=1), ref.norm(dim=1)
         rel = (dense_err / scale.clamp_min(1e-30)).item()
         budget_M = 2 * torch.maximum(dense_M, rel * ref_M) + ATOL * (1 + ref_M)
         bad = (err_M > budget_M).nonzero()[:, 0]
-        assert bad.numel() == 0, f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
+        assert (
+            bad.numel() == 0
+        ), f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
 
 
 def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0):
@@ -101,7 +103,10 @@ def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0)
     for name, got, ref, dense in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, grads_ref, grads_dense):
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert_budget(name, got, ref, dense, per_row=False)
-    assert abs(result.l1_sum.item() - l1_ref.item()) <= 2 * abs(l1_dense.item() - l1_ref.item()) + 1e-3 * l1_ref.item() + 1e-3
+    assert (
+        abs(result.l1_sum.item() - l1_ref.item())
+        <= 2 * abs(l1_dense.item() - l1_ref.item()) + 1e-3 * l1_ref.item() + 1e-3
+    )
     l0_ref = (h_ref != 0).sum(dim=1)
     diff_M = (result.l0_M.long() - l0_ref).abs()  # a near-zero gate may flip sign between bf16 and fp32
     assert diff_M.max() <= 2 and diff_M.sum() <= 1e-3 * l0_ref.sum() + 2, f"l0 off by up to {diff_M.max()}"
