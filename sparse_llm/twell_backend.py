@@ -21,8 +21,9 @@ Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u pe
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
 with h != 0 for some token, l1_sum = sum |h| in fp32.
 
-Inference only: `training=True` raises NotImplementedError and `estimated_ms` returns None for it,
-so the dispatcher never picks this backend for training.
+Training (`training=True`) goes to the hybrid ELL + dense-backup op of sparse_llm/twell_train.py. Its
+cost model answers only when SPARSE_LLM_TWELL_TRAIN=1, so `kernel=auto` trains densely by default and
+`kernel=twell` forces the sparse training kernels.
 """
 
 from __future__ import annotations
@@ -449,9 +450,10 @@ class TwellFFN(FFNBackend):
 
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         if training:
-            raise NotImplementedError(
-                "The twell backend runs inference only (training=False); train with kernel=torch or kernel=auto."
-            )
+            # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
+            from sparse_llm.twell_train import twell_train_ffn
+
+            return twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN)
         reason = self.unavailable_reason(x_MK.device)
         if reason is None and any(t.dtype != torch.bfloat16 for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)):
             reason = f"the kernels take bf16 tensors, got x {x_MK.dtype} and weights {w_gate_NK.dtype}"
@@ -465,8 +467,12 @@ class TwellFFN(FFNBackend):
         return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
-        if training or shape_unsupported_reason(k, n) is not None:
+        if shape_unsupported_reason(k, n) is not None:
             return None
+        if training:
+            from sparse_llm.twell_train import train_estimated_ms
+
+            return train_estimated_ms(m, k, n, l0_mean, l0_max)
         return twell_estimated_ms(m, k, n, l0_mean, l0_max)
 
 

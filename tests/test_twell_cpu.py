@@ -163,9 +163,18 @@ def test_splits_and_gate_route():
 # ---------------------------------------------------------------- backend behaviour
 
 
-def test_training_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="inference only"):
-        TwellFFN().forward(*block(), training=True)
+def test_training_goes_to_the_sparse_training_op():
+    args = [t.float().requires_grad_() for t in block()]
+    result = TwellFFN().forward(*args, training=True)
+    assert result.path.startswith("twell-train")
+    torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=True).y_MK, rtol=1e-4, atol=1e-5)
+    result.y_MK.sum().backward()
+    assert all(t.grad is not None for t in args)
+
+
+def test_auto_never_trains_sparse_without_opt_in(monkeypatch):
+    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)
+    assert TwellFFN().estimated_ms(16384, 2048, 5632, 28, 56, training=True) is None
 
 
 def test_cpu_falls_back_to_torch_with_one_warning():
