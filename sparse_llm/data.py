@@ -78,6 +78,7 @@ class DataConfig:
             for streams). Useful for quick runs and for ``scripts/tokenize_corpus.py`` on fineweb_edu.
         cache_dir: if set, ``embedded`` and non-streamed ``local`` data are tokenized once into a token file
             in this directory, keyed by the files, the tokenizer and the split, and memory-mapped afterwards.
+            Ranks of one run may share it: each writes private temporary files and renames them into place.
     """
 
     name: str = "embedded"
@@ -309,34 +310,53 @@ def _token_file_paths(path: str | Path) -> tuple[Path, Path]:
     return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
 
 
+def _private_temp_path(path: Path) -> Path:
+    """A temporary name next to ``path`` that no other writer uses (host, process and thread in the name).
+
+    Under DDP every rank may find the cache missing and write it at once; with a shared temporary name one
+    rank would truncate the file another is writing or renaming.
+    """
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def _write_token_file(prefix: str | Path, train: Iterable[np.ndarray], val: Iterable[np.ndarray],
                       tokenizer_name: str, vocab_size: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """Stream documents' tokens to disk; validation documents go after all training documents."""
+    """Stream documents' tokens to disk; validation documents go after all training documents.
+
+    Both files are written under private temporary names and renamed into place (``os.replace`` is atomic),
+    the meta last: a present meta means a complete ``.bin``. Concurrent writers of the same prefix (ranks
+    filling one cache) each rename a complete, identical file, so a reader never sees a partial one.
+    """
     bin_path, meta_path = _token_file_paths(prefix)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     dtype = _token_dtype(vocab_size)
     counts = {"train": [0, 0], "val": [0, 0]}  # [documents, tokens]
-    tmp_bin = bin_path.with_name(bin_path.name + ".tmp")
-    with open(tmp_bin, "wb") as fh:
-        for split, chunks in (("train", train), ("val", val)):
-            for chunk in chunks:
-                fh.write(np.asarray(chunk, dtype=dtype).tobytes())
-                counts[split][0] += 1
-                counts[split][1] += len(chunk)
-    meta = {
-        "version": TOKEN_FILE_VERSION,
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
-        "tokenizer": tokenizer_name,
-        "n_tokens": counts["train"][1] + counts["val"][1],
-        "n_documents": counts["train"][0] + counts["val"][0],
-        "n_train_documents": counts["train"][0],
-        "n_val_documents": counts["val"][0],
-        "val_start": counts["train"][1],  # token index where the validation documents begin
-        **extra,
-    }
-    os.replace(tmp_bin, bin_path)  # the meta appears last, so a present meta means a complete file
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp_bin, tmp_meta = _private_temp_path(bin_path), _private_temp_path(meta_path)
+    try:
+        with open(tmp_bin, "wb") as fh:
+            for split, chunks in (("train", train), ("val", val)):
+                for chunk in chunks:
+                    fh.write(np.asarray(chunk, dtype=dtype).tobytes())
+                    counts[split][0] += 1
+                    counts[split][1] += len(chunk)
+        meta = {
+            "version": TOKEN_FILE_VERSION,
+            "dtype": dtype.name,
+            "vocab_size": vocab_size,
+            "tokenizer": tokenizer_name,
+            "n_tokens": counts["train"][1] + counts["val"][1],
+            "n_documents": counts["train"][0] + counts["val"][0],
+            "n_train_documents": counts["train"][0],
+            "n_val_documents": counts["val"][0],
+            "val_start": counts["train"][1],  # token index where the validation documents begin
+            **extra,
+        }
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_meta, meta_path)
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
     return meta
 
 
@@ -508,7 +528,7 @@ def build_token_data(cfg: DataConfig, seq_len: int) -> TokenData:
         val = _pack(_encode_all(encode, val_texts), _token_dtype(len(tokenizer)))
     elif cfg.cache_dir is not None:
         prefix = Path(cfg.cache_dir).expanduser() / f"{cfg.name}-{_cache_key(cfg)}"
-        if not _token_file_paths(prefix)[1].is_file():
+        if not _token_file_paths(prefix)[1].is_file():  # the meta is renamed in last: present means complete
             write_token_file(cfg, prefix)
         _, train, val = read_token_file(prefix)
         tokenizer = load_tokenizer(cfg.tokenizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from huggingface_hub import constants
 
+import sparse_llm.data as data_module
 from sparse_llm.data import (
     DataConfig,
     TokenArray,
@@ -205,6 +207,50 @@ def test_cache_dir_writes_once_and_matches(tmp_path):
     for data in (cached, again):
         assert np.array_equal(data.train.tokens, plain.train.tokens)
         assert np.array_equal(data.val.tokens, plain.val.tokens)
+
+
+def test_cache_dir_complete_file_is_not_rewritten(tmp_path, monkeypatch):
+    cfg = DataConfig(name="local", paths=[str(_write_jsonl(tmp_path / "c.jsonl", NUMBERED))], val_documents=5,
+                     cache_dir=str(tmp_path / "cache"))
+    build_token_data(cfg, 8)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a complete cache file was written again")
+
+    monkeypatch.setattr(data_module, "write_token_file", fail)
+    assert build_token_data(cfg, 8).train.n_documents == len(NUMBERED) - 5
+
+
+def test_token_file_concurrent_writers_do_not_collide(tmp_path):
+    """Ranks filling one cache at once (threads here) each rename a complete file: none fails, no temp is left."""
+    writers = 3
+    all_started = threading.Barrier(writers)
+    docs = [np.arange(i, i + 5) for i in range(0, 40, 5)]
+
+    def chunks():
+        for i, doc in enumerate(docs):
+            if i == 1:
+                all_started.wait(timeout=30)  # every writer has its temporary file open and part-written
+            yield doc
+
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            data_module._write_token_file(tmp_path / "c", chunks(), iter([np.arange(3)]), "embedded", 8192, {})
+        except BaseException as exc:  # collected: an exception in a thread would not fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    meta, train, val = read_token_file(tmp_path / "c")
+    assert np.array_equal(np.asarray(train.tokens), np.concatenate(docs))
+    assert np.array_equal(np.asarray(val.tokens), np.arange(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.json"]
 
 
 # -------------------------------------------------------------------------------------------- token files
