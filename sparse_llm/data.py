@@ -418,8 +418,9 @@ def _check_hub_reachable(cfg: DataConfig) -> None:
     if constants.HF_HUB_OFFLINE or _import_datasets(cfg).config.HF_HUB_OFFLINE:
         raise ConnectionError(
             "data=fineweb_edu streams from the hub, but offline mode is on (HF_HUB_OFFLINE or "
-            "HF_DATASETS_OFFLINE is 1; train.py sets them by default). With network, run with "
-            f"HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0. {advice}"
+            "HF_DATASETS_OFFLINE is 1: set in the environment, or by train.py/eval.py when the data was not "
+            "chosen as `data=fineweb_edu` on the command line). With network, pass `data=fineweb_edu` on the "
+            f"command line or set HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0. {advice}"
         )
     url = urlparse(constants.ENDPOINT)
     address = (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
