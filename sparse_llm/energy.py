@@ -49,7 +49,9 @@ class EnergyMeter:
             self.close()
             self.unavailable_reason = f"NVML energy counter unavailable: {type(exc).__name__}: {exc}"
         if self.unavailable_reason is not None:
-            logger.info("EnergyMeter(%s): %s", self.device, self.unavailable_reason)
+            # On a CPU device no meter is expected: say so only at DEBUG, not as every CPU run's first line.
+            level = logging.INFO if self.device.type == "cuda" else logging.DEBUG
+            logger.log(level, "EnergyMeter(%s): %s", self.device, self.unavailable_reason)
 
     @property
     def available(self) -> bool:
