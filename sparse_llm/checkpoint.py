@@ -5,7 +5,8 @@ Layout of `<run>/checkpoints/step_<N>/`:
                         AutoModelForCausalLM.from_pretrained, no custom code
     accelerator/        accelerate's save_state: model, optimizer, scheduler and RNG states of every rank
                         (sharded under FSDP)
-    trainer_state.json  step, tokens seen, per-rank data-loader positions, sparsity tracker window
+    trainer_state.json  step, tokens seen, per-rank data-loader positions
+    rank_<r>.pt         what else each rank needs to continue exactly (its open sparsity windows)
 A checkpoint is written under `step_<N>.partial/` and renamed once complete, so a crash mid-write never
 leaves a directory that `resume=auto` would pick up.
 """
@@ -18,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -60,6 +62,7 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     state: dict[str, Any],
+    rank_state: dict[str, Any],
     keep_last: int,
 ) -> Path:
     """Write the checkpoint of `step` on all ranks (collective: every rank must call it)."""
@@ -70,6 +73,7 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
+    torch.save(rank_state, partial / f"rank_{accelerator.process_index}.pt")
     export_model(accelerator, model, tokenizer, partial / "model")
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -92,7 +96,9 @@ def export_model(accelerator: Accelerator, model: Any, tokenizer: Any, out_dir: 
     accelerator.wait_for_everyone()
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
-    """Restore model/optimizer/scheduler/RNG in place; returns the trainer state dict."""
+def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Restore model/optimizer/scheduler/RNG in place; returns (trainer state, this rank's state or None)."""
     accelerator.load_state(str(path / "accelerator"))
-    return json.loads((path / STATE_FILE).read_text())
+    rank_file = path / f"rank_{accelerator.process_index}.pt"
+    rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
+    return json.loads((path / STATE_FILE).read_text()), rank_state

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -109,6 +110,7 @@ class SparsityTracker:
     def _reinit_dead(self, step: int, seed: int) -> int:
         # Same generator state on every rank: replicas receive identical updates and stay in sync.
         gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+        mix = self.cfg.reinit_mix
         total = 0
         for layer, mlp in enumerate(self.mlps):
             w_gate_NK = mlp.gate_proj.weight
@@ -117,15 +119,15 @@ class SparsityTracker:
                     "Dead-neuron reinit needs unsharded gate weights; it is not supported with FSDP. "
                     "Use DDP or set sparsity.reinit_dead=false."
                 )
-            noise_NK = torch.randn(w_gate_NK.shape, generator=gen) * self.cfg.reinit_std
-            dead_N = self.dead_LN[layer]
-            mix = self.cfg.reinit_mix
-            rows = dead_N.nonzero().squeeze(1)
-            if rows.numel():
-                w_gate_NK.data[rows] = (1 - mix) * w_gate_NK.data[rows] + mix * noise_NK.to(
-                    w_gate_NK.device, w_gate_NK.dtype
-                )[rows]
-                total += rows.numel()
+            rows_D = self.dead_LN[layer].nonzero().squeeze(1)
+            if not rows_D.numel():
+                continue
+            # Noise for the dead rows only, drawn on the CPU so every rank draws the same numbers.
+            noise_DK = torch.randn(rows_D.numel(), w_gate_NK.shape[1], generator=gen) * self.cfg.reinit_std
+            w_gate_NK.data[rows_D] = (1 - mix) * w_gate_NK.data[rows_D] + mix * noise_DK.to(
+                w_gate_NK.device, w_gate_NK.dtype
+            )
+            total += rows_D.numel()
         return total
 
     @torch.no_grad()
@@ -162,6 +164,31 @@ class SparsityTracker:
                 stats[f"dead/layer_{layer:02d}"] = frac
             stats["dead/mean"] = float(dead_L.mean())
         return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's open windows and each layer's last observed L0, for checkpoints (tensors on CPU)."""
+        return {
+            "l0_hist_LB": self.l0_hist_LB.cpu(),
+            "fired_LN": self.fired_LN.cpu(),
+            "dead_LN": None if self.dead_LN is None else self.dead_LN.cpu(),
+            "steps_in_window": self.steps_in_window,
+            "observed": [(m.dispatcher.l0_mean, m.dispatcher.l0_max) for m in self.mlps],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if tuple(state["fired_LN"].shape) != tuple(self.fired_LN.shape):
+            raise ValueError(
+                f"sparsity state for {tuple(state['fired_LN'].shape)} (layers, neurons) does not fit this model's "
+                f"{tuple(self.fired_LN.shape)}"
+            )
+        device = self.fired_LN.device
+        self.l0_hist_LB = state["l0_hist_LB"].to(device)
+        self.fired_LN = state["fired_LN"].to(device)
+        self.dead_LN = None if state["dead_LN"] is None else state["dead_LN"].to(device)
+        self.steps_in_window = int(state["steps_in_window"])
+        for mlp, (l0_mean, l0_max) in zip(self.mlps, state["observed"], strict=True):
+            if l0_mean is not None:
+                mlp.dispatcher.observe(l0_mean, l0_max)
 
     def backends(self) -> dict[str, str]:
         """Which path each layer took in its latest call."""

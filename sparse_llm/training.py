@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedType, gather_object, set_seed
 from omegaconf import OmegaConf
 
 from sparse_llm import checkpoint as ckpt
+from sparse_llm.backends import get_backend
 from sparse_llm.config import TrainConfig
 from sparse_llm.data import build_token_data
 from sparse_llm.dispatch import validate_kernel
@@ -36,8 +38,10 @@ log = logging.getLogger(__name__)
 # accelerate narrates every checkpoint file at INFO; our own log lines say what matters.
 logging.getLogger("accelerate").setLevel(logging.WARNING)
 
-# Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peaks (FLOP/s) for MFU, matched in order against the device name; unknown devices
+# and non-bf16 runs report no MFU.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12))
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,6 +67,11 @@ def plan_batches(cfg: TrainConfig, world: int) -> BatchPlan:
     if seq_len > cfg.model.max_position_embeddings:
         raise ValueError(
             f"trainer.seq_len={seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}."
+        )
+    if t.global_batch_tokens and t.global_batch_tokens % seq_len:
+        raise ValueError(
+            f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of the sequence length "
+            f"{seq_len}; use a multiple, or trainer.global_batch (in sequences)."
         )
     global_batch = t.global_batch_tokens // seq_len if t.global_batch_tokens else t.global_batch
     per_step = t.micro_batch * world
@@ -103,10 +112,56 @@ def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of a GPU from its name, or None when unknown."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+
+
 def model_flops_per_token(model_cfg: Any, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 x non-embedding parameters + attention scores (PaLM appendix)."""
     embed = model_cfg.vocab_size * model_cfg.hidden_size
     return 6 * (n_params - embed) + 12 * model_cfg.num_hidden_layers * model_cfg.hidden_size * seq_len
+
+
+class MeasureWindow:
+    """Wall time and GPU energy of the training work between two logging points.
+
+    Validation and checkpoint writes happen inside a window but are not training: `pause()`/`resume()`
+    around them take their time and energy out, so tokens/s and mJ/token describe training alone.
+    """
+
+    def __init__(self, energy: EnergyMeter, device: torch.device) -> None:
+        self.energy, self.device = energy, device
+        self.restart()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def restart(self) -> None:
+        self._sync()
+        self.energy.lap()
+        self.start, self.paused_s, self.joules, self.steps = time.perf_counter(), 0.0, 0.0, 0
+        self._pause_start: float | None = None
+
+    def pause(self) -> None:
+        self._sync()
+        lap = self.energy.lap()
+        self.joules = None if lap is None or self.joules is None else self.joules + lap
+        self._pause_start = time.perf_counter()
+
+    def resume(self) -> None:
+        self._sync()
+        self.energy.lap()  # the paused work's energy is dropped
+        self.paused_s += time.perf_counter() - self._pause_start
+        self._pause_start = None
+
+    def close(self) -> tuple[float, float | None]:
+        """(seconds of training, joules or None) since the last restart."""
+        self._sync()
+        lap = self.energy.lap()
+        joules = None if lap is None or self.joules is None else self.joules + lap
+        return time.perf_counter() - self.start - self.paused_s, joules
 
 
 class Trainer:
@@ -117,32 +172,62 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.acc = make_accelerator(cfg)
+        self._check_setup()
         self.plan = plan_batches(cfg, self.acc.num_processes)
         set_seed(cfg.seed)
-        self.data = build_token_data(cfg.data, self.plan.seq_len)
-        model = build_model(cfg.model, vocab_size=self.data.vocab_size, kernel=cfg.kernel)
-        for mlp in sparse_mlps(model):
-            mlp.self_observe = False  # fed with rank-reduced statistics by the tracker instead
-        if cfg.trainer.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.n_params = count_parameters(model)
-        self.hf_config = model.config
-        optimizer = make_optimizer(model, cfg)
         t = cfg.trainer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
-        )
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        self.acc.register_for_checkpointing(self.scheduler)
-        self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
+        # Data before the model: a data problem should not wait for a billion-parameter init.
+        self.data = build_token_data(cfg.data, self.plan.seq_len)
         self.loader = TrainLoader(
             self.data.train, self.plan.micro_batch, self.plan.seq_len, cfg.seed,
             rank=self.acc.process_index, world_size=self.acc.num_processes,
             step_sequences=self.plan.tokens_per_step // self.plan.seq_len,
         )
         self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, kernel=cfg.kernel)
+        if model.config.vocab_size > self.data.vocab_size:
+            log.warning("model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
+                        "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
+                        model.config.vocab_size, self.data.vocab_size)
+        for mlp in sparse_mlps(model):
+            mlp.self_observe = False  # fed with rank-reduced statistics by the tracker instead
+        if t.gradient_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.n_params = count_parameters(model)
+        self.hf_config = model.config
+        optimizer = make_optimizer(model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        )
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.acc.register_for_checkpointing(self.scheduler)
+        self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
         self.energy = EnergyMeter(self.acc.device)
         self.step = 0
+
+    def _check_setup(self) -> None:
+        """Fail at start, not hours in, on settings that cannot work together."""
+        cfg = self.cfg
+        if cfg.kernel != "auto":
+            reason = get_backend(cfg.kernel).unavailable_reason(self.acc.device)
+            if reason is not None:
+                raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason} "
+                                 "Use kernel=auto or kernel=torch.")
+        if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
+            raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
+                             "use the DDP config or set sparsity.reinit_dead=false.")
+        if cfg.trainer.warmup_steps >= cfg.trainer.max_steps:
+            log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches its peak.",
+                        cfg.trainer.warmup_steps, cfg.trainer.max_steps)
+        fresh = cfg.checkpoint.resume in ("", "none", "None")
+        leftovers = [p.name for p in (self.run_dir / "checkpoints", self.run_dir / "final",
+                                      self.run_dir / "metrics.jsonl") if p.exists()]
+        if fresh and leftovers:
+            raise FileExistsError(
+                f"{self.run_dir} already holds a run ({', '.join(leftovers)}). Continue it with "
+                "checkpoint.resume=auto, or start a new one with another run_name."
+            )
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.acc.reduce(tensor, reduction=op) if self.acc.num_processes > 1 else tensor
@@ -157,20 +242,22 @@ class Trainer:
         path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
         if path is None:
             return
-        state = ckpt.load_checkpoint(self.acc, path)
+        state, rank_state = ckpt.load_checkpoint(self.acc, path)
         if state["world_size"] != self.acc.num_processes:
             raise RuntimeError(
                 f"{path} was written by {state['world_size']} processes, this launch has "
                 f"{self.acc.num_processes}; resume with the same number of processes."
             )
         self.loader.load_state_dict(state["loaders"][self.acc.process_index])
+        if rank_state is not None:
+            self.tracker.load_state_dict(rank_state["sparsity"])
         self.step = state["step"]
         log.info("Resumed from %s at step %d", path, self.step)
 
     def _save(self) -> Path:
         return ckpt.save_checkpoint(
             self.acc, self.model, self.data.tokenizer, self.run_dir, self.step, self._trainer_state(),
-            self.cfg.checkpoint.keep_last,
+            {"sparsity": self.tracker.state_dict()}, self.cfg.checkpoint.keep_last,
         )
 
     # ------------------------------------------------------------------------------------------ loop
@@ -197,19 +284,22 @@ class Trainer:
         grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         ce_mean = self._reduce(ce_sum / self.plan.accumulation, "mean")
         l1_mean = self._reduce(l1_sum / self.plan.accumulation, "mean")
-        loss = float(ce_mean + coeff * l1_mean)  # the one host sync per step: stop at the first bad loss
-        if not math.isfinite(loss):
+        # One host transfer per step (not per layer): stop before a bad update reaches the weights.
+        ce, l1, norm = torch.stack([ce_mean, l1_mean, torch.as_tensor(grad_norm, device=ce_mean.device)]).tolist()
+        loss = ce + coeff * l1
+        if not (math.isfinite(loss) and math.isfinite(norm)):
             raise NonFiniteLossError(
-                f"Loss became {loss} at step {self.step + 1} (CE {float(ce_mean)}, L1 term {float(l1_mean)}). "
-                "The last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or a longer "
-                "trainer.warmup_steps."
+                f"Step {self.step + 1}: loss {loss} (CE {ce}, L1 term {l1}), gradient norm {norm}. No update was "
+                "applied and the last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or "
+                "a longer trainer.warmup_steps."
             )
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         reinit = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
-        return {"loss": loss, "ce": float(ce_mean), "l1_term": float(l1_mean), "l1_coeff": coeff,
-                "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0], "reinit_neurons": reinit}
+        return {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": coeff, "grad_norm": norm, "lr": lr,
+                "reinit_neurons": reinit}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -222,25 +312,27 @@ class Trainer:
         ce = float(self._reduce(total / max(len(self.val), 1), "mean"))
         return {"val/ce": ce, "val/ppl": math.exp(min(ce, 50.0))}
 
-    def _window_metrics(self, window_steps: int, window_s: float) -> dict[str, Any]:
-        tokens = window_steps * self.plan.tokens_per_step
-        metrics: dict[str, Any] = {"tokens_per_s": tokens / window_s, "step_time_s": window_s / window_steps,
+    def _window_metrics(self, window: MeasureWindow) -> dict[str, Any]:
+        seconds, joules = window.close()
+        tokens = window.steps * self.plan.tokens_per_step
+        metrics: dict[str, Any] = {"tokens_per_s": tokens / seconds, "step_time_s": seconds / window.steps,
                                    "tokens_seen": self.step * self.plan.tokens_per_step}
-        energy_j = self.energy.lap()
-        if energy_j is not None:
-            energy_j = float(self._reduce(torch.tensor(energy_j, device=self.acc.device), "sum"))
-            metrics.update(energy_j=energy_j, mj_per_token=1e3 * energy_j / tokens, power_w=energy_j / window_s)
+        if joules is not None:
+            joules = float(self._reduce(torch.tensor(joules, device=self.acc.device), "sum"))
+            metrics.update(energy_j=joules, mj_per_token=1e3 * joules / tokens, power_w=joules / seconds)
         if self.acc.device.type == "cuda":
             peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=self.acc.device)
             metrics["peak_mem_gb"] = float(self._reduce(peak, "max"))
-            name = torch.cuda.get_device_name()
-            peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-            if peak_flops:
+            flops_peak = peak_flops(torch.cuda.get_device_name())
+            if flops_peak and self.acc.mixed_precision == "bf16":
                 flops = model_flops_per_token(self.hf_config, self.n_params, self.plan.seq_len)
-                metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak_flops * self.acc.num_processes)
+                metrics["mfu"] = flops * metrics["tokens_per_s"] / (flops_peak * self.acc.num_processes)
         metrics.update(self.tracker.read_window())
         metrics.update(self.tracker.backends())
         return metrics
+
+    def _is_due(self, every: int) -> bool:
+        return bool(every) and (self.step % every == 0 or self.step == self.cfg.trainer.max_steps)
 
     def run(self) -> Path:
         self._resume()
@@ -253,35 +345,50 @@ class Trainer:
                      self.cfg.model.name, self.n_params / 1e6, self.plan.tokens_per_step, self.plan.world,
                      self.plan.accumulation, self.plan.micro_batch, self.plan.seq_len)
         self.model.train()
-        self.energy.lap()
-        window_start, window_steps = time.perf_counter(), 0
+        window = MeasureWindow(self.energy, self.acc.device)
         try:
             while self.step < t.max_steps:
                 metrics = self._optimizer_step()
                 self.step += 1
-                window_steps += 1
+                window.steps += 1
                 telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
-                if telemetry.should_log(self.step):
-                    if self.acc.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - window_start
-                    metrics.update(self._window_metrics(window_steps, elapsed))
-                    if t.val_every and (self.step % t.val_every == 0 or self.step == t.max_steps):
-                        metrics.update(self.validate())
+                logging_now = telemetry.should_log(self.step)
+                val_now = self._is_due(t.val_every)
+                save_now = bool(self.cfg.checkpoint.every) and self.step % self.cfg.checkpoint.every == 0
+                if logging_now:
+                    metrics.update(self._window_metrics(window))
+                elif val_now or save_now:
+                    window.pause()
+                if val_now:
+                    val = self.validate()
+                    metrics.update(val)
+                    if not logging_now:
+                        telemetry.log(self.step, val)
+                if logging_now:
                     telemetry.log(self.step, metrics)
-                    window_start, window_steps = time.perf_counter(), 0
-                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                if save_now:
                     self._save()
+                if logging_now:
+                    window.restart()
+                elif val_now or save_now:
+                    window.resume()
         finally:
             telemetry.close()
+        return self._finish()
+
+    def _finish(self) -> Path:
+        """Write `final/` atomically (eval.py picks the newest `final/`, never a half-written one)."""
         final = self.run_dir / "final"
-        ckpt.export_model(self.acc, self.model, self.data.tokenizer, final)
+        partial = final.with_name("final.partial")
+        ckpt.export_model(self.acc, self.model, self.data.tokenizer, partial)
         if self.acc.is_main_process:
             summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.cfg.l1}
-            (final / "training_summary.json").write_text(json.dumps(summary, indent=1))
+            (partial / "training_summary.json").write_text(json.dumps(summary, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
             self._plot()
+        self.acc.wait_for_everyone()
         return final
-
 
     def _plot(self) -> None:
         try:

@@ -98,3 +98,32 @@ def test_l1_gradient_flows_to_all_three_weights():
     mlp.last_result.l1_sum.backward()
     assert mlp.gate_proj.weight.grad.abs().sum() > 0
     assert mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+def test_reinit_noise_has_the_configured_scale():
+    """Eq. 6 on a large block of dead rows: the added term is 0.1 * N(0, 0.02^2)."""
+    mlp = SparseMLP(64, 4096, kernel="torch")
+    with torch.no_grad():
+        mlp.gate_proj.weight.zero_()  # every neuron is dead, and (1 - mix) * 0 leaves only the noise
+    tracker = SparsityTracker([mlp], SparsityConfig(reinit_dead=True, reinit_mix=0.1, reinit_std=0.02))
+    mlp(torch.randn(8, 64))
+    tracker.accumulate(tracker.collect())
+    assert tracker.end_optimizer_step(step=0, seed=0) == 4096
+    noise = mlp.gate_proj.weight.detach() / 0.1
+    assert float(noise.mean()) == pytest.approx(0.0, abs=2e-4)
+    assert float(noise.std()) == pytest.approx(0.02, rel=0.02)
+
+
+def test_tracker_state_round_trip():
+    mlp = _mlp_with_known_activations()
+    tracker = SparsityTracker([mlp], SparsityConfig(dead_window_steps=2))
+    mlp(torch.tensor([[1.0, 0.0]]))
+    tracker.accumulate(tracker.collect())
+    tracker.end_optimizer_step(0, 0)
+    mlp.dispatcher.observe(3.0, 7.0)
+    other_mlp = _mlp_with_known_activations()
+    other = SparsityTracker([other_mlp], SparsityConfig(dead_window_steps=2))
+    other.load_state_dict(tracker.state_dict())
+    assert torch.equal(other.fired_LN, tracker.fired_LN) and other.steps_in_window == 1
+    assert torch.equal(other.l0_hist_LB, tracker.l0_hist_LB)
+    assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.l0_max) == (3.0, 7.0)

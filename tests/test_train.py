@@ -89,3 +89,51 @@ def test_cosine_schedule_shape():
     assert cosine_with_warmup(9, 10, 100, 0.1) == pytest.approx(1.0)
     assert cosine_with_warmup(100, 10, 100, 0.1) == pytest.approx(0.1)
     assert cosine_with_warmup(55, 10, 100, 0.1) == pytest.approx(0.55)
+
+
+@pytest.mark.slow
+def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
+    """The open dead-neuron window and the dispatchers' observations travel with the checkpoint."""
+    common = ["trainer.max_steps=8", "checkpoint.every=4", "sparsity.reinit_dead=true",
+              "sparsity.dead_window_steps=3", "logging.every=1"]
+
+    def run(run_dir: Path, *overrides: str) -> None:
+        trainer = Trainer(small_config(*common, *overrides), run_dir)
+        with torch.no_grad():  # zero gate rows never fire: dead neurons for the window to find and re-initialise
+            for layer in trainer.model.model.layers:
+                layer.mlp.gate_proj.weight[:32].zero_()
+        trainer.run()
+
+    run(tmp_path / "full")
+    run(tmp_path / "cut", "trainer.max_steps=4")
+    run(tmp_path / "cut", "checkpoint.resume=auto")  # the zeroing is overwritten by the checkpoint's weights
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")}
+    assert sum(r["reinit_neurons"] for r in full) >= 64  # the window of steps 1-3 found the zeroed rows
+    for record in full:
+        assert resumed[record["step"]]["loss"] == pytest.approx(record["loss"], rel=1e-5), record["step"]
+        assert resumed[record["step"]]["reinit_neurons"] == record["reinit_neurons"], record["step"]
+        assert resumed[record["step"]].get("dead/mean") == record.get("dead/mean"), record["step"]
+
+
+def test_validation_runs_on_its_own_schedule(tmp_path):
+    train(small_config("trainer.max_steps=6", "trainer.val_every=2", "logging.every=3", "checkpoint.every=0"),
+          tmp_path)
+    with_val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/ce" in r]
+    assert with_val == [2, 4, 6]
+
+
+def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
+    train(small_config("trainer.max_steps=2", "checkpoint.every=0"), tmp_path)
+    with pytest.raises(FileExistsError, match="checkpoint.resume=auto"):
+        Trainer(small_config("trainer.max_steps=2"), tmp_path)
+
+
+def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path):
+    train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
+    (tmp_path / "checkpoints" / "step_8.partial").mkdir()  # a write that crashed half-way
+    from sparse_llm.checkpoint import resolve_resume
+
+    assert resolve_resume("auto", tmp_path).name == "step_6"
+    assert not (tmp_path / "final.partial").exists() and (tmp_path / "final" / "config.json").is_file()
