@@ -10,12 +10,15 @@ trainer must save each rank's state; array positions are the same on every rank.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from sparse_llm.data import ENCODE_BATCH, DocumentStream, TokenArray, TokenSource
+
+log = logging.getLogger(__name__)
 
 
 def val_batches(source: TokenArray, micro_batch: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
@@ -47,11 +50,14 @@ class _ArrayCursor:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step_sequences = step_sequences
         worst_blocks = (len(source) - (seq_len - 1)) // seq_len  # with the largest per-epoch offset
-        if worst_blocks < step_sequences:
+        if worst_blocks < 1:
             raise ValueError(
-                f"the training split has {len(source)} tokens, too few for one optimizer step of {step_sequences} "
-                f"sequences of seq_len={seq_len}; lower seq_len or the global batch, or add data"
+                f"the training split has {len(source)} tokens, fewer than one sequence of seq_len={seq_len}; "
+                "lower seq_len or add data"
             )
+        if worst_blocks < step_sequences:
+            log.warning("The training split holds %d sequences of %d tokens, fewer than one optimizer step (%d): "
+                        "every step repeats data.", worst_blocks, seq_len, step_sequences)
         self.epoch, self.batch = 0, 0
         self._order = self._epoch_starts(0)
 
@@ -62,8 +68,11 @@ class _ArrayCursor:
         n_blocks = (len(self.source) - offset) // self.seq_len
         # An epoch holds whole optimizer steps, so its length, and hence the data order, does not depend on
         # how a step is split over ranks and micro-batches.
-        usable = n_blocks // self.step_sequences * self.step_sequences
-        order = rng.permutation(n_blocks)[:usable][self.rank :: self.world_size]
+        # A corpus smaller than one step is read several times per epoch, each time in a new order.
+        passes = -(-self.step_sequences // n_blocks)
+        order = np.concatenate([rng.permutation(n_blocks) for _ in range(passes)])
+        usable = len(order) // self.step_sequences * self.step_sequences
+        order = order[:usable][self.rank :: self.world_size]
         return offset + order * self.seq_len
 
     def next_batch(self) -> torch.Tensor:

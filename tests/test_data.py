@@ -395,8 +395,18 @@ def test_seq_len_larger_than_the_corpus_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="fewer than seq_len=4096"):
         build_token_data(cfg, 4096)
     data = build_token_data(cfg, 16)
-    with pytest.raises(ValueError, match="too few for one optimizer step"):
-        TrainLoader(data.train, 64, 16, seed=0)
+    with pytest.raises(ValueError, match="fewer than one sequence of seq_len=4096"):
+        TrainLoader(data.train, 1, 4096, seed=0)
+
+
+def test_a_corpus_smaller_than_one_step_is_repeated_with_a_warning(caplog):
+    source = TokenArray(np.arange(16 * 5, dtype=np.uint16), 1)  # 4-5 blocks of 16, a step wants 12
+    with caplog.at_level("WARNING"):
+        loader = TrainLoader(source, micro_batch=12, seq_len=16, seed=0)
+    assert "fewer than one optimizer step" in caplog.text
+    starts = loader.next_batch()[:, 0].tolist()
+    assert len(starts) == 12 and len(set(starts)) <= 5
+    assert max(starts.count(s) for s in set(starts)) <= 3  # each block read once per pass
 
 
 def test_fineweb_fails_fast_when_offline(monkeypatch):
