@@ -22,7 +22,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs  # noqa: E402
+from sparse_llm.evaluation import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
 
 register_eval_configs()
 
@@ -30,7 +30,10 @@ register_eval_configs()
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
     typed: EvalConfig = OmegaConf.to_object(cfg)
-    evaluate(typed, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    # Without `data` on the command line, the held-out text is the checkpoint's run's data.
+    data_set_by_user = overrides_data(list(hydra_cfg.overrides.task))
+    evaluate(typed, Path(hydra_cfg.runtime.output_dir), data_set_by_user=data_set_by_user)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 ``evaluate(cfg, out_dir)`` is what eval.py runs. For each checkpoint (``checkpoint`` and, if set,
 ``compare``) it:
 1. loads the HF-layout model with its FFNs as ``SparseMLP`` s on the chosen backend (``kernel``);
-2. measures cross-entropy / perplexity on held-out text (``data``: the validation documents of the
-   embedded corpus by default) and, on the same tokens, each layer's L0 (non-zeros of h per token),
+2. measures cross-entropy / perplexity on held-out text (``data``: the validation documents of the data the
+   checkpoint's run trained on, read from the run's ``.hydra/config.yaml``; the embedded corpus when there is
+   no such file) and, on the same tokens, each layer's L0 (non-zeros of h per token),
    sparsity (1 - L0/N), the fraction of neurons that never fired, and the backend that ran;
 3. runs the lm-eval tasks (``tasks``) with an lm-eval ``HFLM`` wrapped around that same model object, so
    the scores are those of the backend under test.
@@ -23,13 +24,15 @@ import gc
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from sparse_llm import mc_tasks
 from sparse_llm.backends import get_backend
@@ -73,6 +76,8 @@ class EvalConfig:
         out: output directory (results.json, the held-out task's data, W&B files).
         heldout: the held-out continuation benchmark.
         data: where the held-out text comes from (its validation split; same keys as train.py's ``data``).
+            Unless set on eval.py's command line, the ``data`` section of the checkpoint's run
+            (``<run>/.hydra/config.yaml``) replaces eval.yaml's default (embedded).
         logging: W&B settings (``logging.wandb=false`` turns it off).
     """
 
@@ -164,6 +169,81 @@ def checkpoint_label(model_dir: Path) -> str:
     if model_dir.name == "model":
         return f"{model_dir.parent.parent.parent.name}/{model_dir.parent.name}"
     return f"{model_dir.parent.name}/{model_dir.name}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out data: the checkpoint's run's, unless the user chose one
+
+# Settings that change how the text is read or fetched, not which documents are held out.
+_DATA_READ_SETTINGS = ("cache_dir", "hub_timeout_s", "shuffle_buffer")
+
+
+def overrides_data(overrides: list[str]) -> bool:
+    """Whether Hydra command-line ``overrides`` set ``data`` (``data=local``, ``data.paths=...``, ``+data.x=``)."""
+    keys = (item.split("=", 1)[0].lstrip("+~") for item in overrides)
+    return any(key.split(".", 1)[0] == "data" for key in keys)
+
+
+def run_dir_of(model_dir: Path) -> Path | None:
+    """The train.py run directory of ``<run>/final`` or ``<run>/checkpoints/step_N/model`` (None otherwise)."""
+    if model_dir.name == "final":
+        return model_dir.parent
+    if model_dir.name == "model" and model_dir.parent.parent.name == "checkpoints":
+        return model_dir.parent.parent.parent
+    return None
+
+
+def run_data_config(model_dir: Path) -> DataConfig | None:
+    """The ``data`` section the checkpoint's run was trained with, from ``<run>/.hydra/config.yaml``.
+
+    None when the checkpoint is not in a run directory, the run has no Hydra config (e.g. ``train()`` called
+    from Python), or its ``data`` section does not fit the current ``DataConfig`` (logged).
+    """
+    run = run_dir_of(model_dir)
+    saved = run / ".hydra" / "config.yaml" if run is not None else None
+    if saved is None or not saved.is_file():
+        return None
+    section = OmegaConf.load(saved).get("data")
+    if section is None:
+        return None
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), section))
+    except OmegaConfBaseException as error:
+        log.warning("%s: its data section does not fit this version's DataConfig (%s); ignoring it", saved,
+                    error)
+        return None
+
+
+def _held_out_identity(data: DataConfig) -> dict[str, Any]:
+    """The settings that decide which documents are held out and how they are tokenized."""
+    return {key: value for key, value in asdict(data).items() if key not in _DATA_READ_SETTINGS}
+
+
+def _describe(data: DataConfig) -> str:
+    paths = f" paths={list(data.paths)}" if data.paths else ""
+    return f"data={data.name}{paths} tokenizer={data.tokenizer}"
+
+
+def choose_data(given: DataConfig, data_set_by_user: bool, model_dirs: list[Path]) -> DataConfig:
+    """The held-out data to evaluate on: ``given`` if the user set it, else the first checkpoint's run's data.
+
+    Logs the choice, and warns when the data differs from what a checkpoint's run trained on (perplexity is
+    then measured on other text than the run's validation split).
+    """
+    runs = [(model_dir, run_data_config(model_dir)) for model_dir in model_dirs]
+    chosen = given
+    if not data_set_by_user and runs[0][1] is not None:
+        chosen = runs[0][1]
+        log.info("Held-out text: %s, the data %s was trained on", _describe(chosen), runs[0][0])
+    else:
+        why = "as set" if data_set_by_user else "eval.yaml's default: the run recorded no data section"
+        log.info("Held-out text: %s (%s)", _describe(chosen), why)
+    for model_dir, trained_on in runs:
+        if trained_on is not None and _held_out_identity(trained_on) != _held_out_identity(chosen):
+            log.warning("%s was trained on %s but the held-out text is %s: perplexity and "
+                        "heldout_continuation are not on its validation split", model_dir,
+                        _describe(trained_on), _describe(chosen))
+    return chosen
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -434,8 +514,11 @@ def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
     return _Plan(names, specs, manager, hub_tasks, documents, device, dtype)
 
 
-def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint`` (and ``cfg.compare``); print the table, write results.json, log to W&B.
+
+    ``data_set_by_user=False`` (eval.py, when ``data`` is not on the command line) replaces ``cfg.data`` by
+    the data the checkpoint's run was trained on, when the run recorded it (see ``choose_data``).
 
     Raises (before any model is evaluated): FileNotFoundError for a missing or non-HF checkpoint,
     ValueError for an unknown task or a bad setting, TaskDataError for task data that cannot be read.
@@ -449,6 +532,7 @@ def evaluate(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
     model_dirs = [resolve_checkpoint(cfg.checkpoint)]
     if cfg.compare:
         model_dirs.append(resolve_checkpoint(cfg.compare, key="compare"))
+    cfg = replace(cfg, data=choose_data(cfg.data, data_set_by_user, model_dirs))
     plan = _plan(cfg, out_dir)
     models = []
     for model_dir in model_dirs:

@@ -1,6 +1,7 @@
 """eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,6 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from sparse_llm import evaluation, mc_tasks
+from sparse_llm.data import DataConfig
 from sparse_llm.config import TrainConfig, register_configs
 from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs
 from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
@@ -144,6 +146,63 @@ def test_task_names_expand_aliases_in_order():
     assert mc_tasks.expand_task_names("paper")[:2] == ["arc_easy", "arc_challenge"]
     assert len(mc_tasks.expand_task_names(["paper", "piqa"])) == 7
     assert mc_tasks.expand_task_names("embedded,arc_easy") == ["heldout_continuation", "arc_easy"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out data: the run's, unless set
+
+
+def _run_with_data(root: Path, data: dict) -> Path:
+    """A run directory whose .hydra/config.yaml records ``data``; returns the run directory."""
+    (root / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"data": data, "l1": 2e-5}), root / ".hydra" / "config.yaml")
+    return root
+
+
+def _local_documents(path: Path, n: int = 12) -> Path:
+    words = ("river", "stone", "apple", "cloud", "field", "lamp")
+    rows = [{"text": " ".join(f"{words[i % 6]}{i}x{j}" for j in range(100))} for i in range(n)]
+    return mc_tasks.write_jsonl(rows, path)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data=local", True), ("data.paths=[a.jsonl]", True), ("+data.max_documents=5", True),
+    ("checkpoint=outputs/run/final", False), ("heldout.examples=3", False), ("database=x", False),
+])
+def test_data_overrides_are_recognised(override, expected):
+    assert evaluation.overrides_data(["tasks=embedded", override]) is expected
+
+
+def test_unset_data_defaults_to_the_runs_data(tmp_path, caplog):
+    run = _run_with_data(tmp_path / "run", {"name": "local", "paths": ["docs.jsonl"], "val_documents": 3})
+    for model_dir in (run / "final", run / "checkpoints" / "step_5" / "model"):
+        with caplog.at_level("INFO", logger="sparse_llm.evaluation"):
+            chosen = evaluation.choose_data(DataConfig(), data_set_by_user=False, model_dirs=[model_dir])
+        assert (chosen.name, chosen.paths, chosen.val_documents) == ("local", ["docs.jsonl"], 3)
+        assert "Held-out text: data=local" in caplog.text
+    # A checkpoint outside a run directory, or a run without a Hydra config: eval.yaml's default stays.
+    assert evaluation.choose_data(DataConfig(), False, [tmp_path / "elsewhere" / "final"]) == DataConfig()
+
+
+def test_user_data_that_differs_from_the_runs_is_kept_with_a_warning(tmp_path, caplog):
+    run = _run_with_data(tmp_path / "run", {"name": "local", "paths": ["docs.jsonl"]})
+    with caplog.at_level("WARNING", logger="sparse_llm.evaluation"):
+        chosen = evaluation.choose_data(DataConfig(name="embedded"), True, [run / "final"])
+    assert chosen.name == "embedded"
+    assert "was trained on data=local" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sparse_llm.evaluation"):  # a different cache_dir is the same data
+        evaluation.choose_data(DataConfig(name="local", paths=["docs.jsonl"], cache_dir="c"), True, [run / "final"])
+    assert "was trained on" not in caplog.text
+
+
+def test_evaluate_scores_the_runs_held_out_text(models, tmp_path):
+    docs = _local_documents(tmp_path / "docs.jsonl")
+    run = _run_with_data(tmp_path / "run", {"name": "local", "paths": [str(docs)], "val_documents": 4})
+    shutil.copytree(models["trained"], run / "final")
+    results = evaluate(eval_config(checkpoint=str(run / "final")), tmp_path / "eval", data_set_by_user=False)
+    assert results["settings"]["data"]["name"] == "local"
+    assert results["settings"]["data"]["paths"] == [str(docs)]
 
 
 # ----------------------------------------------------------------------------------------------------
