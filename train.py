@@ -32,7 +32,14 @@ log = logging.getLogger("train")
 def main(cfg: DictConfig) -> None:
     typed: TrainConfig = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    final = train(typed, run_dir)
+    try:
+        final = train(typed, run_dir)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        # A problem with the input: the message says what and how to fix it; a traceback adds nothing.
+        log.error("%s: %s  (HYDRA_FULL_ERROR=1 shows the traceback)", type(err).__name__, err)
+        sys.exit(2)
     log.info("Final model: %s", final)
 
 

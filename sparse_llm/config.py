@@ -74,7 +74,11 @@ def launch_stamp() -> str:
     time is the stamp.
     """
     start = time.time()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world, local_world = (int(os.environ.get(k, "1")) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if world > local_world:
+        raise ValueError("A run over several machines needs an explicit run_name=<name> (the same on every "
+                         "machine): the launch time differs between machines.")
+    if world > 1:
         import psutil
 
         start = psutil.Process(os.getppid()).create_time()

@@ -60,8 +60,8 @@ class LayerDispatcher:
             reason = backend.unavailable_reason(x_MK.device)
             if reason is not None:
                 raise RuntimeError(
-                    f"kernel={self.kernel} cannot run here: {reason} Use kernel=auto (picks the fastest exact "
-                    f"path available) or kernel=torch."
+                    f"kernel={self.kernel} cannot run here: {reason.rstrip('.')}. Use kernel=auto (picks the "
+                    "fastest exact path available) or kernel=torch."
                 )
             self.current = backend.name
             return backend

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.mlp import SparseMLP
 
 
@@ -76,13 +77,12 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
     for layer in model.model.layers:
         old = layer.mlp
         if isinstance(old, SparseMLP):
-            old.dispatcher.__init__(kernel)
+            old.dispatcher = LayerDispatcher(kernel)
             continue
         if getattr(old.gate_proj, "bias", None) is not None:
             raise ValueError("SparseMLP has no biases; this checkpoint has mlp_bias=True.")
-        new = SparseMLP(old.hidden_size, old.intermediate_size, kernel=kernel).to(
-            device=old.gate_proj.weight.device, dtype=old.gate_proj.weight.dtype
-        )
+        with torch.device("meta"):  # its own Linear layers are replaced at once: don't allocate or init them
+            new = SparseMLP(old.hidden_size, old.intermediate_size, kernel=kernel)
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
         layer.mlp = new
     return model

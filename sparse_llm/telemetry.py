@@ -179,10 +179,6 @@ class Telemetry:
             disable=not cfg.progress_bar,
         )
 
-    @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / METRICS_FILE
-
     def should_log(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based count of steps done) is a logging step."""
         return step % self.cfg.every == 0 or step == self.total_steps

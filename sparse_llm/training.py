@@ -212,7 +212,7 @@ class Trainer:
         if cfg.kernel != "auto":
             reason = get_backend(cfg.kernel).unavailable_reason(self.acc.device)
             if reason is not None:
-                raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason} "
+                raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
                                  "Use kernel=auto or kernel=torch.")
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "

@@ -89,3 +89,10 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
     assert launch_stamp() == first
     parent_start = psutil.Process(os.getppid()).create_time()
     assert first == time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(parent_start))
+
+
+def test_cli_input_error_is_a_message_not_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "data=local", f"data.paths=[{tmp_path}/missing.txt]",
+                          f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "missing.txt" in out.stderr + out.stdout and "Traceback" not in out.stderr
