@@ -84,6 +84,7 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
     from sparse_llm.config import launch_stamp
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     first = launch_stamp()
     time.sleep(1.1)
     assert launch_stamp() == first
@@ -96,3 +97,12 @@ def test_cli_input_error_is_a_message_not_a_traceback(tmp_path):
                           f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "missing.txt" in out.stderr + out.stdout and "Traceback" not in out.stderr
+
+
+def test_several_machines_need_an_explicit_run_name(monkeypatch):
+    from sparse_llm.config import launch_stamp
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="run_name"):
+        launch_stamp()
