@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -449,15 +450,21 @@ class _Plan:
     documents: list[str]
     device: torch.device
     dtype: torch.dtype
+    tokenizers: dict[Path, Any]  # model directory -> its tokenizer
+    heldout: HeldOutTaskConfig  # cfg.heldout with max_tokens resolved
+
+
+def _checkpoint_tokenizer(model_dir: Path, cfg: EvalConfig) -> Any:
+    try:
+        return load_tokenizer(cfg.tokenizer or str(model_dir))
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") \
+            from None
 
 
 def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[str, Any]:
     """Load one checkpoint on the configured backend and measure everything on it."""
-    try:
-        tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
-    except ValueError as error:
-        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") \
-            from None
+    tokenizer = plan.tokenizers[model_dir]
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=plan.dtype, device=str(plan.device))
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
@@ -491,7 +498,23 @@ def _software() -> dict[str, Any]:
             "transformers": transformers.__version__, "hf_offline": mc_tasks.hub_env_summary()}
 
 
-def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
+def _heldout_fitted(cfg: HeldOutTaskConfig, model_dirs: list[Path],
+                    tokenizers: dict[Path, Any]) -> tuple[HeldOutTaskConfig, Callable[[str], int]]:
+    """``cfg`` with ``max_tokens`` resolved (default: the smallest context of the models) and a token counter.
+
+    The counter takes the most tokens any of the models' tokenizers needs, without special tokens (lm-eval
+    adds none for causal models), so the requests fit every model evaluated.
+    """
+    contexts = [json.loads((d / "config.json").read_text())["max_position_embeddings"] for d in model_dirs]
+    max_tokens = cfg.max_tokens if cfg.max_tokens is not None else min(contexts)
+
+    def count_tokens(text: str) -> int:
+        return max(len(t(text, add_special_tokens=False)["input_ids"]) for t in tokenizers.values())
+
+    return replace(cfg, max_tokens=max_tokens), count_tokens
+
+
+def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     """Check the settings and the tasks' data, and build the task specs; fails before any model loads."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -501,17 +524,19 @@ def _plan(cfg: EvalConfig, out_dir: Path) -> _Plan:
     names = mc_tasks.expand_task_names(cfg.tasks)
     manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
     mc_tasks.check_known(names, manager)
+    tokenizers = {model_dir: _checkpoint_tokenizer(model_dir, cfg) for model_dir in model_dirs}
     documents = held_out_documents(cfg.data)
+    heldout, count_tokens = _heldout_fitted(cfg.heldout, model_dirs, tokenizers)
     heldout_file = None
     if mc_tasks.HELDOUT_TASK in names:
-        rows = mc_tasks.build_heldout_examples(documents, cfg.heldout)
+        rows = mc_tasks.build_heldout_examples(documents, heldout, count_tokens)
         heldout_file = mc_tasks.write_jsonl(rows, out_dir / f"{mc_tasks.HELDOUT_TASK}.jsonl")
         log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
                  len(documents), heldout_file)
     specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
     hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and not cfg.task_data.get(n)]
     mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
-    return _Plan(names, specs, manager, hub_tasks, documents, device, dtype)
+    return _Plan(names, specs, manager, hub_tasks, documents, device, dtype, tokenizers, heldout)
 
 
 def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> dict[str, Any]:
@@ -533,13 +558,14 @@ def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> d
     if cfg.compare:
         model_dirs.append(resolve_checkpoint(cfg.compare, key="compare"))
     cfg = replace(cfg, data=choose_data(cfg.data, data_set_by_user, model_dirs))
-    plan = _plan(cfg, out_dir)
+    plan = _plan(cfg, out_dir, model_dirs)
     models = []
     for model_dir in model_dirs:
         log.info("Evaluating %s (kernel=%s, %s, %s)", model_dir, cfg.kernel, plan.device, plan.dtype)
         models.append(evaluate_checkpoint(model_dir, cfg, plan))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint", "compare", "logging", "out")}
-    settings.update(tasks=plan.names, device=str(plan.device), dtype=str(plan.dtype).removeprefix("torch."),
+    settings.update(tasks=plan.names, heldout=asdict(plan.heldout), device=str(plan.device),
+                    dtype=str(plan.dtype).removeprefix("torch."),
                     device_name=torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu")
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(),

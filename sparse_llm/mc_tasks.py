@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import re
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,9 @@ TASK_ALIASES = {"paper": PAPER_TASKS, "embedded": (HELDOUT_TASK,)}
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Dataset builders that read files named in the config (data_files), not a hub repository.
 FILE_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
-HELDOUT_VERSION = 1.0
+HELDOUT_VERSION = 1.1  # 1.1: passages shortened to fit the model's context
+
+log = logging.getLogger(__name__)
 
 
 class TaskDataError(RuntimeError):
@@ -54,6 +57,9 @@ class HeldOutTaskConfig:
         continuation_words: words of each candidate continuation.
         choices: candidates per example (1 true + choices-1 from other documents).
         seed: seed of the example subset, the distractors and the answer positions.
+        max_tokens: longest request in tokens (passage + " " + a candidate). None: the evaluated model's
+            context length (``max_position_embeddings``; the smallest of ``checkpoint`` and ``compare``).
+            Passages that would exceed it lose words from their start, so lm-eval truncates no request.
     """
 
     examples: int = 300
@@ -61,6 +67,7 @@ class HeldOutTaskConfig:
     continuation_words: int = 12
     choices: int = 4
     seed: int = 0
+    max_tokens: int | None = None
 
 
 def import_lm_eval() -> Any:
@@ -144,11 +151,31 @@ def _passages(document: str, context_words: int, continuation_words: int) -> lis
     return pairs
 
 
-def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> list[dict[str, Any]]:
+def _fit_context(context: str, choices: Sequence[str], count_tokens: Callable[[str], int],
+                 max_tokens: int) -> str:
+    """``context`` without as few leading words as needed for ``context + " " + choice`` to fit ``max_tokens``.
+
+    Dropping words at the start keeps the text right before the continuations, which is what the model
+    needs to tell the true one from the distractors.
+    """
+    for start in (m.start() for m in re.finditer(r"\S+", context)):
+        shortened = context[start:]
+        if max(count_tokens(f"{shortened} {choice}") for choice in choices) <= max_tokens:
+            return shortened
+    raise ValueError(
+        f"a held-out continuation does not fit heldout.max_tokens={max_tokens} tokens even after one word of "
+        "passage; lower heldout.continuation_words"
+    )
+
+
+def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig,
+                           count_tokens: Callable[[str], int] | None = None) -> list[dict[str, Any]]:
     """Deterministic multiple-choice examples from held-out documents.
 
     Returns rows ``{"id", "context", "choices": [str] * cfg.choices, "label": int}``; the true continuation
-    is ``choices[label]``, the others are continuations of passages of other documents.
+    is ``choices[label]``, the others are continuations of passages of other documents. With
+    ``count_tokens`` (text -> number of tokens of the evaluated model's tokenizer) and ``cfg.max_tokens``
+    set, passages are shortened from their start until every request fits ``cfg.max_tokens``.
 
     Raises:
         ValueError: bad settings, fewer than two documents with a full passage, or no passage at all.
@@ -158,6 +185,10 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> 
             raise ValueError(f"heldout.{key}={getattr(cfg, key)} must be >= 1")
     if cfg.choices < 2:
         raise ValueError(f"heldout.choices={cfg.choices} must be >= 2 (the true continuation + distractors)")
+    if cfg.max_tokens is not None and cfg.max_tokens < 2:
+        raise ValueError(f"heldout.max_tokens={cfg.max_tokens} must be >= 2 (a passage and a continuation)")
+    if (count_tokens is None) != (cfg.max_tokens is None):
+        raise ValueError("build_heldout_examples: pass count_tokens together with heldout.max_tokens")
     pool = [(doc, ctx, cont) for doc, text in enumerate(documents)
             for ctx, cont in _passages(text, cfg.context_words, cfg.continuation_words)]
     doc_ids = np.array([doc for doc, _, _ in pool], dtype=np.int64)
@@ -170,6 +201,7 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> 
     rng = np.random.default_rng(cfg.seed)
     chosen = np.sort(rng.permutation(len(pool))[: cfg.examples])
     rows = []
+    shortened = 0
     for number, i in enumerate(chosen.tolist()):
         doc, context, truth = pool[i]
         others = np.flatnonzero(doc_ids != doc)
@@ -182,8 +214,15 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig) -> 
             )
         label = int(rng.integers(cfg.choices))
         choices = distractors[:label] + [truth] + distractors[label:]
+        if count_tokens is not None and cfg.max_tokens is not None:
+            fitted = _fit_context(context, choices, count_tokens, cfg.max_tokens)
+            shortened += fitted != context
+            context = fitted
         rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices,
                      "label": label})
+    if shortened:
+        log.info("%s: %d of %d passages lost words at their start to fit %d tokens", HELDOUT_TASK, shortened,
+                 len(rows), cfg.max_tokens)
     return rows
 
 

@@ -91,7 +91,7 @@ def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
     trained, random = results["models"]
     assert trained["step"] == 40 and random["step"] is None
     task = trained["tasks"]["heldout_continuation"]
-    assert task["n"] == 24 and task["version"] == 1.0 and task["n_shot"] == 0
+    assert task["n"] == 24 and task["version"] == mc_tasks.HELDOUT_VERSION and task["n_shot"] == 0
     assert 0.0 <= task["acc"] <= 1.0 and 0.0 <= task["acc_norm"] <= 1.0
     assert trained["mean_acc"] == task["acc"]
     # Training lowers held-out perplexity far below a random model's (~vocab size).
@@ -134,6 +134,34 @@ def test_heldout_examples_are_deterministic_and_well_formed():
         others = [c for i, c in enumerate(row["choices"]) if i != row["label"]]
         assert len(others) == 2 and not any(c.startswith(topic) for c in others)
     assert len({row["label"] for row in build_heldout_examples(documents, replace(cfg, examples=30))}) == 3
+
+
+def test_heldout_passages_are_shortened_to_fit_max_tokens():
+    documents = [" ".join(f"{topic}{i}" for i in range(100)) for topic in ("apple", "river", "stone")]
+    cfg = HeldOutTaskConfig(examples=6, context_words=10, continuation_words=5, choices=3, seed=1)
+    full = build_heldout_examples(documents, cfg)
+    n_words = lambda text: len(text.split())  # noqa: E731 - one word per token, to check the budget exactly
+    fitted = build_heldout_examples(documents, replace(cfg, max_tokens=12), n_words)
+    assert fitted == build_heldout_examples(documents, replace(cfg, max_tokens=12), n_words)
+    for long, short in zip(full, fitted, strict=True):
+        # Same example, its passage cut from the start to 12 - 5 = 7 words: the words before the continuation.
+        assert short["choices"] == long["choices"] and short["label"] == long["label"]
+        assert short["context"].split() == long["context"].split()[-7:]
+    assert build_heldout_examples(documents, replace(cfg, max_tokens=15), n_words) == full
+    with pytest.raises(ValueError, match="continuation_words"):
+        build_heldout_examples(documents, replace(cfg, max_tokens=5), n_words)
+
+
+def test_default_heldout_requests_fit_the_models_context(models, tmp_path):
+    """The tiny model has 128 positions; some default passages (40 + 12 words) are longer than that."""
+    cfg = eval_config(checkpoint=str(models["trained"]), heldout=HeldOutTaskConfig())
+    evaluation._plan(cfg, tmp_path, [models["trained"]])
+    rows = [json.loads(line) for line in (tmp_path / "heldout_continuation.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(str(models["trained"]))
+    lengths = [max(len(tokenizer(f"{row['context']} {c}", add_special_tokens=False)["input_ids"])
+                   for c in row["choices"]) for row in rows]
+    assert len(rows) == 300 and max(lengths) <= 128
+    assert any(len(row["context"].split()) < 40 for row in rows)  # some passages had to be shortened
 
 
 def test_heldout_examples_need_two_documents():
