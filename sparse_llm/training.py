@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object, set_seed
 from omegaconf import OmegaConf
+from transformers.utils import logging as hf_logging
 
 from sparse_llm import checkpoint as ckpt
 from sparse_llm.backends import get_backend
@@ -35,8 +36,10 @@ from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
 from sparse_llm.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-# accelerate narrates every checkpoint file at INFO; our own log lines say what matters.
+# accelerate narrates every checkpoint file at INFO, and transformers draws a progress bar per saved shard;
+# our own progress bar and log lines say what matters.
 logging.getLogger("accelerate").setLevel(logging.WARNING)
+hf_logging.disable_progress_bar()
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU, matched in order against the device name; unknown devices
 # and non-bf16 runs report no MFU.
