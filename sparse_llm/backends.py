@@ -62,6 +62,10 @@ class FFNBackend(abc.ABC):
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow."""
 
+    def accepts(self, x_MK: torch.Tensor, training: bool) -> bool:
+        """Whether this backend computes on inputs like `x_MK` as they are (e.g. their dtype) when not forced."""
+        return True
+
     @abc.abstractmethod
     def estimated_ms(
         self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool

@@ -69,16 +69,18 @@ class LayerDispatcher:
         return get_backend(self.current)
 
     def _cheapest(self, x_MK: torch.Tensor, n: int, training: bool) -> str:
-        if self.l0_mean is None or x_MK.device.type != "cuda":
-            return "torch"  # no measurement yet, or no sparse kernel for this device
+        if self.l0_mean is None:
+            return "torch"  # no measurement yet
         m, k = x_MK.shape
         estimates = {}
         for name in backend_names():
             backend = get_backend(name)
             reason = backend.unavailable_reason(x_MK.device)
             if reason is not None:
-                if name != "torch":
+                if name != "torch" and x_MK.device.type == "cuda":  # on a CPU the dense path is expected
                     _warn_once(f"FFN backend {name!r} unavailable, layers use the torch path: {reason}")
+                continue
+            if not backend.accepts(x_MK, training):
                 continue
             ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training)
             if ms is not None and math.isfinite(ms):

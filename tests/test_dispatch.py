@@ -1,0 +1,59 @@
+"""The per-layer `auto` choice: cheapest available backend that accepts the inputs, with hysteresis."""
+
+import pytest
+import torch
+
+from sparse_llm import backends
+from sparse_llm.backends import FFNBackend, TorchFFN
+from sparse_llm.dispatch import LayerDispatcher
+
+
+class FakeSparse(FFNBackend):
+    """Costs `ms` and accepts only bf16 inputs, like the TwELL kernels."""
+
+    name = "fake"
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def unavailable_reason(self, device):
+        return None
+
+    def accepts(self, x_MK, training):
+        return x_MK.dtype == torch.bfloat16
+
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
+        return TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=training)
+
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
+        return self.ms
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    registry = dict(backends._BACKENDS)
+    monkeypatch.setattr(backends, "_BACKENDS", registry)
+    backend = FakeSparse(ms=0.0)
+    backends.register_backend(backend)
+    return backend
+
+
+def test_auto_waits_for_a_measurement(fake):
+    assert LayerDispatcher("auto").choose(torch.zeros(8, 64, dtype=torch.bfloat16), 256, False).name == "torch"
+
+
+def test_auto_takes_the_cheaper_backend_that_accepts_the_inputs(fake):
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(3.0, 9.0)
+    assert dispatcher.choose(torch.zeros(8, 64, dtype=torch.bfloat16), 256, False).name == "fake"
+    assert dispatcher.choose(torch.zeros(8, 64), 256, False).name == "torch"  # fp32: not accepted
+
+
+def test_switching_to_sparse_needs_a_margin(fake):
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(3.0, 9.0)
+    x = torch.zeros(4096, 2048, dtype=torch.bfloat16)
+    fake.ms = 0.97 * TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
+    assert dispatcher.choose(x, 5632, False).name == "torch"  # only 3% cheaper: stay dense
+    fake.ms = 0.5 * fake.ms
+    assert dispatcher.choose(x, 5632, False).name == "fake"
