@@ -1,6 +1,7 @@
 """eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -329,11 +330,16 @@ def test_eval_config_composes_and_rejects_misspelt_keys():
 @pytest.mark.slow
 def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(tmp_path):
     out = tmp_path / "eval"
-    run = subprocess.run([sys.executable, "eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}",
-                          "logging.wandb=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "missing' does not exist" in run.stderr
+    command = [sys.executable, "eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}", "logging.wandb=false"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    # An input error is one message and exit code 2, without a traceback.
+    assert run.returncode == 2
+    assert "missing' does not exist" in run.stderr and "Traceback" not in run.stderr
     assert not (out / "results.json").exists()
+    debug = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**env, "HYDRA_FULL_ERROR": "1"})
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
 
 
 # ----------------------------------------------------------------------------------------------------
