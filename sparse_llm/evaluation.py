@@ -268,8 +268,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_kernel(kernel: str, device: torch.device) -> None:
-    """A forced backend must run on ``device``; fail before loading anything if it cannot."""
+def check_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A forced backend must run on ``device`` in ``dtype``; fail before loading anything if it cannot."""
     validate_kernel(kernel)
     if kernel == "auto":
         return
@@ -277,6 +277,9 @@ def check_kernel(kernel: str, device: torch.device) -> None:
     if reason is not None:
         raise ValueError(f"kernel={kernel} cannot run on {device}: {reason.rstrip('.')}. Use kernel=auto or "
                          "kernel=torch.")
+    if kernel == "twell" and dtype != torch.bfloat16:
+        raise ValueError(f"kernel=twell runs bf16 models, but dtype={str(dtype).removeprefix('torch.')}; use "
+                         "dtype=bfloat16 (or dtype=auto on a GPU), or kernel=auto")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -518,7 +521,7 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     """Check the settings and the tasks' data, and build the task specs; fails before any model loads."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    check_kernel(cfg.kernel, device)
+    check_kernel(cfg.kernel, device, dtype)
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size={cfg.batch_size} must be >= 1")
     names = mc_tasks.expand_task_names(cfg.tasks)

@@ -436,8 +436,11 @@ def twell_gated_mlp(
 class TwellFFN(FFNBackend):
     """Inference through the TwELL kernels on Hopper GPUs (sm_90a) with bf16 tensors.
 
-    Elsewhere (CPU, other GPUs, fp32/fp16 tensors such as fp32 weights under autocast) the call runs the
-    torch path instead, with one warning per reason and a `path` that says so.
+    Non-bf16 inference tensors are an error, not a silent dense fallback: `kernel=twell` promises the
+    sparse kernels, and `kernel=auto` never sends them here (`accepts`). Where the GPU cannot run the
+    kernels (CPU, other GPUs) a direct call runs the torch path instead, with one warning per reason and a
+    `path` that says so; the dispatcher refuses a forced `kernel=twell` there before calling. Training
+    casts under autocast (sparse_llm/twell_train.py).
     """
 
     name = "twell"
@@ -448,6 +451,10 @@ class TwellFFN(FFNBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return cuda.unavailable_reason(device)
 
+    def accepts(self, x_MK: torch.Tensor, training: bool) -> bool:
+        """Inference takes bf16 tokens as they are; training casts under autocast, so takes any dtype."""
+        return training or x_MK.dtype == torch.bfloat16
+
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
@@ -455,8 +462,6 @@ class TwellFFN(FFNBackend):
 
             return twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN)
         reason = self.unavailable_reason(x_MK.device)
-        if reason is None and any(t.dtype != torch.bfloat16 for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)):
-            reason = f"the kernels take bf16 tensors, got x {x_MK.dtype} and weights {w_gate_NK.dtype}"
         if reason is not None:
             if reason not in self._warned:
                 warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
@@ -464,6 +469,14 @@ class TwellFFN(FFNBackend):
             result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False)
             result.path = "torch (twell unavailable)"
             return result
+        weights = (w_gate_NK, w_up_NK, w_down_KN)
+        if x_MK.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+            weight_dtypes = "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in weights}))
+            raise ValueError(
+                f"kernel=twell: the TwELL inference kernels take bf16 tensors, got x "
+                f"{str(x_MK.dtype).removeprefix('torch.')} and weights {weight_dtypes}. Load the model with "
+                "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
+            )
         return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training):

@@ -313,6 +313,14 @@ def test_forced_twell_kernel_without_a_gpu_fails_before_loading(models, tmp_path
         evaluate(eval_config(checkpoint=str(models["trained"]), kernel="twell"), tmp_path / "eval")
 
 
+def test_forced_twell_kernel_with_a_non_bf16_dtype_fails_before_loading(monkeypatch):
+    monkeypatch.setattr(evaluation.get_backend("twell"), "unavailable_reason", lambda device: None)
+    with pytest.raises(ValueError, match="kernel=twell runs bf16 models, but dtype=float32.*dtype=bfloat16"):
+        evaluation.check_kernel("twell", torch.device("cuda"), torch.float32)
+    evaluation.check_kernel("twell", torch.device("cuda"), torch.bfloat16)
+    evaluation.check_kernel("auto", torch.device("cuda"), torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Config and entry point
 

@@ -122,7 +122,8 @@ def test_cpu_tensors_are_rejected_with_a_fix():
 # ---------------------------------------------------------------- cost model and dispatch
 
 
-def test_cost_model_declines_training_and_unsupported_shapes():
+def test_cost_model_declines_training_and_unsupported_shapes(monkeypatch):
+    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)  # the opt-in makes training estimates appear
     backend = TwellFFN()
     assert backend.estimated_ms(16384, 2048, 5632, 28, 50, training=True) is None
     assert backend.estimated_ms(16384, 2000, 5632, 28, 50, training=False) is None
@@ -190,14 +191,24 @@ def test_cpu_falls_back_to_torch_with_one_warning():
     torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
 
 
-def test_non_bf16_tensors_take_the_torch_path(monkeypatch):
-    """fp32 weights (e.g. under autocast) must not crash a layer that auto-dispatched to twell."""
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float16, torch.bfloat16)])
+def test_non_bf16_inference_is_an_error_naming_the_dtypes_and_the_fix(monkeypatch, x_dtype, w_dtype):
+    """A forced twell layer never falls back silently: non-bf16 tensors say what they are and what to do."""
     monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
-    args = [t.float() for t in block()]
-    with pytest.warns(UserWarning, match="bf16"):
-        result = TwellFFN().forward(*args, training=False)
-    assert result.path == "torch (twell unavailable)"
-    torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
+    x, *weights = block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning-and-fallback either
+        with pytest.raises(ValueError, match=rf"got x {str(x_dtype)[6:]} and weights {str(w_dtype)[6:]}.*"
+                                             r"dtype=bfloat16.*kernel=auto"):
+            TwellFFN().forward(x.to(x_dtype), *(w.to(w_dtype) for w in weights), training=False)
+
+
+def test_auto_offers_twell_only_bf16_inference_inputs():
+    backend, x = TwellFFN(), block()[0]
+    assert backend.accepts(x, training=False)
+    assert not backend.accepts(x.float(), training=False) and not backend.accepts(x.half(), training=False)
+    assert backend.accepts(x.float(), training=True)  # the training op casts under autocast
 
 
 def test_transpose_cache_rebuilds_on_update_and_forgets_freed_weights():
