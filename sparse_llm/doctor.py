@@ -1,10 +1,10 @@
 """Self-check of the GPU stack: `python -m sparse_llm.doctor`.
 
 Prints the GPU, compute capability, driver / CUDA / torch / CuPy versions, where the kernel sources
-were found, whether each kernel compiles and passes a quick numerical check against the torch
-reference, and which backend `kernel=auto` would pick for a typical layer. Exit code 0 when every
-check that applies to this machine passed (on a machine without a Hopper GPU the kernel checks are
-reported as skipped, not failed).
+were found, whether each kernel (inference and training) compiles, whether the inference kernels pass
+a quick numerical check against the torch reference, and which backend `kernel=auto` would pick for a
+typical layer. Exit code 0 when every check that applies to this machine passed (on a machine without
+a Hopper GPU the kernel checks are reported as skipped, not failed).
 """
 
 from __future__ import annotations
@@ -15,11 +15,20 @@ import traceback
 import torch
 
 from sparse_llm import cuda
+from sparse_llm.dispatch import SWITCH_MARGIN
+from sparse_llm.twell_train import _pieces
 
-KERNELS = (
+CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
+_KV = _pieces(CHECK_K)  # template argument (KV) every launcher uses at that hidden size
+KERNELS = (  # (source file, kernel name): inference kernels, then the training kernels
     ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
     ("twell_pack.cu", "twell_pack_dense"),
-    ("twell_up_down.cu", "twell_up_down<8>"),
+    ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
+    ("train_forward.cu", "train_ell_from_twell"),
+    ("train_forward.cu", f"train_fwd_light<{_KV}>"),
+    ("train_backward.cu", f"train_bwd_light<{_KV}>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KV},1>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KV},2>"),
 )
 
 
@@ -50,7 +59,7 @@ def _versions() -> list[tuple[str, str]]:
 
 def _sources() -> list[tuple[str, str]]:
     rows = []
-    for filename, _ in KERNELS:
+    for filename in dict.fromkeys(filename for filename, _ in KERNELS):
         try:
             rows.append((filename, str(cuda.kernel_path(filename))))
         except FileNotFoundError as error:
@@ -62,7 +71,7 @@ def _numerical_check(route: str) -> str:
     from sparse_llm.formats import gated_mlp_ref
     from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
 
-    x, wg, wu, wd = synthetic_block(300, 2048, 5632, nnz_mean=56, sigma=0.5, seed=1)
+    x, wg, wu, wd = synthetic_block(300, CHECK_K, 5632, nnz_mean=56, sigma=0.5, seed=1)
     result = twell_gated_mlp(x, wg, wu, wd, gate_route=route)
     ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
     dense = gated_mlp_ref(x, wg, wu, wd)[0].float()
@@ -85,10 +94,10 @@ def main() -> int:
     for filename, name in KERNELS:
         try:
             cuda.get_function(filename, name)
-            print(f"  compile {name:<14} ok")
+            print(f"  compile {name:<22} ok")
         except Exception as error:
             failures += 1
-            print(f"  compile {name:<14} FAILED: {error}")
+            print(f"  compile {name:<22} FAILED: {error}")
     for route in ("fused", "cublas"):
         try:
             line = _numerical_check(route)
@@ -100,11 +109,11 @@ def main() -> int:
     from sparse_llm.backends import TorchFFN
     from sparse_llm.twell_backend import TwellFFN
 
-    m, k, n = 16384, 2048, 5632
+    m, k, n = 16384, CHECK_K, 5632
     for l0 in (28, 112, 560):
         sparse = TwellFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
         dense = TorchFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
-        pick = "twell" if sparse is not None and sparse < 0.95 * dense else "torch"
+        pick = "twell" if sparse is not None and sparse < SWITCH_MARGIN * dense else "torch"
         print(f"  kernel=auto, M={m} K={k} N={n}, {l0} non-zeros/token: {pick} "
               f"(predicted twell {sparse:.2f} ms, dense {dense:.2f} ms)")  # fmt: skip
     print("all checks passed" if failures == 0 else f"{failures} check(s) FAILED")

@@ -7,6 +7,7 @@ exactly as NVRTC sees them (local headers inlined); no GPU is needed for that.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda
+from sparse_llm import cuda, doctor
 from sparse_llm.backends import TorchFFN, get_backend
 from sparse_llm.twell_backend import (
     TransposeCache,
@@ -75,6 +76,25 @@ def test_kernels_compile_for_sm90a(filename, tmp_path):
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("filename, name", doctor.KERNELS)
+def test_doctor_compiles_kernels_that_exist(filename, name):
+    """Each kernel the doctor compile-checks is defined in its file, templated ones with that instantiation."""
+    source = cuda.kernel_source(filename)
+    base, _, args = name.partition("<")
+    assert re.search(rf"__global__ void(?: __launch_bounds__\([^)]*\))? {base}\(", source), name
+    if args:  # explicit instantiation, written out or through a macro call such as TRAIN_CSC_WGRAD(8, 1)
+        compact = source.replace(" ", "")
+        assert f"{name}(" in compact or f"({args.rstrip('>')})" in compact, f"{name} is not instantiated"
+
+
+def test_doctor_covers_the_training_kernels_and_passes_without_a_gpu(capsys):
+    assert {filename for filename, _ in doctor.KERNELS} >= {"train_forward.cu", "train_backward.cu"}
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert doctor.main() == 0
+    assert "train_backward.cu" in capsys.readouterr().out
 
 
 def test_import_is_safe_without_gpu():
