@@ -1,5 +1,5 @@
 // Training backward of the gated FFN on the hybrid format, light (ELL) tokens only; the dense backup rows
-// go through cuBLAS in sparse_llm/twell_train.py. UNTESTED ON A GPU so far: compile-checked only.
+// go through cuBLAS in sparse_llm/twell_train.py. Tested on an H100 (tests/gpu/test_twell_train.py).
 //
 //   train_bwd_light : per light token, at its ELL entries (n, g, u):
 //                       dh = bf16(bf16(dy[m] . w_down[:, n]) + dl1 * sign(h)),  h = bf16(g * u)

@@ -1,5 +1,5 @@
 // Training forward of the gated FFN on the hybrid format (after the TwELL gate GEMM of twell_gate_wgmma.cu
-// or twell_pack.cu has packed g = relu(x w_gate^T)). UNTESTED ON A GPU so far: compile-checked only.
+// or twell_pack.cu has packed g = relu(x w_gate^T)). Tested on an H100 (tests/gpu/test_twell_train.py).
 //
 //   train_ell_from_twell : TwELL words -> ELL rows (light tokens) + a list of backup rows (heavy tokens).
 //                          torch reference: formats.pack_hybrid(relu(x w_gate^T), width)

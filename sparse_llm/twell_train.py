@@ -1,10 +1,11 @@
 """Training path of the gated feedforward block on the hybrid sparse format: an autograd-aware op.
 
-Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) are compile-checked for
-sm_90a but have NOT yet run on a GPU. Until tests/gpu/test_twell_train.py passes on an H100, the
-per-layer dispatcher never picks this path by itself: `train_estimated_ms` returns None unless the
-environment sets SPARSE_LLM_TWELL_TRAIN=1. Calling `twell_train_ffn` directly (what a forced
-`kernel=twell` training backend would do) runs it regardless.
+Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) have run on an H100 80GB
+SXM: tests/gpu/test_twell_train.py passed (32 tests, exact gradients), and a 300-step train.py run with
+kernel=twell kept within 0.024 of the dense run's loss (final 2.031 vs 2.008; BENCHMARKS.md). The
+per-layer dispatcher still picks this path only on request: `train_estimated_ms` (an uncalibrated cost
+model) returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1. A forced `kernel=twell` calls
+`twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
@@ -119,7 +120,7 @@ _Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 
 
 def training_opted_in() -> bool:
-    """True when SPARSE_LLM_TWELL_TRAIN=1: lets `kernel=auto` consider the (GPU-untested) training kernels."""
+    """True when SPARSE_LLM_TWELL_TRAIN=1: lets `kernel=auto` consider the training kernels (opt-in)."""
     return os.environ.get(OPT_IN_ENV) == "1"
 
 
