@@ -8,6 +8,8 @@ COMMON=(model=0.5b l1=2e-5 trainer.max_steps=$STEPS trainer.global_batch=16 trai
         trainer.warmup_steps=30 trainer.val_every=0 logging.every=${LOG_EVERY:-25} logging.progress_bar=false
         logging.wandb=false checkpoint.every=$((STEPS / 2)) "$@")
 LAUNCH=(accelerate launch --num_processes 2 --num_machines 1)
+# Start from empty run directories: a leftover run would be resumed or mixed into the comparison.
+rm -rf outputs/mgpu_one outputs/mgpu_one_split outputs/mgpu_ddp outputs/mgpu_fsdp outputs/mgpu_fsdp_resumed
 
 CUDA_VISIBLE_DEVICES=0 python train.py "${COMMON[@]}" run_name=mgpu_one
 # Same updates, different micro-batch split: its loss gap to mgpu_one is the bf16 noise floor.
