@@ -433,14 +433,20 @@ def twell_gated_mlp(
 # ------------------------------------------------------------------------------------------------
 
 
+def _bf16_autocast(device_type: str) -> bool:
+    """Whether bf16 autocast is on for ``device_type`` (then dense GEMMs would run in bf16 too)."""
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+
+
 class TwellFFN(FFNBackend):
     """Inference through the TwELL kernels on Hopper GPUs (sm_90a) with bf16 tensors.
 
-    Non-bf16 inference tensors are an error, not a silent dense fallback: `kernel=twell` promises the
-    sparse kernels, and `kernel=auto` never sends them here (`accepts`). Where the GPU cannot run the
-    kernels (CPU, other GPUs) a direct call runs the torch path instead, with one warning per reason and a
-    `path` that says so; the dispatcher refuses a forced `kernel=twell` there before calling. Training
-    casts under autocast (sparse_llm/twell_train.py).
+    Under bf16 autocast (e.g. validation of fp32 weights during training) the tensors are cast to bf16
+    first, as autocast casts the dense GEMMs' inputs. Otherwise non-bf16 inference tensors are an error,
+    not a silent dense fallback: `kernel=twell` promises the sparse kernels, and `kernel=auto` never sends
+    them here (`accepts`). Where the GPU cannot run the kernels (CPU, other GPUs) a direct call runs the
+    torch path instead, with one warning per reason and a `path` that says so; the dispatcher refuses a
+    forced `kernel=twell` there before calling. Training casts under autocast (sparse_llm/twell_train.py).
     """
 
     name = "twell"
@@ -452,8 +458,8 @@ class TwellFFN(FFNBackend):
         return cuda.unavailable_reason(device)
 
     def accepts(self, x_MK: torch.Tensor, training: bool) -> bool:
-        """Inference takes bf16 tokens as they are; training casts under autocast, so takes any dtype."""
-        return training or x_MK.dtype == torch.bfloat16
+        """Inference takes bf16 tokens, or any under bf16 autocast; training casts under autocast itself."""
+        return training or x_MK.dtype == torch.bfloat16 or _bf16_autocast(x_MK.device.type)
 
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         if training:
@@ -469,6 +475,10 @@ class TwellFFN(FFNBackend):
             result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False)
             result.path = "torch (twell unavailable)"
             return result
+        if _bf16_autocast(x_MK.device.type):
+            x_MK, w_gate_NK, w_up_NK, w_down_KN = (
+                t.to(torch.bfloat16) for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)
+            )
         weights = (w_gate_NK, w_up_NK, w_down_KN)
         if x_MK.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
             weight_dtypes = "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in weights}))

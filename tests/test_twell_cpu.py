@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda, doctor
+from sparse_llm import cuda, doctor, twell_backend
 from sparse_llm.backends import TorchFFN, get_backend
 from sparse_llm.twell_backend import (
     TransposeCache,
@@ -224,11 +224,25 @@ def test_non_bf16_inference_is_an_error_naming_the_dtypes_and_the_fix(monkeypatc
             TwellFFN().forward(x.to(x_dtype), *(w.to(w_dtype) for w in weights), training=False)
 
 
+def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
+    """Validation of fp32 weights under autocast (kernel=twell training) takes the kernels in bf16."""
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
+    seen = []
+    monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *tensors: seen.append([t.dtype for t in tensors]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        TwellFFN().forward(*(t.float() for t in block()), training=False)
+    assert seen == [[torch.bfloat16] * 4]
+
+
 def test_auto_offers_twell_only_bf16_inference_inputs():
     backend, x = TwellFFN(), block()[0]
     assert backend.accepts(x, training=False)
     assert not backend.accepts(x.float(), training=False) and not backend.accepts(x.half(), training=False)
     assert backend.accepts(x.float(), training=True)  # the training op casts under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert backend.accepts(x.float(), training=False)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not backend.accepts(x.float(), training=False)
 
 
 def test_transpose_cache_rebuilds_on_update_and_forgets_freed_weights():
