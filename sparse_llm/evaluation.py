@@ -237,7 +237,7 @@ def choose_data(given: DataConfig, data_set_by_user: bool, model_dirs: list[Path
         chosen = runs[0][1]
         log.info("Held-out text: %s, the data %s was trained on", _describe(chosen), runs[0][0])
     else:
-        why = "as set" if data_set_by_user else "eval.yaml's default: the run recorded no data section"
+        why = "as set" if data_set_by_user else "eval.yaml's default: no run config records the training data"
         log.info("Held-out text: %s (%s)", _describe(chosen), why)
     for model_dir, trained_on in runs:
         if trained_on is not None and _held_out_identity(trained_on) != _held_out_identity(chosen):
