@@ -62,8 +62,8 @@ class FFNBackend(abc.ABC):
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow."""
 
-    def accepts(self, x_MK: torch.Tensor, training: bool) -> bool:
-        """Whether this backend computes on inputs like `x_MK` as they are (e.g. their dtype) when not forced."""
+    def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
+        """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
         return True
 
     @abc.abstractmethod

@@ -54,7 +54,8 @@ class LayerDispatcher:
         """Record the layer's latest sparsity (mean and max non-zeros of h per token)."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
 
-    def choose(self, x_MK: torch.Tensor, n: int, training: bool) -> FFNBackend:
+    def choose(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> FFNBackend:
+        """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight."""
         if self.kernel != "auto":
             backend = get_backend(self.kernel)
             reason = backend.unavailable_reason(x_MK.device)
@@ -65,13 +66,13 @@ class LayerDispatcher:
                 )
             self.current = backend.name
             return backend
-        self.current = self._cheapest(x_MK, n, training)
+        self.current = self._cheapest(x_MK, w_gate_NK, training)
         return get_backend(self.current)
 
-    def _cheapest(self, x_MK: torch.Tensor, n: int, training: bool) -> str:
+    def _cheapest(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> str:
         if self.l0_mean is None:
             return "torch"  # no measurement yet
-        m, k = x_MK.shape
+        (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         estimates = {}
         for name in backend_names():
             backend = get_backend(name)
@@ -80,7 +81,7 @@ class LayerDispatcher:
                 if name != "torch" and x_MK.device.type == "cuda":  # on a CPU the dense path is expected
                     _warn_once(f"FFN backend {name!r} unavailable, layers use the torch path: {reason}")
                 continue
-            if not backend.accepts(x_MK, training):
+            if not backend.accepts(x_MK, w_gate_NK, training):
                 continue
             ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training)
             if ms is not None and math.isfinite(ms):

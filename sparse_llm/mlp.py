@@ -45,7 +45,7 @@ class SparseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] -> [..., K]."""
         x_MK = x.reshape(-1, self.hidden_size)
-        backend = self.dispatcher.choose(x_MK, self.intermediate_size, training=torch.is_grad_enabled())
+        backend = self.dispatcher.choose(x_MK, self.gate_proj.weight, training=torch.is_grad_enabled())
         result = backend.forward(
             x_MK,
             self.gate_proj.weight,

@@ -457,9 +457,10 @@ class TwellFFN(FFNBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return cuda.unavailable_reason(device)
 
-    def accepts(self, x_MK: torch.Tensor, training: bool) -> bool:
-        """Inference takes bf16 tokens, or any under bf16 autocast; training casts under autocast itself."""
-        return training or x_MK.dtype == torch.bfloat16 or _bf16_autocast(x_MK.device.type)
+    def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
+        """Inference takes bf16 tokens and weights, or any under bf16 autocast; training casts by itself."""
+        bf16 = x_MK.dtype == w_gate_NK.dtype == torch.bfloat16
+        return training or bf16 or _bf16_autocast(x_MK.device.type)
 
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         if training:

@@ -19,8 +19,8 @@ class FakeSparse(FFNBackend):
     def unavailable_reason(self, device):
         return None
 
-    def accepts(self, x_MK, training):
-        return x_MK.dtype == torch.bfloat16
+    def accepts(self, x_MK, w_gate_NK, training):
+        return x_MK.dtype == w_gate_NK.dtype == torch.bfloat16
 
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         return TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=training)
@@ -39,21 +39,24 @@ def fake(monkeypatch):
 
 
 def test_auto_waits_for_a_measurement(fake):
-    assert LayerDispatcher("auto").choose(torch.zeros(8, 64, dtype=torch.bfloat16), 256, False).name == "torch"
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
+    assert LayerDispatcher("auto").choose(x, w, False).name == "torch"
 
 
 def test_auto_takes_the_cheaper_backend_that_accepts_the_inputs(fake):
     dispatcher = LayerDispatcher("auto")
     dispatcher.observe(3.0, 9.0)
-    assert dispatcher.choose(torch.zeros(8, 64, dtype=torch.bfloat16), 256, False).name == "fake"
-    assert dispatcher.choose(torch.zeros(8, 64), 256, False).name == "torch"  # fp32: not accepted
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
+    assert dispatcher.choose(x, w, False).name == "fake"
+    assert dispatcher.choose(x.float(), w, False).name == "torch"  # fp32 tokens: not accepted
+    assert dispatcher.choose(x, w.float(), False).name == "torch"  # fp32 weights: not accepted
 
 
 def test_switching_to_sparse_needs_a_margin(fake):
     dispatcher = LayerDispatcher("auto")
     dispatcher.observe(3.0, 9.0)
-    x = torch.zeros(4096, 2048, dtype=torch.bfloat16)
+    x, w = torch.zeros(4096, 2048, dtype=torch.bfloat16), torch.zeros(5632, 2048, dtype=torch.bfloat16)
     fake.ms = 0.97 * TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
-    assert dispatcher.choose(x, 5632, False).name == "torch"  # only 3% cheaper: stay dense
+    assert dispatcher.choose(x, w, False).name == "torch"  # only 3% cheaper: stay dense
     fake.ms = 0.5 * fake.ms
-    assert dispatcher.choose(x, 5632, False).name == "fake"
+    assert dispatcher.choose(x, w, False).name == "fake"

@@ -235,14 +235,15 @@ def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
 
 
 def test_auto_offers_twell_only_bf16_inference_inputs():
-    backend, x = TwellFFN(), block()[0]
-    assert backend.accepts(x, training=False)
-    assert not backend.accepts(x.float(), training=False) and not backend.accepts(x.half(), training=False)
-    assert backend.accepts(x.float(), training=True)  # the training op casts under autocast
+    backend, (x, w, _, _) = TwellFFN(), block()
+    assert backend.accepts(x, w, training=False)
+    assert not backend.accepts(x.float(), w, training=False) and not backend.accepts(x.half(), w, training=False)
+    assert not backend.accepts(x, w.float(), training=False)  # fp32 weights without autocast
+    assert backend.accepts(x.float(), w.float(), training=True)  # the training op casts under autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert backend.accepts(x.float(), training=False)
+        assert backend.accepts(x.float(), w.float(), training=False)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert not backend.accepts(x.float(), training=False)
+        assert not backend.accepts(x.float(), w, training=False)
 
 
 def test_transpose_cache_rebuilds_on_update_and_forgets_freed_weights():
