@@ -76,7 +76,7 @@ class FFNBackend(abc.ABC):
 def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token non-zero counts [M] (int32) and per-neuron fired mask [N] of a dense activation."""
     nonzero_MN = h_MN.detach() != 0
-    return torch.count_nonzero(nonzero_MN, dim=1).to(torch.int32), nonzero_MN.any(dim=0)
+    return nonzero_MN.sum(dim=1, dtype=torch.int32), nonzero_MN.any(dim=0)  # one compare, two reads of the mask
 
 
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
