@@ -1,25 +1,24 @@
 // Training backward of the gated FFN on the hybrid format, light (ELL) tokens only; the dense backup rows
 // go through cuBLAS in sparse_llm/twell_train.py. Tested on an H100 (tests/gpu/test_twell_train.py).
 //
-//   train_bwd_light : per light token, at its ELL entries (n, g, u):
+//   train_bwd_sddmm : per light token, at its ELL entries (n, g, u):
 //                       dh = bf16(bf16(dy[m] . w_down[:, n]) + dl1 * sign(h)),  h = bf16(g * u)
 //                       du = bf16(dh * g),  dg = bf16(dh * u)
-//                       dx[m] = sum du * w_up[n] + dg * w_gate[n]
-//                     and stores h, du, dg at the entries for the weight gradients.
-//                     torch reference: formats.hybrid_gated_mlp_backward_ref (hybrid_sddmm, the L1 shift,
-//                     hybrid_mul, hybrid_matmul); dx is summed in one fp32 accumulator before rounding.
+//                     stored at the entries (h too, for dW_down).
+//   train_bwd_dx    : per light token, dx[m] = sum over its entries of du * w_up[n] + dg * w_gate[n],
+//                     summed in one fp32 accumulator before rounding.
+//                     torch reference of both: formats.hybrid_gated_mlp_backward_ref (hybrid_sddmm, the L1
+//                     shift, hybrid_mul, hybrid_matmul). Two kernels rather than one so that each streams
+//                     only the weight rows it needs: w_down (N x K) then w_up and w_gate (2 x N x K), working
+//                     sets that stay in L2 where all three together (69 MB at K = 2048, N = 5632) do not.
 //   train_csc_wgrad : weight gradients out[n] += sum over the entries e of column n of value(e) * src[row(e)],
 //                     e.g. dW_gate = dg^T x, dW_up = du^T x (NV = 2, one gather of x for both) and
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
 #include "train_common.cuh"
 
-// __launch_bounds__(128, 1): without the 1, ptxas caps registers for occupancy (168 at KV = 8) and spills
-// the three weight rows in flight; 8 warps per SM with three rows in flight each beat 12 with one (untimed).
 template <int KV>
-__global__ void __launch_bounds__(128, 1) train_bwd_light(
+__global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     const __nv_bfloat16 *__restrict__ dy,        // [M, K]
-    const __nv_bfloat16 *__restrict__ w_gate,    // [N, K]
-    const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of down_proj.weight [K, N])
     const int *__restrict__ ell_cols,            // [M, W]
     const __nv_bfloat16 *__restrict__ ell_g,     // [M, W]
@@ -30,7 +29,6 @@ __global__ void __launch_bounds__(128, 1) train_bwd_light(
     __nv_bfloat16 *__restrict__ ell_h,           // [M, W] out
     __nv_bfloat16 *__restrict__ ell_du,          // [M, W] out
     __nv_bfloat16 *__restrict__ ell_dg,          // [M, W] out
-    __nv_bfloat16 *__restrict__ dx,              // [M, K] out (light rows)
     int M, int K, int W) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
@@ -40,55 +38,81 @@ __global__ void __launch_bounds__(128, 1) train_bwd_light(
     stage_row<KV>(dy_row, dy + m * K, lane, K);
     __syncwarp();
     const float l1_grad = *dl1;
-
-    float acc[KV][8];
-    zero_acc<KV>(acc);
-    const int count = ell_count[m];
-    for (int base = 0; base < count; base += 32) {
-        const int mine = base + lane;
-        const bool has = mine < count;
-        const long long at = m * W + mine;
-        const int my_col = has ? ell_cols[at] : 0;
-        const float my_g = has ? bf16_load(ell_g + at) : 0.0f;
-        const float my_u = has ? bf16_load(ell_u + at) : 0.0f;
-        float my_h = 0.0f, my_du = 0.0f, my_dg = 0.0f;
-        const int here = min(32, count - base);
-        for (int j = 0; j < here; ++j) {
-            const long long n = __shfl_sync(FULL_MASK, my_col, j);
-            const float g = __shfl_sync(FULL_MASK, my_g, j);
-            const float u = __shfl_sync(FULL_MASK, my_u, j);
-            // Up to K = 2048 the three weight rows are requested together so their latencies overlap;
-            // above, the up and gate rows wait for the dot product, to stay within the register file.
-            uint4 down[KV], up[KV], gate[KV];
-            load_row<KV>(down, w_down_t + n * K, lane, K);
-            if constexpr (KV <= 8) {
-                load_row<KV>(up, w_up + n * K, lane, K);
-                load_row<KV>(gate, w_gate + n * K, lane, K);
-            }
-            const float d = bf16_round(warp_sum(lane_dot<KV>(dy_row, down, lane)));
-            const float h = bf16_round(g * u);
-            const float sign = h > 0.0f ? 1.0f : (h < 0.0f ? -1.0f : 0.0f);  // d|h|/dh, 0 at 0 like autograd
-            const float dh = bf16_round(d + l1_grad * sign);
-            const float du = bf16_round(dh * g);
-            const float dg = bf16_round(dh * u);
-            if constexpr (KV > 8) {
-                load_row<KV>(up, w_up + n * K, lane, K);
-                load_row<KV>(gate, w_gate + n * K, lane, K);
-            }
-            axpy<KV>(acc, du, up);
-            axpy<KV>(acc, dg, gate);
-            if (lane == j) {
-                my_h = h;
-                my_du = du;
-                my_dg = dg;
-            }
+    const long long row0 = m * W;
+    float my_g = 0.0f, my_u = 0.0f, my_h = 0.0f, my_du = 0.0f, my_dg = 0.0f;
+    const __nv_bfloat16 *const down[1] = {w_down_t};
+    auto begin = [&](int base, int here) {
+        const bool has = lane < here;
+        my_g = has ? bf16_load(ell_g + row0 + base + lane) : 0.0f;
+        my_u = has ? bf16_load(ell_u + row0 + base + lane) : 0.0f;
+    };
+    auto step = [&](int j, long long, const uint4 (&rows)[1][KV]) {
+        const float g = __shfl_sync(FULL_MASK, my_g, j);
+        const float u = __shfl_sync(FULL_MASK, my_u, j);
+        const float d = bf16_round(warp_sum(lane_dot<KV>(dy_row, rows[0], lane)));
+        const float h = bf16_round(g * u);
+        const float sign = h > 0.0f ? 1.0f : (h < 0.0f ? -1.0f : 0.0f);  // d|h|/dh, 0 at 0 like autograd
+        const float dh = bf16_round(d + l1_grad * sign);
+        if (lane == j) {
+            my_h = h;
+            my_du = bf16_round(dh * g);
+            my_dg = bf16_round(dh * u);
         }
-        if (has) {
+    };
+    auto finish = [&](int base, int here) {
+        if (lane < here) {
+            const long long at = row0 + base + lane;
             ell_h[at] = __float2bfloat16_rn(my_h);
             ell_du[at] = __float2bfloat16_rn(my_du);
             ell_dg[at] = __float2bfloat16_rn(my_dg);
         }
-    }
+    };
+    walk_entries<KV, 1>(ell_cols + row0, ell_count[m], down, lane, K, begin, step, finish);
+}
+
+template <int KV>
+__global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
+    const __nv_bfloat16 *__restrict__ w_gate,  // [N, K]
+    const __nv_bfloat16 *__restrict__ w_up,    // [N, K]
+    const int *__restrict__ ell_cols,          // [M, W]
+    const __nv_bfloat16 *__restrict__ ell_du,  // [M, W]
+    const __nv_bfloat16 *__restrict__ ell_dg,  // [M, W]
+    const int *__restrict__ ell_count,         // [M]
+    const int *__restrict__ row_slot,          // [M] -1 = light
+    __nv_bfloat16 *__restrict__ dx,            // [M, K] out (light rows)
+    int M, int K, int W) {
+    const int lane = threadIdx.x & 31;
+    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    if (m >= M || row_slot[m] >= 0) return;  // whole warp
+    const long long row0 = m * W;
+    float acc[KV][8];
+    zero_acc<KV>(acc);
+    float my_du = 0.0f, my_dg = 0.0f;
+    // Up to K = 2048 an entry's two weight rows are requested together; wider rows load w_gate[n] after
+    // the w_up axpy, to stay within the register file.
+    constexpr int R = KV <= 8 ? 2 : 1;
+    const __nv_bfloat16 *mats[R];
+    mats[0] = w_up;
+    if constexpr (R == 2) mats[1] = w_gate;
+    const uint64_t keep = l2_keep_policy();
+    auto begin = [&](int base, int here) {
+        const bool has = lane < here;
+        my_du = has ? bf16_load(ell_du + row0 + base + lane) : 0.0f;
+        my_dg = has ? bf16_load(ell_dg + row0 + base + lane) : 0.0f;
+    };
+    auto step = [&](int j, long long n, const uint4 (&rows)[R][KV]) {
+        axpy<KV>(acc, __shfl_sync(FULL_MASK, my_du, j), rows[0]);
+        const float dg = __shfl_sync(FULL_MASK, my_dg, j);
+        if constexpr (R == 2) {
+            axpy<KV>(acc, dg, rows[1]);
+        } else {
+            uint4 gate[KV];
+            load_weight_row<KV>(gate, w_gate + n * K, lane, K, keep);
+            axpy<KV>(acc, dg, gate);
+        }
+    };
+    auto finish = [](int, int) {};
+    walk_entries<KV, R>(ell_cols + row0, ell_count[m], mats, lane, K, begin, step, finish);
     store_row_bf16<KV>(dx + m * K, acc, lane, K);
 }
 
@@ -96,11 +120,16 @@ __global__ void __launch_bounds__(128, 1) train_bwd_light(
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
 // Columns are cut into chunks of `chunk` entries so a hot neuron (firing for most tokens) is spread over
 // many warps; chunk_start[n] is the first chunk of column n and chunk_start[N] the total, read on the device
-// (the host never learns it). A persistent grid of warps strides over the chunks. Each chunk accumulates
-// its K-wide partial sums in fp32 registers and adds them to the fp32 output with vector atomics, so the
-// order of the additions (not their set) varies run to run for columns with more than one chunk.
-template <int KV, int NV>
-__global__ void __launch_bounds__(128) train_csc_wgrad(
+// (the host never learns it). K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces
+// per row and its accumulators (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a
+// (chunk, slice) pair; warps take items from the counter `next_item` (zeroed by the caller), so the grid
+// can be sized to the GPU without knowing the occupancy, and a slow column does not hold up a fixed share
+// of the work. The two slices of a chunk are consecutive items, so the second gather of a src row
+// usually hits L2. Each item accumulates in fp32 registers and adds its sums to the fp32 output with
+// vector atomics, so the order of the additions (not their set) varies run to run for columns with more
+// than one chunk.
+template <int KW, int NV>
+__global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     const long long *__restrict__ order,        // [M * W] entry positions sorted by column
     const long long *__restrict__ col_start,    // [N + 1]
     const long long *__restrict__ chunk_start,  // [N + 1]
@@ -109,11 +138,17 @@ __global__ void __launch_bounds__(128) train_csc_wgrad(
     const __nv_bfloat16 *__restrict__ src,      // [M, K] rows gathered per entry (x or dy)
     float *__restrict__ out0,                   // [N, K] fp32, accumulated
     float *__restrict__ out1,                   // [N, K] fp32, accumulated (NV == 2)
-    int N, int K, int W, int chunk) {
+    unsigned long long *__restrict__ next_item,  // [1] zeroed work counter
+    int N, int K, int W, int chunk, int parts) {
     const int lane = threadIdx.x & 31;
-    const long long total = chunk_start[N];
-    const long long warps = static_cast<long long>(gridDim.x) * 4;
-    for (long long c = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32; c < total; c += warps) {
+    const long long total = chunk_start[N] * parts;
+    for (;;) {
+        unsigned long long claimed = 0;
+        if (lane == 0) claimed = atomicAdd(next_item, 1ULL);
+        const long long item = static_cast<long long>(__shfl_sync(FULL_MASK, claimed, 0));
+        if (item >= total) break;
+        const long long c = item / parts;
+        const int col0 = static_cast<int>(item - c * parts) * KW * 256 + lane * 8;  // this lane's first column
         // Column of chunk c: the last n with chunk_start[n] <= c (columns without entries have no chunks).
         int lo = 0, hi = N;
         while (hi - lo > 1) {
@@ -125,31 +160,41 @@ __global__ void __launch_bounds__(128) train_csc_wgrad(
         const long long e0 = col_start[n] + (c - chunk_start[n]) * chunk;
         const long long e1 = min(e0 + chunk, col_start[n + 1]);
 
-        float acc[NV][KV][8];
+        // This lane's KW pieces of src row `token` (zeros past K); the next entry's row is requested before
+        // the current one is accumulated, so two gathers are in flight per warp.
+        auto load = [&](uint4 (&dst)[KW], long long token) {
 #pragma unroll
-        for (int i = 0; i < NV; ++i) zero_acc<KV>(acc[i]);
+            for (int v = 0; v < KW; ++v) {
+                const int col = col0 + v * 256;
+                dst[v] = col < K ? *reinterpret_cast<const uint4 *>(src + token * K + col) : make_uint4(0, 0, 0, 0);
+            }
+        };
+        float acc[NV][KW][8];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) zero_acc<KW>(acc[i]);
         for (long long base = e0; base < e1; base += 32) {
             const long long e = base + lane;
             const long long my_pos = e < e1 ? order[e] : 0;
             const float my_v0 = e < e1 ? bf16_load(value0 + my_pos) : 0.0f;
             const float my_v1 = (NV == 2 && e < e1) ? bf16_load(value1 + my_pos) : 0.0f;
             const int here = static_cast<int>(min(32LL, e1 - base));
+            uint4 row[KW], next[KW];
+            load(row, __shfl_sync(FULL_MASK, my_pos, 0) / W);
             for (int j = 0; j < here; ++j) {
-                const long long pos = __shfl_sync(FULL_MASK, my_pos, j);
-                const float v0 = __shfl_sync(FULL_MASK, my_v0, j);
-                const float v1 = __shfl_sync(FULL_MASK, my_v1, j);
-                uint4 row[KV];
-                load_row<KV>(row, src + (pos / W) * K, lane, K);
-                axpy<KV>(acc[0], v0, row);
-                if constexpr (NV == 2) axpy<KV>(acc[NV - 1], v1, row);
+                const long long pos_next = __shfl_sync(FULL_MASK, my_pos, min(j + 1, here - 1));
+                if (j + 1 < here) load(next, pos_next / W);
+                axpy<KW>(acc[0], __shfl_sync(FULL_MASK, my_v0, j), row);
+                if constexpr (NV == 2) axpy<KW>(acc[NV - 1], __shfl_sync(FULL_MASK, my_v1, j), row);
+#pragma unroll
+                for (int v = 0; v < KW; ++v) row[v] = next[v];
             }
         }
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             float *out = (i == 0 ? out0 : out1) + n * K;
 #pragma unroll
-            for (int v = 0; v < KV; ++v) {
-                const int col = v * 256 + lane * 8;
+            for (int v = 0; v < KW; ++v) {
+                const int col = col0 + v * 256;
                 if (col >= K) continue;
                 atomicAdd(reinterpret_cast<float4 *>(out + col),
                           make_float4(acc[i][v][0], acc[i][v][1], acc[i][v][2], acc[i][v][3]));
@@ -161,19 +206,23 @@ __global__ void __launch_bounds__(128) train_csc_wgrad(
 }
 
 // Instantiations for the nvcc compile check; NVRTC builds the ones named by the launcher.
-#define TRAIN_BWD_LIGHT(KV)                                                                                   \
-    template __global__ void train_bwd_light<KV>(                                                            \
-        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *,          \
-        const int *, const __nv_bfloat16 *, const __nv_bfloat16 *, const int *, const int *, const float *,  \
-        __nv_bfloat16 *, __nv_bfloat16 *, __nv_bfloat16 *, __nv_bfloat16 *, int, int, int);
-#define TRAIN_CSC_WGRAD(KV, NV)                                                                                  \
-    template __global__ void train_csc_wgrad<KV, NV>(const long long *, const long long *, const long long *, \
+#define TRAIN_BWD_TOKEN_KERNELS(KV)                                                                                \
+    template __global__ void train_bwd_sddmm<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
+                                                 const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
+                                                 const int *, const float *, __nv_bfloat16 *, __nv_bfloat16 *,    \
+                                                 __nv_bfloat16 *, int, int, int);                                 \
+    template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
+                                              const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
+                                              const int *, __nv_bfloat16 *, int, int, int);
+#define TRAIN_CSC_WGRAD(KW, NV)                                                                                  \
+    template __global__ void train_csc_wgrad<KW, NV>(const long long *, const long long *, const long long *, \
                                                      const __nv_bfloat16 *, const __nv_bfloat16 *,            \
-                                                     const __nv_bfloat16 *, float *, float *, int, int, int, int);
-TRAIN_BWD_LIGHT(1)
-TRAIN_BWD_LIGHT(8)
-TRAIN_BWD_LIGHT(16)
+                                                     const __nv_bfloat16 *, float *, float *,                 \
+                                                     unsigned long long *, int, int, int, int, int);
+TRAIN_BWD_TOKEN_KERNELS(1)
+TRAIN_BWD_TOKEN_KERNELS(8)
+TRAIN_BWD_TOKEN_KERNELS(16)
 TRAIN_CSC_WGRAD(1, 1)
-TRAIN_CSC_WGRAD(8, 1)
-TRAIN_CSC_WGRAD(8, 2)
-TRAIN_CSC_WGRAD(16, 2)
+TRAIN_CSC_WGRAD(1, 2)
+TRAIN_CSC_WGRAD(4, 1)
+TRAIN_CSC_WGRAD(4, 2)

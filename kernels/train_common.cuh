@@ -26,25 +26,14 @@ __device__ __forceinline__ int warp_sum_int(int v) {
     return v;
 }
 
-// This lane's KV pieces of a K-wide bf16 row (zeros past K). Weight rows are shared by many tokens, so
-// they are read through the read-only path.
-template <int KV>
-__device__ __forceinline__ void load_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, int K) {
-#pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        const int col = v * 256 + lane * 8;
-        dst[v] = col < K ? __ldg(reinterpret_cast<const uint4 *>(row + col)) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// Stage a row in shared memory as this warp's KV*32 uint4 (piece v of lane l at [v * 32 + l]: no bank
-// conflicts), so registers stay free for the weight rows in flight.
+// Stage an activation row (read once: streaming loads) in shared memory as this warp's KV*32 uint4 (piece v
+// of lane l at [v * 32 + l]: no bank conflicts), so registers stay free for the weight rows in flight.
 template <int KV>
 __device__ __forceinline__ void stage_row(uint4 *smem_row, const __nv_bfloat16 *row, int lane, int K) {
 #pragma unroll
     for (int v = 0; v < KV; ++v) {
         const int col = v * 256 + lane * 8;
-        smem_row[v * 32 + lane] = col < K ? *reinterpret_cast<const uint4 *>(row + col) : make_uint4(0, 0, 0, 0);
+        smem_row[v * 32 + lane] = col < K ? __ldcs(reinterpret_cast<const uint4 *>(row + col)) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -101,4 +90,30 @@ __device__ __forceinline__ void store_row_bf16(__nv_bfloat16 *row, const float (
         *reinterpret_cast<uint4 *>(row + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
+
+// Walks one token's ELL entries (columns cols[0 .. count)) 32 at a time. begin(base, here) lets lane j load
+// what it needs of entry base + j; then for each entry j of the batch the R weight rows of its column n
+// (row n of mats[0 .. R), evict_last in L2) are requested together and step(j, n, rows) runs on the whole
+// warp; finish(base, here) lets lane j store its results. Rows in flight come from many resident warps
+// rather than from prefetching within one: a second set of rows in registers costs more warps than it adds.
+template <int KV, int R, typename Begin, typename Step, typename Finish>
+__device__ __forceinline__ void walk_entries(const int *__restrict__ cols, int count,
+                                             const __nv_bfloat16 *const (&mats)[R], int lane, int K, Begin &&begin,
+                                             Step &&step, Finish &&finish) {
+    const uint64_t keep = l2_keep_policy();
+    for (int base = 0; base < count; base += 32) {
+        const int here = min(32, count - base);
+        const int my_col = lane < here ? __ldcs(cols + base + lane) : 0;
+        begin(base, here);
+        for (int j = 0; j < here; ++j) {
+            const long long n = __shfl_sync(FULL_MASK, my_col, j);
+            uint4 rows[R][KV];
+#pragma unroll
+            for (int r = 0; r < R; ++r) load_weight_row<KV>(rows[r], mats[r] + n * K, lane, K, keep);
+            step(j, n, rows);
+        }
+        finish(base, here);
+    }
+}
+
 #endif  // TRAIN_COMMON_CUH

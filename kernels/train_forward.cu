@@ -63,12 +63,13 @@ extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
     }
 }
 
-// One warp per light token (heavy tokens are skipped: the dense backup path writes their rows). The
-// token's ELL entries are read 32 at a time (lane j holds entry j) and walked by the whole warp: for entry
-// (n, g), u = bf16(x[m] . w_up[n]) (fp32 dot), h = bf16(g * u), acc += h * w_down_t[n]. The u values are
-// stored for the backward (h is recomputed there); y[m] = bf16(acc).
+// One warp per light token (heavy tokens are skipped: the dense backup path writes their rows). For each
+// ELL entry (n, g): u = bf16(x[m] . w_up[n]) (fp32 dot), h = bf16(g * u), acc += h * w_down_t[n]. The u
+// values are stored for the backward (h is recomputed there); y[m] = bf16(acc). Up to K = 2048 both weight
+// rows of an entry are requested together; wider rows load w_down_t[n] after the dot product, to stay
+// within the register file.
 template <int KV>
-__global__ void __launch_bounds__(128) train_fwd_light(
+__global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_light(
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of down_proj.weight [K, N])
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(128) train_fwd_light(
     int *__restrict__ l0,                        // [M] out (light rows): #(h != 0)
     int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
     int M, int K, int W) {
+    constexpr bool kBothRows = KV <= 8;
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
     if (m >= M || row_slot[m] >= 0) return;  // whole warp
@@ -94,34 +96,41 @@ __global__ void __launch_bounds__(128) train_fwd_light(
     zero_acc<KV>(acc);
     float l1_sum = 0.0f;
     int l0_sum = 0;
-    const int count = ell_count[m];
-    for (int base = 0; base < count; base += 32) {
-        const int mine = base + lane;
-        const bool has = mine < count;
-        const int my_col = has ? ell_cols[m * W + mine] : 0;
-        const float my_g = has ? bf16_load(ell_g + m * W + mine) : 0.0f;
-        float my_u = 0.0f;
-        const int here = min(32, count - base);
-        for (int j = 0; j < here; ++j) {
-            const long long n = __shfl_sync(FULL_MASK, my_col, j);
-            const float g = __shfl_sync(FULL_MASK, my_g, j);
-            // Both weight rows are requested before the dot product so their latencies overlap; above
-            // K = 2048 the down row waits, to stay within the register file.
-            uint4 up[KV], down[KV];
-            load_row<KV>(up, w_up + n * K, lane, K);
-            if constexpr (KV <= 8) load_row<KV>(down, w_down_t + n * K, lane, K);
-            const float u = bf16_round(warp_sum(lane_dot<KV>(x_row, up, lane)));
-            const float h = bf16_round(g * u);
-            if constexpr (KV > 8) load_row<KV>(down, w_down_t + n * K, lane, K);
+    float my_g = 0.0f, my_u = 0.0f;
+    const long long row0 = m * W;
+    const uint64_t keep = l2_keep_policy();
+    const __nv_bfloat16 *const both[2] = {w_up, w_down_t};
+    const __nv_bfloat16 *const up_only[1] = {w_up};
+    auto begin = [&](int base, int here) {
+        my_g = lane < here ? bf16_load(ell_g + row0 + base + lane) : 0.0f;
+        my_u = 0.0f;
+    };
+    auto step = [&](int j, long long n, const uint4 (&rows)[kBothRows ? 2 : 1][KV]) {
+        const float g = __shfl_sync(FULL_MASK, my_g, j);
+        const float u = bf16_round(warp_sum(lane_dot<KV>(x_row, rows[0], lane)));
+        const float h = bf16_round(g * u);
+        if constexpr (kBothRows) {
+            axpy<KV>(acc, h, rows[1]);
+        } else {
+            uint4 down[KV];
+            load_weight_row<KV>(down, w_down_t + n * K, lane, K, keep);
             axpy<KV>(acc, h, down);
-            if (lane == j) my_u = u;
-            l1_sum += fabsf(h);
-            if (h != 0.0f) {
-                ++l0_sum;
-                if (lane == 0 && fired[n] == 0) fired[n] = 1;  // read first: no write traffic once set
-            }
         }
-        if (has) ell_u[m * W + mine] = __float2bfloat16_rn(my_u);
+        if (lane == j) my_u = u;
+        l1_sum += fabsf(h);
+        if (h != 0.0f) {
+            ++l0_sum;
+            if (lane == 0 && fired[n] == 0) fired[n] = 1;  // read first: no write traffic once set
+        }
+    };
+    auto finish = [&](int base, int here) {
+        if (lane < here) ell_u[row0 + base + lane] = __float2bfloat16_rn(my_u);
+    };
+    const int *cols = ell_cols + row0;
+    if constexpr (kBothRows) {
+        walk_entries<KV, 2>(cols, ell_count[m], both, lane, K, begin, step, finish);
+    } else {
+        walk_entries<KV, 1>(cols, ell_count[m], up_only, lane, K, begin, step, finish);
     }
     store_row_bf16<KV>(y + m * K, acc, lane, K);
     if (lane == 0) {

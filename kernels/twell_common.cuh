@@ -41,4 +41,40 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4 &v, float (&f)[8]) {
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
+
+// L2 policy for weight rows: they are re-read by many tokens, so ask L2 to keep them (evict_last) while
+// activations stream through with evict_first loads.
+__device__ __forceinline__ uint64_t l2_keep_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+// 16-byte read-only load of ptr + OFFSET bytes under an L2 cache policy. The constant offset goes into
+// the instruction, so all pieces of a row share one address register.
+template <int OFFSET>
+__device__ __forceinline__ uint4 load_keep(const void *ptr, uint64_t policy) {
+    uint4 v;
+    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%6], %5;\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(ptr), "l"(policy), "n"(OFFSET));
+    return v;
+}
+
+template <int KV, int V = 0>
+__device__ __forceinline__ void load_weight_pieces(uint4 (&dst)[KV], const __nv_bfloat16 *lane_row, int lane_col, int K,
+                                                   uint64_t policy) {
+    if constexpr (V < KV) {
+        dst[V] = lane_col + V * 256 < K ? load_keep<V * 512>(lane_row, policy) : make_uint4(0, 0, 0, 0);
+        load_weight_pieces<KV, V + 1>(dst, lane_row, lane_col, K, policy);
+    }
+}
+
+// This lane's KV 16-byte pieces of a K-wide weight row (lane l owns columns v * 256 + 8l .. + 7 of piece v;
+// zeros past K) under the L2 policy `policy`.
+template <int KV>
+__device__ __forceinline__ void load_weight_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, int K,
+                                                uint64_t policy) {
+    load_weight_pieces<KV>(dst, row + lane * 8, lane * 8, K, policy);
+}
 #endif  // TWELL_COMMON_CUH

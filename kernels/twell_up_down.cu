@@ -21,35 +21,12 @@
 // splits > 1 the summation order of l1 varies run to run), fired[n] = 1 where h != 0.
 #include "twell_common.cuh"
 
-// 16-byte read-only load of ptr + OFFSET bytes that asks L2 to keep the line (weights are shared by all
-// tokens). The constant offset goes into the instruction so all pieces of a row share one address register.
-template <int OFFSET>
-__device__ __forceinline__ uint4 load_keep(const void *ptr, uint64_t policy) {
-    uint4 v;
-    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%6], %5;\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(ptr), "l"(policy), "n"(OFFSET));
-    return v;
-}
+constexpr int WORD_BATCH = 8;  // TwELL tiles whose packed words one warp fetches at once
 
-template <int KV, int V = 0>
-__device__ __forceinline__ void load_pieces(uint4 (&dst)[KV], const __nv_bfloat16 *lane_row, const bool (&valid)[KV],
-                                            uint64_t policy) {
-    if constexpr (V < KV) {
-        dst[V] = valid[V] ? load_keep<V * 512>(lane_row, policy) : make_uint4(0, 0, 0, 0);
-        load_pieces<KV, V + 1>(dst, lane_row, valid, policy);
-    }
-}
-
-// This lane's KV 16-byte pieces of one weight row (zeros past K).
+// Up to K = 2048 the register cap of 4 blocks per SM (128 registers) costs one 4-byte spill and gives 16
+// warps per SM instead of 12: more weight rows in flight. Wider rows need the whole register file.
 template <int KV>
-__device__ __forceinline__ void load_row(uint4 (&dst)[KV], const __nv_bfloat16 *row, int lane, const bool (&valid)[KV],
-                                         uint64_t policy) {
-    load_pieces<KV>(dst, row + lane * 8, valid, policy);
-}
-
-template <int KV>
-__global__ void __launch_bounds__(128) twell_up_down(
+__global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
     const uint32_t *__restrict__ packed,         // [M, T * 32]
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
@@ -67,8 +44,7 @@ __global__ void __launch_bounds__(128) twell_up_down(
     const int split = blockIdx.y;
     const int splits = gridDim.y;
     const uint32_t *row = packed + m * T * TWELL_SLOTS;
-    uint64_t keep;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(keep));
+    const uint64_t keep = l2_keep_policy();
 
     // x stays in shared memory as bf16 (registers go to the accumulators and the in-flight weight rows);
     // piece v of lane l at x_smem[v * 32 + l]: consecutive lanes, consecutive 16 bytes, no bank conflicts.
@@ -100,49 +76,59 @@ __global__ void __launch_bounds__(128) twell_up_down(
     float l1_sum = 0.0f;
     int l0_sum = 0;
     if (dense_kind == 0) {
-        // The next tile's segment is loaded while this one is processed (keeps its latency off the chain).
-        uint32_t next_word = split < T ? __ldcs(row + split * TWELL_SLOTS + lane) : 0;
-        for (int t = split; t < T; t += splits) {
-            const uint32_t word = next_word;
-            if (t + splits < T) next_word = __ldcs(row + (t + splits) * TWELL_SLOTS + lane);
-            const int count = __shfl_sync(FULL_MASK, word, 0);
-            for (int i = 1; i <= count; ++i) {
-                const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
-                const long long n = twell_col(entry);
-                const float g = twell_value(entry);
-                // Both weight rows' loads are issued before any use so they are in flight together (for
-                // KV > 8 the down row is loaded after the dot product to stay within the register file).
-                uint4 up_raw[KV], down_raw[KV];
-                load_row<KV>(up_raw, w_up + n * K, lane, valid, keep);
-                if (KV <= 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid, keep);
-                // One partial sum per 16-byte piece: KV short FMA chains instead of one long one.
-                float dot = 0.0f;
+        // The packed words of WORD_BATCH tiles are fetched together into this warp's shared words, so a
+        // token pays one memory latency per batch rather than one per tile (most tiles hold 0-2 entries).
+        uint32_t *words = reinterpret_cast<uint32_t *>(smem_x + (blockDim.x / 32) * KV * 32) +
+                          (threadIdx.x / 32) * WORD_BATCH * TWELL_SLOTS;
+        for (int t0 = split; t0 < T; t0 += WORD_BATCH * splits) {
+            __syncwarp();  // the previous batch has been read by every lane
 #pragma unroll
-                for (int v = 0; v < KV; ++v) {
-                    float w[8], xv[8];
-                    bf16x8_to_float(up_raw[v], w);
-                    bf16x8_to_float(x_smem[v * 32 + lane], xv);
-                    float part = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) part = fmaf(xv[j], w[j], part);
-                    dot += part;
-                }
-#pragma unroll
-                for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
-                const float h = g * dot;
-                if (KV > 8) load_row<KV>(down_raw, w_down_t + n * K, lane, valid, keep);
-#pragma unroll
-                for (int v = 0; v < KV; ++v) {
-                    float w[8];
-                    bf16x8_to_float(down_raw[v], w);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(h, w[j], acc[v][j]);
-                }
-                l1_sum += fabsf(h);
-                if (h != 0.0f) {
-                    ++l0_sum;
-                    // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
-                    if (lane == 0 && fired[n] == 0) fired[n] = 1;
+            for (int b = 0; b < WORD_BATCH; ++b) {
+                const int t = t0 + b * splits;
+                words[b * TWELL_SLOTS + lane] = t < T ? __ldcs(row + t * TWELL_SLOTS + lane) : 0u;
+            }
+            __syncwarp();
+            for (int b = 0; b < WORD_BATCH; ++b) {
+                const uint32_t word = words[b * TWELL_SLOTS + lane];
+                const int count = __shfl_sync(FULL_MASK, word, 0);
+                for (int i = 1; i <= count; ++i) {
+                    const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
+                    const long long n = twell_col(entry);
+                    const float g = twell_value(entry);
+                    // Both weight rows' loads are issued before any use so they are in flight together (for
+                    // KV > 8 the down row is loaded after the dot product to stay within the register file).
+                    uint4 up_raw[KV], down_raw[KV];
+                    load_weight_row<KV>(up_raw, w_up + n * K, lane, K, keep);
+                    if (KV <= 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
+                    // One partial sum per 16-byte piece: KV short FMA chains instead of one long one.
+                    float dot = 0.0f;
+    #pragma unroll
+                    for (int v = 0; v < KV; ++v) {
+                        float w[8], xv[8];
+                        bf16x8_to_float(up_raw[v], w);
+                        bf16x8_to_float(x_smem[v * 32 + lane], xv);
+                        float part = 0.0f;
+    #pragma unroll
+                        for (int j = 0; j < 8; ++j) part = fmaf(xv[j], w[j], part);
+                        dot += part;
+                    }
+    #pragma unroll
+                    for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
+                    const float h = g * dot;
+                    if (KV > 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
+    #pragma unroll
+                    for (int v = 0; v < KV; ++v) {
+                        float w[8];
+                        bf16x8_to_float(down_raw[v], w);
+    #pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(h, w[j], acc[v][j]);
+                    }
+                    l1_sum += fabsf(h);
+                    if (h != 0.0f) {
+                        ++l0_sum;
+                        // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
+                        if (lane == 0 && fired[n] == 0) fired[n] = 1;
+                    }
                 }
             }
         }

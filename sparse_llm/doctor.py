@@ -16,19 +16,21 @@ import torch
 
 from sparse_llm import cuda
 from sparse_llm.dispatch import SWITCH_MARGIN
-from sparse_llm.twell_train import _pieces
+from sparse_llm.twell_train import _pieces, wgrad_slices
 
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
 _KV = _pieces(CHECK_K)  # template argument (KV) every launcher uses at that hidden size
+_KW = wgrad_slices(CHECK_K)[0]  # the weight-gradient kernel's slice width (KW) there
 KERNELS = (  # (source file, kernel name): inference kernels, then the training kernels
     ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
     ("twell_pack.cu", "twell_pack_dense"),
     ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
     ("train_forward.cu", "train_ell_from_twell"),
     ("train_forward.cu", f"train_fwd_light<{_KV}>"),
-    ("train_backward.cu", f"train_bwd_light<{_KV}>"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KV},1>"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KV},2>"),
+    ("train_backward.cu", f"train_bwd_sddmm<{_KV}>"),
+    ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KW},1>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KW},2>"),
 )
 
 

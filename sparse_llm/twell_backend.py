@@ -49,6 +49,7 @@ GATE_STAGES = 4
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 UP_DOWN_TOKENS_PER_BLOCK = 4
+UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")
 
 # ------------------------------------------------------------------------------------------------
@@ -367,7 +368,7 @@ def twell_up_down(
             cuda.ptr(fired_N), cuda.ptr(dense_M), _i32(m), _i32(k), _i32(n_tiles), _i32(dense_row_nnz),
         )  # fmt: skip
         grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
-        smem = UP_DOWN_TOKENS_PER_BLOCK * kv * 32 * 16  # each warp's x row
+        smem = UP_DOWN_TOKENS_PER_BLOCK * (kv * 32 * 16 + UP_DOWN_WORD_BATCH * SLOTS * 4)  # x row + packed words
         cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
         if splits > 1:
             reduce = cuda.get_function("twell_up_down.cu", "twell_reduce_splits", device)

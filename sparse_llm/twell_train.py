@@ -29,10 +29,10 @@ GPU pipeline (CUDA tensors, sm_90a, bf16)
 forward:  twell_gate (the inference gate GEMM + TwELL packing)  ->  train_ell_from_twell (ELL + backup
           list)  ->  train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  cuBLAS on the backup
           rows (gate, up, down; their y, L1, L0, fired rows scattered back).
-backward: train_bwd_light (dh at the support with the L1 term, du, dg, dx for light tokens)  ->  a
-          stable sort of the ELL entries by column (the transposed, CSC view; its size is bounded by the
-          ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)
-          -> cuBLAS on the backup rows.
+backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg; light tokens)  ->  train_bwd_dx
+          (dx of light tokens)  ->  a stable sort of the ELL entries by column (the transposed, CSC view;
+          its size is bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad
+          (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the backup rows.
 
 Host sync: the forward reads one int (the number of heavy tokens) to size the backup GEMMs exactly. The
 read is issued right after the ELL conversion and waited for only after the light-token kernel is queued,
@@ -97,7 +97,8 @@ MAX_WIDTH = 4096
 CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradient kernel
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
-WGRAD_BLOCKS_PER_SM = 4
+WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
+WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The op's outputs after (y_MK, l1_sum, l0_M, fired_N): the saved sparse state, in this order.
@@ -254,6 +255,12 @@ def _pieces(k: int) -> int:
     return math.ceil(k / 256)
 
 
+def wgrad_slices(k: int) -> tuple[int, int]:
+    """(KW, parts) of the weight-gradient kernel: K is cut into `parts` slices of KW pieces per lane."""
+    kw = min(_pieces(k), WGRAD_PIECES)
+    return kw, math.ceil(_pieces(k) / kw)
+
+
 def _require_kernels(device: torch.device) -> None:
     reason = cuda.unavailable_reason(device)
     if reason is not None:
@@ -371,15 +378,16 @@ def _csc_wgrad(
     chunk_start = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
     outs = tuple(torch.zeros(n, k, dtype=torch.float32, device=device) for _ in values)
+    next_item = torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    kv = _pieces(k)
+    kw, parts = wgrad_slices(k)
     args = (
         cuda.ptr(order_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
         cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
-        cuda.ptr(outs[0]), cuda.ptr(outs[-1]),
-        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK),
+        cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(next_item),
+        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts),
     )  # fmt: skip
-    _launch("train_backward.cu", f"train_csc_wgrad<{kv},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
+    _launch("train_backward.cu", f"train_csc_wgrad<{kw},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
     return outs
 
 
@@ -399,16 +407,22 @@ def _cuda_backward(
         ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=bf16, device=device).unbind(0)
         kv = _pieces(k)
         if m:
+            blocks = math.ceil(m / WARPS_PER_BLOCK)
             w_down_t_NK = w_down_KN.t().contiguous()
             args = (
-                cuda.ptr(dy_MK), cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
-                cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M),
-                cuda.ptr(row_slot_M), cuda.ptr(dl1_1), cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW),
-                cuda.ptr(ell_dg_MW), cuda.ptr(dx_MK), np.int32(m), np.int32(k), np.int32(width),
+                cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
+                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dl1_1),
+                cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
-            _launch("train_backward.cu", f"train_bwd_light<{kv}>", math.ceil(m / WARPS_PER_BLOCK), args, device, smem)
+            _launch("train_backward.cu", f"train_bwd_sddmm<{kv}>", blocks, args, device, smem)
             del w_down_t_NK
+            args = (
+                cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
+                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dx_MK),
+                np.int32(m), np.int32(k), np.int32(width),
+            )  # fmt: skip
+            _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
             order_E, col_start = csc_order(ell_cols_MW, ell_count_M, row_slot_M, n)
             dw_gate_NK, dw_up_NK = _csc_wgrad(order_E, col_start, (ell_dg_MW, ell_du_MW), x_MK, n, width)
             (dw_down_NK,) = _csc_wgrad(order_E, col_start, (ell_h_MW,), dy_MK, n, width)
