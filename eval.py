@@ -3,6 +3,7 @@
     python eval.py                                            # newest outputs/*/final on the embedded tasks
     python eval.py checkpoint=outputs/<run>/final tasks=paper # the paper's seven zero-shot tasks
     python eval.py checkpoint=outputs/a/final compare=outputs/b/final   # two models side by side
+    python eval.py checkpoint=outputs/a/final compare=[outputs/b/final,outputs/c/final]   # three
     python eval.py tasks=arc_easy task_data.arc_easy=arc_easy_test.jsonl # a benchmark from a local file
     python eval.py --cfg job                                  # print the resolved config
 

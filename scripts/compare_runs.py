@@ -1,17 +1,22 @@
-"""Compare training runs side by side from their metrics.jsonl: loss parity and throughput.
+"""Compare training runs side by side from their metrics.jsonl: loss parity and throughput (and quality).
 
     python scripts/compare_runs.py outputs/one_gpu outputs/ddp outputs/fsdp [--markdown BENCHMARKS.md --title ...]
+    python scripts/compare_runs.py outputs/dense outputs/sparse --eval outputs/eval/<time>/results.json
 
 The first run is the baseline: the table shows each run's final loss, the largest loss gap to the baseline
 over the steps both logged, steady-state tokens/s (median over logging windows after the first, which holds
 start-up; the median also ignores windows that include a checkpoint write) and its ratio to the baseline,
-peak memory and energy per token.
+peak memory and energy per token. With --eval (an eval.py results.json that scored the runs' final/
+checkpoints) a second table gives each run's held-out CE and its gap to the baseline, perplexity, L0,
+sparsity, the share of neurons that never fired on the held-out text, the dead-neuron fraction of the last
+training window, and the task accuracies.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 from pathlib import Path
 
@@ -51,14 +56,46 @@ def table(run_dirs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _last(records: list[dict], key: str) -> float:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return values[-1] if values else float("nan")
+
+
+def quality_table(run_dirs: list[Path], eval_results: Path) -> str:
+    """Held-out quality of each run's final checkpoint, read from an eval.py results.json."""
+    models = {Path(m["checkpoint"]).resolve(): m for m in json.loads(eval_results.read_text())["models"]}
+    rows = []
+    for run_dir in run_dirs:
+        model = models.get((run_dir / "final").resolve())
+        if model is None:
+            raise SystemExit(f"{eval_results} has no result for {run_dir / 'final'}; evaluate it with eval.py")
+        rows.append((run_dir.name, model, _last(read_metrics(run_dir / "metrics.jsonl"), "dead/mean")))
+    tasks = sorted({task for _, model, _ in rows for task in model.get("tasks", {})})
+    base_ce = rows[0][1]["perplexity"]["ce"]
+    lines = ["| run | held-out CE | CE vs first | perplexity | mean L0 / N | sparsity | never fired (held-out) | "
+             "dead (last training window) | " + " | ".join(f"{t} acc" for t in tasks) + " |",
+             "|---" * (8 + len(tasks)) + "|"]
+    for name, model, dead in rows:
+        ce, sparsity = model["perplexity"]["ce"], model["sparsity"]
+        never = sum(layer["never_fired"] for layer in sparsity["layers"]) / len(sparsity["layers"])
+        accs = [f"{model['tasks'][t]['acc']:.3f}" if t in model.get("tasks", {}) else "-" for t in tasks]
+        lines.append(f"| {name} | {ce:.4f} | {100 * (ce / base_ce - 1):+.2f}% | {model['perplexity']['ppl']:.2f} | "
+                     f"{sparsity['l0_mean']:.1f} / {sparsity['neurons']} | {100 * sparsity['sparsity_mean']:.2f}% | "
+                     f"{100 * never:.1f}% | {100 * dead:.1f}% | " + " | ".join(accs) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories; the first is the baseline")
     parser.add_argument("--markdown", type=Path, help="append the table to this file")
     parser.add_argument("--title", default="Run comparison", help="section title in the markdown file")
     parser.add_argument("--note", default="", help="hardware and settings line under the title")
+    parser.add_argument("--eval", type=Path, help="eval.py results.json that scored the runs' final/ checkpoints")
     args = parser.parse_args()
     text = table(args.runs)
+    if args.eval:
+        text += "\n\n" + quality_table(args.runs, args.eval)
     print(text)
     if args.markdown:
         stamp = datetime.date.today().isoformat()

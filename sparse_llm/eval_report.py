@@ -88,11 +88,13 @@ def _flat_metrics(record: dict[str, Any], prefix: str) -> dict[str, float | str]
 
 
 def log_telemetry(logging_cfg: LoggingConfig, out_dir: Path, results: dict[str, Any]) -> None:
-    """metrics.jsonl and W&B: one record (``eval/*``, ``compare/*``) at the first checkpoint's step."""
+    """metrics.jsonl and W&B: one record at the first checkpoint's step, keys ``eval/*`` for it and
+    ``compare/*`` (``compare_2/*``, ``compare_3/*``, ... for further ones) for the compared checkpoints."""
     quiet = LoggingConfig(**{**asdict(logging_cfg), "progress_bar": False, "console": False})
     step = results["models"][0]["step"] or 0
     metrics: dict[str, float | str] = {}
-    for prefix, record in zip(("eval", "compare"), results["models"], strict=False):
+    for index, record in enumerate(results["models"]):
+        prefix = "eval" if index == 0 else "compare" if index == 1 else f"compare_{index}"
         metrics.update(_flat_metrics(record, prefix))
     with Telemetry(quiet, out_dir, results["settings"], is_main=True, total_steps=step) as telemetry:
         telemetry.log(step, metrics)

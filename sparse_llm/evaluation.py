@@ -24,7 +24,7 @@ import gc
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,8 @@ class EvalConfig:
     Attributes:
         checkpoint: model directory in HF layout (a run's ``final/`` or ``checkpoints/step_N/model``; a run
             directory or ``step_N`` directory is resolved to those). "" = the newest ``outputs/*/final``.
-        compare: a second checkpoint evaluated the same way and shown beside the first ("" = none).
+        compare: checkpoints evaluated the same way and shown beside the first: one path, a list of
+            paths (``compare=[a,b]``) or "" (none).
         tasks: task name, comma-separated names or a list: any lm-eval task, ``heldout_continuation``,
             ``embedded`` (= heldout_continuation) or ``paper`` (the paper's seven zero-shot tasks).
         task_data: task name -> local .json/.jsonl/.parquet file with the split the task evaluates, in the
@@ -83,7 +84,7 @@ class EvalConfig:
     """
 
     checkpoint: str = ""
-    compare: str = ""
+    compare: Any = ""
     tasks: Any = "embedded"
     task_data: dict[str, str | None] = field(default_factory=dict)
     kernel: str = "auto"
@@ -542,6 +543,15 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     return _Plan(names, specs, manager, hub_tasks, documents, device, dtype, tokenizers, heldout)
 
 
+def compare_paths(compare: Any) -> list[str]:
+    """``compare`` as a list of paths: "" -> [], "a" -> ["a"], ["a", "b"] (or a ListConfig) -> ["a", "b"]."""
+    if isinstance(compare, str):
+        return [compare] if compare else []
+    if isinstance(compare, Sequence) and all(isinstance(path, str) and path for path in compare):
+        return list(compare)
+    raise ValueError(f"compare={compare!r}: give one checkpoint path or a list of them, e.g. compare=[a,b]")
+
+
 def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint`` (and ``cfg.compare``); print the table, write results.json, log to W&B.
 
@@ -558,8 +568,7 @@ def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> d
         log.warning("Removing %s of an earlier run: it is rewritten when this run completes", stale)
         stale.unlink()
     model_dirs = [resolve_checkpoint(cfg.checkpoint)]
-    if cfg.compare:
-        model_dirs.append(resolve_checkpoint(cfg.compare, key="compare"))
+    model_dirs += [resolve_checkpoint(path, key="compare") for path in compare_paths(cfg.compare)]
     cfg = replace(cfg, data=choose_data(cfg.data, data_set_by_user, model_dirs))
     plan = _plan(cfg, out_dir, model_dirs)
     models = []

@@ -87,9 +87,11 @@ def arc_only(monkeypatch):
 @pytest.mark.slow
 def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
     out = tmp_path / "eval"
-    results = evaluate(eval_config(checkpoint=str(models["trained"]), compare=str(models["random"])), out)
+    compare = [str(models["random"]), str(models["trained"])]
+    results = evaluate(eval_config(checkpoint=str(models["trained"]), compare=compare), out)
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results, default=str))
-    trained, random = results["models"]
+    trained, random, trained_again = results["models"]
+    assert trained_again["perplexity"] == trained["perplexity"]  # evaluation is deterministic
     assert trained["step"] == 40 and random["step"] is None
     task = trained["tasks"]["heldout_continuation"]
     assert task["n"] == 24 and task["version"] == mc_tasks.HELDOUT_VERSION and task["n_shot"] == 0
@@ -108,6 +110,16 @@ def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
     assert "trained/final" in table and "random/final" in table and "heldout_continuation acc" in table
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == 40 and records[0]["compare/ppl"] == random["perplexity"]["ppl"]
+    assert records[0]["compare_2/ppl"] == trained["perplexity"]["ppl"]
+
+
+def test_compare_takes_one_checkpoint_or_a_list():
+    assert evaluation.compare_paths("") == []
+    assert evaluation.compare_paths("runs/a") == ["runs/a"]
+    assert evaluation.compare_paths(["runs/a", "runs/b"]) == ["runs/a", "runs/b"]
+    for bad in (["runs/a", ""], [3], 3):
+        with pytest.raises(ValueError, match="compare="):
+            evaluation.compare_paths(bad)
 
 
 def test_local_arc_file_runs_through_lm_eval(models, tmp_path, arc_only):

@@ -1,0 +1,100 @@
+"""Per-kernel time breakdown of one gated MLP block on the GPU: where the milliseconds go.
+
+    python scripts/profile_mlp.py                           # inference and training, 28 and 56 non-zeros
+    python scripts/profile_mlp.py --mode train --nnz 28 --sigma 0.5
+
+For each case the block runs `--iters` times under torch.profiler (after warm-up); every device kernel,
+including the CuPy ones, is listed with its calls and device ms per iteration, largest first, beside the
+dense torch block profiled the same way. Shapes and the synthetic sparsity are those of bench_mlp.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
+from sparse_llm.twell_train import twell_train_ffn
+
+L1_COEFF = 2e-5
+
+
+def kernel_table(fn: Callable[[], object], iters: int) -> list[tuple[str, float, float]]:
+    """[(kernel name, calls per iteration, device ms per iteration)], largest time first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    calls: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            calls[event.name] += 1
+            micros[event.name] += event.device_time
+    rows = [(name, calls[name] / iters, micros[name] / iters / 1e3) for name in calls]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
+    total = sum(ms for _, _, ms in rows)
+    print(f"\n### {title}: {total:.3f} ms of kernels per iteration\n")
+    print("| kernel | calls | ms | share |")
+    print("|---|---|---|---|")
+    for name, count, ms in rows:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        print(f"| `{short}` | {count:g} | {ms:.3f} | {ms / total:.0%} |")
+
+
+def dense_infer(x, wg, wu, wd):
+    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def dense_train_step(leaves, dy):
+    x, wg, wu, wd = leaves
+    h = F.relu(F.linear(x, wg)) * F.linear(x, wu)
+    loss = (F.linear(h, wd).float() * dy).sum() + L1_COEFF / x.shape[0] * h.float().abs().sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def sparse_train_step(leaves, dy):
+    result = twell_train_ffn(*leaves)
+    loss = (result.y_MK.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * result.l1_sum
+    return torch.autograd.grad(loss, leaves)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("infer", "train", "both"), default="both")
+    parser.add_argument("--m", type=int, default=16384)
+    parser.add_argument("--k", type=int, default=2048)
+    parser.add_argument("--n", type=int, default=5632)
+    parser.add_argument("--nnz", type=str, default="28,56", help="comma-separated mean gate non-zeros per token")
+    parser.add_argument("--sigma", type=float, default=0.0, help="log-normal token scale (heavy tails if > 0)")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    modes = ("infer", "train") if args.mode == "both" else (args.mode,)
+    print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
+    for nnz in (float(v) for v in args.nnz.split(",")):
+        x, wg, wu, wd = synthetic_block(args.m, args.k, args.n, nnz, args.sigma)
+        if "infer" in modes:
+            with torch.no_grad():
+                print_table(f"infer dense, nnz {nnz:g}", kernel_table(lambda: dense_infer(x, wg, wu, wd), args.iters))
+                twell = kernel_table(lambda: twell_gated_mlp(x, wg, wu, wd), args.iters)
+                print_table(f"infer twell, nnz {nnz:g}", twell)
+        if "train" in modes:
+            leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+            dy = torch.randn(args.m, args.k, device=x.device) / args.m**0.5
+            print_table(f"train dense, nnz {nnz:g}", kernel_table(lambda: dense_train_step(leaves, dy), args.iters))
+            print_table(f"train twell, nnz {nnz:g}", kernel_table(lambda: sparse_train_step(leaves, dy), args.iters))
+
+
+if __name__ == "__main__":
+    main()

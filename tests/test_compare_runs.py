@@ -1,0 +1,54 @@
+"""CPU tests of scripts/compare_runs.py: the training table and the quality table read from eval.py results."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
+compare_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_runs)
+
+
+def _run(root: Path, name: str, losses: list[float], dead: float) -> Path:
+    run = root / name
+    run.mkdir()
+    lines = [{"step": 10 * (i + 1), "loss": loss, "tokens_per_s": 1000.0 * (i + 1), "peak_mem_gb": 1.0,
+              "mj_per_token": 2.0, "l0/mean": 5.0, "dead/mean": dead} for i, loss in enumerate(losses)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
+
+
+def _model(run: Path, ce: float, l0: float, never: list[float], acc: float) -> dict:
+    layers = [{"layer": i, "l0_mean": l0, "never_fired": frac} for i, frac in enumerate(never)]
+    return {"checkpoint": str(run / "final"), "perplexity": {"ce": ce, "ppl": 2.718281828**ce},
+            "sparsity": {"neurons": 100, "l0_mean": l0, "sparsity_mean": 1 - l0 / 100, "layers": layers},
+            "tasks": {"piqa": {"acc": acc}}}
+
+
+def test_training_and_quality_tables(tmp_path):
+    dense = _run(tmp_path, "dense", [3.0, 2.0], dead=0.0)
+    sparse = _run(tmp_path, "sparse", [3.1, 2.05], dead=0.25)
+    results = tmp_path / "results.json"
+    models = [_model(dense, 2.0, 40.0, [0.0, 0.0], 0.6), _model(sparse, 2.04, 1.0, [0.1, 0.3], 0.55)]
+    results.write_text(json.dumps({"models": models}))
+
+    training = compare_runs.table([dense, sparse]).splitlines()
+    assert training[2].startswith("| dense | 20 | 2.0000 | nan |")
+    assert training[3].startswith("| sparse | 20 | 2.0500 | 0.1000 |")
+
+    quality = compare_runs.quality_table([dense, sparse], results).splitlines()
+    assert quality[0].endswith("| piqa acc |")
+    assert quality[2] == "| dense | 2.0000 | +0.00% | 7.39 | 40.0 / 100 | 60.00% | 0.0% | 0.0% | 0.600 |"
+    assert quality[3] == "| sparse | 2.0400 | +2.00% | 7.69 | 1.0 / 100 | 99.00% | 20.0% | 25.0% | 0.550 |"
+
+
+def test_quality_table_names_a_run_that_was_not_evaluated(tmp_path):
+    dense = _run(tmp_path, "dense", [2.0], dead=0.0)
+    other = _run(tmp_path, "other", [2.0], dead=0.0)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"models": [_model(dense, 2.0, 40.0, [0.0], 0.5)]}))
+    with pytest.raises(SystemExit, match="no result for .*other"):
+        compare_runs.quality_table([dense, other], results)
