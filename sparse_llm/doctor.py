@@ -25,6 +25,7 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
     ("twell_pack.cu", "twell_pack_dense"),
     ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
+    ("transpose.cu", "transpose_to_bf16<float>"),
     ("train_forward.cu", "train_ell_from_twell"),
     ("train_forward.cu", f"train_fwd_light<{_KV}>"),
     ("train_backward.cu", f"train_bwd_sddmm<{_KV}>"),

@@ -212,6 +212,32 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def transposed_bf16(w_RC: torch.Tensor) -> torch.Tensor:
+    """Contiguous bf16 copy of w_RC^T [C, R] for a 2-D bf16 or fp32 tensor.
+
+    On a GPU where the kernels run, with R and C multiples of 32, a tiled transpose kernel
+    (kernels/transpose.cu) does it in one coalesced pass; elsewhere torch's strided copy.
+    """
+    rows, cols = w_RC.shape
+    fast = (
+        w_RC.is_cuda
+        and w_RC.dtype in (torch.bfloat16, torch.float32)
+        and rows % 32 == 0
+        and cols % 32 == 0
+        and cuda.unavailable_reason(w_RC.device) is None
+    )
+    if not fast:
+        return w_RC.detach().t().to(torch.bfloat16).contiguous()
+    src = w_RC.detach().contiguous()
+    out = torch.empty(cols, rows, dtype=torch.bfloat16, device=w_RC.device)
+    if src.numel():
+        name = "transpose_to_bf16<float>" if src.dtype == torch.float32 else "transpose_to_bf16<__nv_bfloat16>"
+        kernel = cuda.get_function("transpose.cu", name, src.device)
+        args = (cuda.ptr(src), cuda.ptr(out), _i32(rows), _i32(cols))
+        cuda.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
+    return out
+
+
 class TransposeCache:
     """w [K, N] -> contiguous w^T [N, K], rebuilt when the weight tensor changes (new object, storage or version)."""
 
@@ -228,7 +254,7 @@ class TransposeCache:
             and entry[2] == w_KN.data_ptr()
         ):
             return entry[3]
-        w_t_NK = w_KN.detach().t().contiguous()
+        w_t_NK = transposed_bf16(w_KN) if w_KN.dtype == torch.bfloat16 else w_KN.detach().t().contiguous()
         ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
         self._entries[key] = (ref, _version(w_KN), w_KN.data_ptr(), w_t_NK)
         return w_t_NK

@@ -87,6 +87,7 @@ from sparse_llm.twell_backend import (
     check_inputs,
     dense_row_split,
     shape_unsupported_reason,
+    transposed_bf16,
     twell_gate,
 )
 
@@ -324,7 +325,7 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             counts_host.copy_(counters, non_blocking=True)
             counted = torch.cuda.Event()
             counted.record()
-            w_down_t_NK = w_down_KN.t().contiguous()
+            w_down_t_NK = transposed_bf16(w_down_KN)
             kv = _pieces(k)
             args = (
                 cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
@@ -408,7 +409,7 @@ def _cuda_backward(
         kv = _pieces(k)
         if m:
             blocks = math.ceil(m / WARPS_PER_BLOCK)
-            w_down_t_NK = w_down_KN.t().contiguous()
+            w_down_t_NK = transposed_bf16(w_down_KN)
             args = (
                 cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
                 cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dl1_1),
@@ -433,7 +434,7 @@ def _cuda_backward(
                 x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
                 dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
             )  # fmt: skip
-        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), dw_down_NK.t().to(bf16).contiguous()
+        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), transposed_bf16(dw_down_NK)
 
 
 def _backup_backward(

@@ -34,6 +34,7 @@ if REASON is None:
     from sparse_llm.twell_backend import (
         TransposeCache,
         synthetic_block,
+        transposed_bf16,
         twell_gate,
         twell_gated_mlp,
         twell_pack,
@@ -195,6 +196,17 @@ def test_transpose_cache_follows_weight_updates():
     assert second is not first and torch.equal(second, w.t())
     del w
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(32, 32), (64, 256), (2048, 5632), (96, 4096)])
+def test_transpose_kernel_is_exact(rows, cols, dtype):
+    src = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    got = transposed_bf16(src)
+    assert got.shape == (cols, rows) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert torch.equal(got, src.t().to(torch.bfloat16))
+    view = transposed_bf16(src[:, : cols // 2])  # a non-contiguous input is copied first
+    assert torch.equal(view, src[:, : cols // 2].t().to(torch.bfloat16))
 
 
 def test_empty_batch():
