@@ -223,12 +223,13 @@ def test_backup_rows_match_the_reference(dtype):
     torch.testing.assert_close(y[rows], ref.y_MK[rows])
     torch.testing.assert_close(l1.sum(), ref.l1_sum)
 
-    dy = torch.randn(m, k).to(dtype)
+    dy = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     want = hybrid_gated_mlp_backward_ref(x, wg, wu, wd, ref.saved, dy, 0.25)
     dx = torch.zeros(m, k, dtype=dtype)
     dws = [torch.zeros(n, k) for _ in range(3)]
     _backup_backward(x, wg, wu, wd, rows, g, u, dy, torch.tensor([0.25]), dx, *dws)
-    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    # fp32: the two sides sum the same products in different orders (dx = du Wu + dg Wg as two GEMMs).
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-5}
     torch.testing.assert_close(dx[rows], want.dx_MK[rows], **tol)
     torch.testing.assert_close(dws[0].to(dtype), want.dw_gate_NK, **tol)
     torch.testing.assert_close(dws[1].to(dtype), want.dw_up_NK, **tol)
