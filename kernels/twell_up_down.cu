@@ -2,8 +2,9 @@
 //   for every token m and every packed non-zero (n, g):  u = x[m, :] . w_up[n, :],  h = g * u,
 //   y[m, :] += h * w_down_t[n, :]
 // so the dense hidden h [M, N] never exists. One warp per token (4 tokens per 128-thread block); the warp
-// keeps x[m, :] and the fp32 output row in registers. Lane l owns columns v*256 + 8l .. +8 for v < KV,
-// so K may be any multiple of 8 up to 256*KV (columns >= K are masked).
+// keeps x[m, :] in shared memory and the fp32 output row in registers. Lane l owns columns v*256 + 8l .. +8
+// for v < KV, so K may be any multiple of 8 up to 256*KV (columns >= K are masked). The per-entry step is
+// up_down_entry (up_down_common.cuh).
 //
 // Split mode (grid.y = splits > 1, for small M): split s handles tiles s, s+splits, ... and writes an fp32
 // partial row to y_partial[s, m, :]; twell_reduce_splits then sums the splits in a fixed order. With
@@ -19,7 +20,7 @@
 //
 // Statistics go to zero-initialised buffers: l0[m] += #(h != 0), l1[m] += sum |h| (fp32 atomics, so with
 // splits > 1 the summation order of l1 varies run to run), fired[n] = 1 where h != 0.
-#include "twell_common.cuh"
+#include "up_down_common.cuh"
 
 constexpr int WORD_BATCH = 8;  // TwELL tiles whose packed words one warp fetches at once
 
@@ -50,16 +51,12 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
     // piece v of lane l at x_smem[v * 32 + l]: consecutive lanes, consecutive 16 bytes, no bank conflicts.
     extern __shared__ uint4 smem_x[];
     uint4 *x_smem = smem_x + (threadIdx.x / 32) * KV * 32;
-    bool valid[KV];
+    stage_x<KV, 32>(x_smem, x + m * K, lane, K);
     float acc[KV][8];
 #pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        const int col = v * 256 + lane * 8;
-        valid[v] = col < K;
-        x_smem[v * 32 + lane] = valid[v] ? __ldcs(reinterpret_cast<const uint4 *>(x + m * K + col)) : make_uint4(0, 0, 0, 0);
+    for (int v = 0; v < KV; ++v)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
-    }
     // Issued after the x loads so both are in flight together.
     bool overflow = false;
     int total = 0;
@@ -93,60 +90,20 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
                 const int count = __shfl_sync(FULL_MASK, word, 0);
                 for (int i = 1; i <= count; ++i) {
                     const uint32_t entry = __shfl_sync(FULL_MASK, word, i);
-                    const long long n = twell_col(entry);
-                    const float g = twell_value(entry);
-                    // Both weight rows' loads are issued before any use so they are in flight together (for
-                    // KV > 8 the down row is loaded after the dot product to stay within the register file).
-                    uint4 up_raw[KV], down_raw[KV];
-                    load_weight_row<KV>(up_raw, w_up + n * K, lane, K, keep);
-                    if (KV <= 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
-                    // One partial sum per 16-byte piece: KV short FMA chains instead of one long one.
-                    float dot = 0.0f;
-    #pragma unroll
-                    for (int v = 0; v < KV; ++v) {
-                        float w[8], xv[8];
-                        bf16x8_to_float(up_raw[v], w);
-                        bf16x8_to_float(x_smem[v * 32 + lane], xv);
-                        float part = 0.0f;
-    #pragma unroll
-                        for (int j = 0; j < 8; ++j) part = fmaf(xv[j], w[j], part);
-                        dot += part;
-                    }
-    #pragma unroll
-                    for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, d);
-                    const float h = g * dot;
-                    if (KV > 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
-    #pragma unroll
-                    for (int v = 0; v < KV; ++v) {
-                        float w[8];
-                        bf16x8_to_float(down_raw[v], w);
-    #pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(h, w[j], acc[v][j]);
-                    }
-                    l1_sum += fabsf(h);
-                    if (h != 0.0f) {
-                        ++l0_sum;
-                        // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
-                        if (lane == 0 && fired[n] == 0) fired[n] = 1;
-                    }
+                    up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up,
+                                      w_down_t, fired, lane, K, keep);
                 }
             }
         }
     }
 
+    if (splits == 1) {
+        store_y_row<KV>(y + m * K, acc, lane, K);
+    } else {
 #pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        if (!valid[v]) continue;
-        const int col = v * 256 + lane * 8;
-        if (splits == 1) {
-            uint32_t w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[v][2 * i], acc[v][2 * i + 1]);
-                w[i] = *reinterpret_cast<const uint32_t *>(&pair);
-            }
-            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), make_uint4(w[0], w[1], w[2], w[3]));
-        } else {
+        for (int v = 0; v < KV; ++v) {
+            const int col = v * 256 + lane * 8;
+            if (col >= K) continue;
             float4 *dst = reinterpret_cast<float4 *>(y_partial + (static_cast<long long>(split) * M + m) * K + col);
             dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
             dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);

@@ -27,6 +27,7 @@ from sparse_llm.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.twell_backend import (
     TwellFFN,
+    direct_up_down,
     synthetic_block,
     twell_gate,
     twell_gated_mlp,
@@ -97,11 +98,15 @@ def calibrate(k: int, n: int) -> list[dict]:
         for m in (1, 64, 16384):
             for nnz in (0.001, 28, 56, 112, 280):  # ~0: the fixed cost per call
                 x, wg, wu, wd = synthetic_block(m, k, n, nnz)
-                packed = twell_gate(x, wg)
+                packed, gate = twell_gate(x, wg), F.linear(x, wg)
                 wt = wd.t().contiguous()
-                ms = time_ms(lambda: twell_up_down(x, packed, wu, wt))
-                gbps = m * nnz * 4 * k / (ms * 1e6)
-                rows.append({"what": "up_down", "M": m, "nnz": nnz, "ms": ms, "GBps": gbps})
+                for what, call in (
+                    ("up_down", lambda: twell_up_down(x, packed, wu, wt)),
+                    ("direct_up_down", lambda: direct_up_down(x, gate, wu, wt)),
+                ):
+                    ms = time_ms(call)
+                    gbps = m * nnz * 4 * k / (ms * 1e6)
+                    rows.append({"what": what, "M": m, "nnz": nnz, "ms": ms, "GBps": gbps})
     return rows
 
 
@@ -153,7 +158,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | twell ms (fused / cublas gate) | "
+    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | twell ms, direct (TwELL: fused / cublas) | "
           "speedup | err twell (dense) | energy mJ dense / twell | path (overflow rows) | auto | auto speedup |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["cases"]:

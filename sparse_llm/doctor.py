@@ -25,6 +25,8 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
     ("twell_pack.cu", "twell_pack_dense"),
     ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
+    ("gate_up_down.cu", f"gate_up_down_light<{_KV}>"),
+    ("gate_up_down.cu", f"gate_up_down_heavy<{_KV}>"),
     ("transpose.cu", "transpose_to_bf16<float>"),
     ("train_forward.cu", "train_ell_from_twell"),
     ("train_forward.cu", f"train_fwd_light<{_KV}>"),
@@ -101,7 +103,7 @@ def main() -> int:
         except Exception as error:
             failures += 1
             print(f"  compile {name:<22} FAILED: {error}")
-    for route in ("fused", "cublas"):
+    for route in ("direct", "fused", "cublas"):
         try:
             line = _numerical_check(route)
         except Exception:

@@ -1,21 +1,20 @@
-"""The "twell" FFN backend: the gated feedforward block for inference through TwELL CUDA kernels.
+"""The "twell" FFN backend: the gated feedforward block for inference through sparse CUDA kernels.
 
-Two stages per block (kernels/ holds the CUDA sources):
+Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gated_mlp(gate_route=...)`):
 
-1. Gate: g = relu(x w_gate^T) packed to TwELL (`sparse_llm.formats` documents the layout), by one of
-   two routes: "fused", a wgmma GEMM whose epilogue packs (no dense gate in memory), or "cublas", a
-   torch GEMM followed by a packing kernel (writes and re-reads a bf16 [M, N] gate). On the H100 the
-   fused GEMM reaches ~500 TFLOP/s against cuBLAS's ~730, so "cublas" is faster at every M measured
-   and "auto" uses it; "fused" remains selectable (it saves the [M, N] temporary).
-2. Up + down: per token, for each packed non-zero (n, g): u = x . w_up[n], h = g * u,
-   y += h * w_down[:, n], with fp32 accumulation; the dense hidden [M, N] never exists.
-
-Exactness: a token whose tile holds more than 31 positives (an overflow) is detected on the GPU and
-recomputed by the dense torch path; nothing is dropped. `FFNResult.overflow_rows` counts those tokens.
-Heavy tokens (more than DENSE_ROW_NNZ non-zeros) take the same dense route by choice: one warp would
-walk their non-zeros serially long after the other tokens finish, while a dense GEMM row costs about
-as much as ~100 sparse non-zeros. `path` says "twell+dense-rows" when any token went dense. Finding
-those tokens costs one device-to-host sync per call.
+- "direct" (what "auto" runs): a cuBLAS GEMM gives the bf16 pre-activation gate [M, N]; the up + down
+  kernels read each token's gate row, list its positives g and, per positive n, compute u = x . w_up[n],
+  h = g * u, y += h * w_down[:, n] with fp32 accumulation (kernels/gate_up_down.cu). A token with more
+  than DENSE_ROW_NNZ positives is handed, on the device, to a kernel that splits it over a block of warps.
+  There is no slot capacity, so no token is ever recomputed, and nothing is read back to the host: the
+  call has no device-to-host synchronisation.
+- "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
+  by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
+  memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
+  words (kernels/twell_up_down.cu). A token whose tile holds more than 31 positives (an overflow), or
+  more than DENSE_ROW_NNZ in all, is recomputed by dense torch GEMMs; finding those tokens costs one
+  device-to-host sync per call, `overflow_rows` counts them and `path` says "twell+dense-rows". The
+  training op (sparse_llm/twell_train.py) builds its sparse format from these TwELL words.
 
 Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u per token (the kernel
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
@@ -50,16 +49,20 @@ GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + a
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 UP_DOWN_TOKENS_PER_BLOCK = 4
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
-GATE_ROUTES = ("auto", "fused", "cublas")
+GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
+MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
+DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
+DIRECT_HEAVY_WARPS = 8  # HEAVY_WARPS in gate_up_down.cu: warps sharing one heavy token
+DIRECT_HEAVY_BLOCKS_PER_SM = 2
 
 # ------------------------------------------------------------------------------------------------
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
 # --calibrate at K = 2048, N = 5632 (BENCHMARKS.md, "TwELL inference: calibration").
 # ------------------------------------------------------------------------------------------------
 CUBLAS_GEMM_TFLOPS = 730.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.517 ms
-FUSED_GATE_TFLOPS = 500.0  # fused gate GEMM + packing epilogue, same shape: 0.755 ms
 PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
-# The fused gate loses to cuBLAS + packing at every M measured (1 .. 16384), so "auto" never picks it.
+# The fused gate GEMM + packing epilogue (0.755 ms at that shape, 500 TFLOP/s) loses to cuBLAS + packing
+# at every M measured (1 .. 16384), so twell_gate's "auto" never picks it.
 FUSED_GATE_MIN_M = 1 << 62
 # Up+down at M = 16384: 0.755 ms at 28 non-zeros per token, 1.351 ms at 56: a marginal 6.3 TB/s of
 # weight-row bytes (2 rows of K bf16 per non-zero, from L2) on top of 0.16 ms.
@@ -71,12 +74,10 @@ TAIL_FACTOR = 2.0
 HBM_GBPS = 3000.0
 # Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
 CPU_FLOOR_MS = 0.22
-# Dense rows cost their three GEMMs plus gather, scatter and statistics passes over [R, N]: with every
-# token dense (mean 280 / 560 non-zeros) the call took 4.1 ms = gate + 0.24 + 2.1x dense_ms(16384).
-DENSE_ROW_FACTOR = 2.1
-# Tokens with more gate non-zeros than this go to the dense path: at ~1.5 ns per sparse non-zero
-# (8 KiB at 5.5 TB/s) vs ~0.1 us per dense GEMM row, the break-even is ~70; 128 leaves margin for
-# the gather/scatter around the dense rows.
+# Tokens with more gate non-zeros than this leave the one-warp path: the TwELL routes compute them with
+# dense GEMMs (at ~1.5 ns per sparse non-zero, 8 KiB at 5.5 TB/s, vs ~0.1 us per dense GEMM row, the
+# break-even is ~70; 128 leaves margin for the gather/scatter around the dense rows), the direct route
+# splits them over a block of warps so that no single warp walks hundreds of non-zeros.
 DENSE_ROW_NNZ = 128
 # Tokens averaging this many gate non-zeros per tile are assumed to overflow some tile (capacity 31).
 OVERFLOW_NNZ_PER_TILE = 20.0
@@ -116,21 +117,20 @@ def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float,
 
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
-    """Predicted time of one inference call of the twell backend (see the constants above)."""
-    if gate_route_for(m) == "fused":
-        gate = _gemm_ms(m, k, n, FUSED_GATE_TFLOPS)
-    else:
-        gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + m * n * (2 + 0.5) / (PACK_GBPS * 1e6)
-    dense_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
-    sparse_tokens = m * (1.0 - dense_fraction)
+    """Predicted time of one inference call of the twell backend ("direct" route; see the constants above).
+
+    The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
+    rate; tokens above DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under
+    it set the call's tail. The up + down constants were measured on the TwELL kernel, whose fixed cost
+    per token includes the packed words the direct route does not read: a conservative price.
+    """
+    gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
-    up_down = sparse_tokens * light_mean * row_bytes / (UP_DOWN_GBPS * 1e6)
-    up_down = up_down * (TAIL_FACTOR if dense_fraction > 0 else 1.0) + m * UP_DOWN_MS_PER_TOKEN
-    up_down = max(
-        up_down, min(sparse_tokens * light_mean, n) * row_bytes / (HBM_GBPS * 1e6)
-    )  # rows read once
-    dense_rows = DENSE_ROW_FACTOR * dense_ms(math.ceil(dense_fraction * m), k, n)
-    return max(gate + up_down + dense_rows, CPU_FLOOR_MS)
+    nonzeros = m * l0_mean
+    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * (TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0)
+    up_down += m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
+    up_down = max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
+    return max(gate + up_down, CPU_FLOOR_MS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,9 +195,9 @@ def check_inputs(
         )
 
 
-def _check_gate_route(route: str) -> None:
-    if route not in GATE_ROUTES:
-        raise ValueError(f"gate_route={route!r} is not valid; use one of {GATE_ROUTES}")
+def _check_gate_route(route: str, allowed: tuple[str, ...] = GATE_ROUTES) -> None:
+    if route not in allowed:
+        raise ValueError(f"gate_route={route!r} is not valid; use one of {allowed}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,6 +404,60 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
+def direct_up_down(
+    x_MK: torch.Tensor,
+    gate_MN: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    split_nnz: int = DENSE_ROW_NNZ,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T (kernels/gate_up_down.cu).
+
+    Args:
+        x_MK: bf16 [M, K]. gate_MN: bf16 [M, N] = x w_gate^T (before ReLU).
+        w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
+        split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are split over a block
+            of warps. Below SPLIT_BELOW_M tokens every token with a positive is split, to fill the GPU.
+
+    Returns:
+        (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync.
+    """
+    m, k = x_MK.shape
+    n = gate_MN.shape[1]
+    device = x_MK.device
+    y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    l1_M = torch.empty(m, dtype=torch.float32, device=device)
+    l0_M = torch.empty(m, dtype=torch.int32, device=device)
+    zeroed = torch.zeros(n + 1, dtype=torch.int32, device=device)  # one fill: fired_N | heavy count
+    fired_N, heavy_count = zeroed[:n], zeroed[n:]
+    if m == 0:
+        return y_MK, l1_M, l0_M, fired_N
+    heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
+    split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
+    kv = math.ceil(k / 256)
+    light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
+    args = (
+        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK),
+        cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
+        _i32(m), _i32(k), _i32(n), _i32(split),
+    )  # fmt: skip
+    smem = UP_DOWN_TOKENS_PER_BLOCK * (kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + positives list per warp
+    cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
+                shared_mem=smem)  # fmt: skip
+    heavy = cuda.get_function("gate_up_down.cu", f"gate_up_down_heavy<{kv}>", device)
+    # x row | partial fp32 rows per warp | a 256-entry list per warp | per-warp l1 and l0
+    smem = kv * 32 * 16 + DIRECT_HEAVY_WARPS * (kv * 256 * 4 + 256 * 4 + 8)
+    cuda.set_dynamic_smem(heavy, smem)
+    blocks = min(m, DIRECT_HEAVY_BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    args = (
+        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK),
+        cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
+        _i32(k), _i32(n),
+    )  # fmt: skip
+    cuda.launch(heavy, (blocks,), (32 * DIRECT_HEAVY_WARPS,), args, device, shared_mem=smem)
+    return y_MK, l1_M, l0_M, fired_N
+
+
 def dense_row_stats(h_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum |h| per row in fp32 [R], non-zeros per row int32 [R], fired neurons bool [N]) of a dense h [R, N]."""
     nonzero_RN = h_RN != 0
@@ -422,15 +476,21 @@ def twell_gated_mlp(
 
     Args:
         x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
-        gate_route: see `twell_gate`.
-        dense_row_nnz: tokens with more gate non-zeros than this take the dense path (cheaper for them).
+        gate_route: "auto" (= "direct"), "direct", "cublas" or "fused" (see the module docstring).
+        dense_row_nnz: tokens with more gate non-zeros than this are split over a block of warps
+            ("direct") or computed by dense GEMMs (TwELL routes), either way cheaper for them.
 
     Returns:
-        FFNResult. Tokens with an overflowed tile (counted in `overflow_rows`) and heavy tokens were
-        computed by dense torch GEMMs; `path` is "twell+dense-rows" when there were any.
+        FFNResult. "direct": path "twell-direct", overflow_rows 0 (no token is recomputed). TwELL routes:
+        tokens with an overflowed tile (counted in `overflow_rows`) and heavy tokens were computed by
+        dense torch GEMMs; `path` is "twell+dense-rows" when there were any.
     """
     check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
-    _check_gate_route(gate_route)
+    _check_gate_route(gate_route, MLP_ROUTES)
+    if gate_route in ("auto", "direct"):
+        gate_MN = F.linear(x_MK, w_gate_NK)
+        y_MK, l1_M, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
+        return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path="twell-direct")
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
     dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync

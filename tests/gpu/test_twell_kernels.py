@@ -33,6 +33,7 @@ pytestmark = [
 if REASON is None:
     from sparse_llm.twell_backend import (
         TransposeCache,
+        direct_up_down,
         synthetic_block,
         transposed_bf16,
         twell_gate,
@@ -95,22 +96,27 @@ def run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="auto", dense_row_n
     return result
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 300, 4096, 32768])
-@pytest.mark.parametrize("route", ["fused", "cublas"])
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 2047, 2048, 4096, 32768])
+@pytest.mark.parametrize("route", ["direct", "fused", "cublas"])
 def test_uniform_density(m, route):
+    if m in (2047, 2048) and route != "direct":
+        pytest.skip("the one-warp / split boundary of the direct route")
     if m == 32768 and route == "cublas":
         pytest.skip("cublas route is for small M; covered at 4096")
     block = synthetic_block(m, 2048, 5632, nnz_mean=56, seed=m)
     result = run_case(*block, gate_route=route)
-    assert result.path == "twell" or result.overflow_rows > 0
+    if route == "direct":
+        assert result.path == "twell-direct" and result.overflow_rows == 0
+    else:
+        assert result.path == "twell" or result.overflow_rows > 0
 
 
 @pytest.mark.parametrize("sigma", [0.3, 0.5, 1.0])
 @pytest.mark.parametrize("m", [300, 4096])
 def test_heavy_tailed_with_overflow(m, sigma):
-    """Heavy tokens (> 128 non-zeros) and overflowed ones go dense; the rest sparse; all exact."""
+    """TwELL routes: heavy tokens (> 128 non-zeros) and overflowed ones go dense; the rest sparse; all exact."""
     block = synthetic_block(m, 2048, 5632, nnz_mean=60, sigma=sigma, seed=int(sigma * 10) + m)
-    result = run_case(*block)
+    result = run_case(*block, gate_route="cublas")
     packed = pack_twell(F.linear(block[0].float(), block[1].float()))
     expected = int(packed.overflow_M.sum())
     assert abs(result.overflow_rows - expected) <= 1  # a near-zero gate may flip sign at a tile's edge
@@ -119,33 +125,67 @@ def test_heavy_tailed_with_overflow(m, sigma):
         assert result.path == "twell+dense-rows"
 
 
+@pytest.mark.parametrize("sigma", [0.3, 0.5, 1.0])
+@pytest.mark.parametrize("m", [300, 4096, 16384])
+def test_direct_route_heavy_tailed(m, sigma):
+    """Direct route: tokens 20-100x denser than the mean are split over warps, never recomputed; all exact."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=sigma, seed=int(sigma * 10) + m + 1)
+    result = run_case(*block, gate_route="direct")
+    assert result.overflow_rows == 0 and result.path == "twell-direct"
+    assert result.l0_M.max() > 128, "this case is meant to have tokens on the split path"
+
+
+@pytest.mark.parametrize("route", ["direct", "cublas"])
 @pytest.mark.parametrize("dense_row_nnz", [128, 1 << 30])
 @pytest.mark.parametrize("m", [7, 300, 4096])
-def test_dense_zero_and_hot_rows(m, dense_row_nnz):
+def test_dense_zero_and_hot_rows(m, dense_row_nnz, route):
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=7 * m)
     x_MK[::5, 0] = -1.0  # flips the shift: ~99.5% of the gate positive, every tile overflows
     x_MK[1::5] = 0.0  # all-zero tokens: the gate is exactly 0, nothing is positive
     w_gate_NK[123, 0] = 10.0  # neuron 123 fires for (almost) every token
-    result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, dense_row_nnz=dense_row_nnz)
-    assert result.overflow_rows == len(range(0, m, 5))
+    result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=route, dense_row_nnz=dense_row_nnz)
+    assert result.overflow_rows == (0 if route == "direct" else len(range(0, m, 5)))
     assert bool(result.fired_N[123])
     assert result.fired_N.dtype == torch.bool
     assert (result.l0_M[1::5] == 0).all()
 
 
-def test_heavy_rows_stay_exact_on_the_sparse_path():
-    """With the dense-row threshold off, long (non-overflowing) rows run through the kernel itself."""
-    block = synthetic_block(1000, 2048, 5632, nnz_mean=150, seed=4)
-    result = run_case(*block, dense_row_nnz=1 << 30)
-    assert result.overflow_rows == 0 and result.path == "twell"
+@pytest.mark.parametrize("route, m", [("cublas", 1000), ("direct", 1000), ("direct", 4096)])
+def test_heavy_rows_stay_exact_on_the_sparse_path(route, m):
+    """With the dense-row threshold off, long (non-overflowing) rows run through the sparse kernels."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=150, seed=4)
+    result = run_case(*block, gate_route=route, dense_row_nnz=1 << 30)
+    assert result.overflow_rows == 0 and result.path in ("twell", "twell-direct")
 
 
 @pytest.mark.parametrize("k,n", [(64, 256), (320, 768), (1024, 2816), (4096, 1024)])
-@pytest.mark.parametrize("m", [1, 129, 1500])
+@pytest.mark.parametrize("m", [1, 129, 1500, 2500])
 def test_general_shapes(m, k, n):
     block = synthetic_block(m, k, n, nnz_mean=n * 0.01, sigma=0.3, seed=k + n + m)
-    for route in ("fused", "cublas"):
+    for route in ("direct", "fused", "cublas"):
         run_case(*block, gate_route=route)
+
+
+def test_direct_route_never_syncs_and_replays_in_a_cuda_graph():
+    """The direct route reads nothing back to the host: it runs under sync-error mode and in a CUDA graph."""
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=28, sigma=0.5, seed=21)
+    twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+    x_MK.copy_(x_MK.flip(0))  # new inputs in place: the replay must see them
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+    torch.testing.assert_close(captured.y_MK, fresh.y_MK)
+    assert (captured.l0_M - fresh.l0_M).abs().max() <= 1
+    assert_close_to_ref(captured.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
 
 
 @pytest.mark.parametrize("m", [1, 100, 4096])
@@ -184,6 +224,19 @@ def test_up_down_splits_agree():
     assert not full.dense_M[:17].any()
     assert torch.allclose(full.y_MK[:17].float(), part.y_MK.float(), rtol=1e-2, atol=1e-3)
     assert torch.equal(full.l0_M[:17], part.l0_M)
+
+
+def test_direct_split_and_one_warp_paths_agree():
+    """Direct route: the same tokens through the one-warp kernel (large M) and the split kernel (small M)."""
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=56, seed=12)
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    y_full, l1_full, l0_full, fired_full = direct_up_down(x_MK, gate_MN, w_up_NK, w_t)
+    y_part, l1_part, l0_part, _ = direct_up_down(x_MK[:17], gate_MN[:17], w_up_NK, w_t)
+    assert torch.allclose(y_full[:17].float(), y_part.float(), rtol=1e-2, atol=1e-3)
+    assert torch.equal(l0_full[:17], l0_part)
+    assert torch.allclose(l1_full[:17], l1_part, rtol=1e-5)
+    assert fired_full.dtype == torch.int32 and set(fired_full.unique().tolist()) <= {0, 1}
 
 
 def test_transpose_cache_follows_weight_updates():

@@ -1,0 +1,223 @@
+// Up + down projection straight from the gate pre-activation (inference, the "direct" route):
+//   for every token m and every column n with gate[m, n] > 0:  u = x[m, :] . w_up[n, :],  h = gate[m, n] * u,
+//   y[m, :] += h * w_down_t[n, :]
+// where gate = x w_gate^T comes from a cuBLAS GEMM. Reading the bf16 gate row replaces the TwELL packing
+// pass and has no slot capacity, so no token is ever recomputed, and the call needs no host
+// synchronisation: the host never learns how many tokens were heavy.
+//
+//   gate_up_down_light : one warp per token. One pass over the token's gate row (GATE_BATCH chunks of 256
+//                        columns loaded together) lists its positives as TwELL entries (bf16 value << 16 |
+//                        column) in ascending column order in shared memory. A token with more than
+//                        split_nnz positives (split_nnz <= LIST_CAP) is appended to heavy_rows for
+//                        gate_up_down_heavy; the others are computed entry by entry (up_down_entry).
+//   gate_up_down_heavy : HEAVY_WARPS warps per heavy token, so a token with hundreds or thousands of
+//                        positives does not hold one warp for the whole tail of the call. Persistent blocks
+//                        walk heavy_rows (its length is read on the device); warp w takes the 256-column
+//                        chunks w, w + HEAVY_WARPS, ...; the warps' fp32 partial rows are summed in warp
+//                        order in shared memory, so the result is deterministic.
+// Every token's y row, l1[m] (sum |h|) and l0[m] (h != 0 count) are written exactly once, by one of the two
+// kernels; fired[n] (zeroed by the caller) is set to 1 where h != 0. torch reference: formats.gated_mlp_ref.
+#include "up_down_common.cuh"
+
+constexpr int GATE_BATCH = 8;    // 256-column chunks of a gate row whose loads one warp issues together
+constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
+constexpr int HEAVY_WARPS = 8;   // warps sharing one heavy token
+
+// This lane's 8 gate values of a chunk, their positives appended to `list` (ascending columns) from slot
+// `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
+__device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32_t *list, int base, int cap,
+                                              int lane) {
+    float v[8];
+    bf16x8_to_float(raw, v);
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
+    int incl = mine;  // inclusive prefix sum over the lanes: each lane's first slot
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int other = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += other;
+    }
+    int slot = base + incl - mine;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (v[i] > 0.0f) {
+            // The values are already bf16, so twell_entry's rounding is the identity here.
+            if (slot < cap) list[slot] = twell_entry(v[i], col0 + i);
+            ++slot;
+        }
+    }
+    return __shfl_sync(FULL_MASK, incl, 31);
+}
+
+// 16 bytes of a gate row: this lane's 8 columns of chunk c (streaming: each row is read once).
+__device__ __forceinline__ uint4 gate_piece(const __nv_bfloat16 *__restrict__ row, int c, int lane) {
+    return __ldcs(reinterpret_cast<const uint4 *>(row + c * 256 + lane * 8));
+}
+
+// Up to K = 2048, 4 blocks per SM (128 registers): 16 warps, as many weight rows in flight as the register
+// file allows without spilling. Wider rows need the whole register file.
+template <int KV>
+__global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
+    const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
+    const __nv_bfloat16 *__restrict__ x,         // [M, K]
+    const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
+    const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
+    __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens)
+    float *__restrict__ l1,                      // [M] out (light tokens)
+    int *__restrict__ l0,                        // [M] out (light tokens)
+    int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
+    int *__restrict__ heavy_rows,                // [M] out: heavy tokens, first heavy_count[0] valid
+    int *__restrict__ heavy_count,               // [1] zeroed
+    int M, int K, int N, int split_nnz) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * 4 + warp;
+    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
+    extern __shared__ uint4 smem[];
+    uint4 *x_smem = smem + warp * KV * 32;
+    uint32_t *list = reinterpret_cast<uint32_t *>(smem + 4 * KV * 32) + warp * LIST_CAP;
+    const __nv_bfloat16 *row = gate + m * N;
+    const int chunks = N / 256;
+
+    int total = 0;
+    for (int c0 = 0; c0 < chunks; c0 += GATE_BATCH) {
+        uint4 raw[GATE_BATCH];
+#pragma unroll
+        for (int b = 0; b < GATE_BATCH; ++b) raw[b] = c0 + b < chunks ? gate_piece(row, c0 + b, lane) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int b = 0; b < GATE_BATCH; ++b) total += list_positives(raw[b], (c0 + b) * 256 + lane * 8, list, total, LIST_CAP, lane);
+    }
+    if (total > split_nnz) {
+        if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
+        return;
+    }
+
+    stage_x<KV, 32>(x_smem, x + m * K, lane, K);
+    __syncwarp();  // the list and x are written by all lanes, read by all lanes
+    const uint64_t keep = l2_keep_policy();
+    float acc[KV][8];
+#pragma unroll
+    for (int v = 0; v < KV; ++v)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
+    float l1_sum = 0.0f;
+    int l0_sum = 0;
+    for (int j = 0; j < total; ++j) {
+        const uint32_t entry = list[j];
+        up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t, fired,
+                          lane, K, keep);
+    }
+    store_y_row<KV>(y + m * K, acc, lane, K);
+    if (lane == 0) {
+        l1[m] = l1_sum;
+        l0[m] = l0_sum;
+    }
+}
+
+// Shared memory: x row (KV * 32 uint4) | partial rows [HEAVY_WARPS][KV * 256] fp32 | chunk lists
+// [HEAVY_WARPS][256] uint32 | per-warp l1 [HEAVY_WARPS] fp32 | per-warp l0 [HEAVY_WARPS] int.
+template <int KV>
+__global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_down_heavy(
+    const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
+    const __nv_bfloat16 *__restrict__ x,         // [M, K]
+    const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
+    const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K]
+    __nv_bfloat16 *__restrict__ y,               // [M, K] out (heavy tokens)
+    float *__restrict__ l1,                      // [M] out (heavy tokens)
+    int *__restrict__ l0,                        // [M] out (heavy tokens)
+    int *__restrict__ fired,                     // [N] set to 1 where h != 0
+    const int *__restrict__ heavy_rows,          // [M] from gate_up_down_light
+    const int *__restrict__ heavy_count,         // [1]
+    int K, int N) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32;
+    extern __shared__ uint4 smem[];
+    uint4 *x_smem = smem;
+    float *partial = reinterpret_cast<float *>(smem + KV * 32);
+    uint32_t *list = reinterpret_cast<uint32_t *>(partial + HEAVY_WARPS * KV * 256) + warp * 256;
+    float *warp_l1 = reinterpret_cast<float *>(list - warp * 256 + HEAVY_WARPS * 256);
+    int *warp_l0 = reinterpret_cast<int *>(warp_l1 + HEAVY_WARPS);
+    const int chunks = N / 256;
+    const int count = *heavy_count;
+    const uint64_t keep = l2_keep_policy();
+
+    for (int i = blockIdx.x; i < count; i += gridDim.x) {
+        const long long m = heavy_rows[i];
+        const __nv_bfloat16 *row = gate + m * N;
+        stage_x<KV, HEAVY_WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
+        __syncthreads();  // x staged (and the previous token's partial rows consumed)
+
+        float acc[KV][8];
+#pragma unroll
+        for (int v = 0; v < KV; ++v)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
+        float l1_sum = 0.0f;
+        int l0_sum = 0;
+        for (int c = warp; c < chunks; c += HEAVY_WARPS) {
+            const int here = list_positives(gate_piece(row, c, lane), c * 256 + lane * 8, list, 0, 256, lane);
+            __syncwarp();
+            for (int j = 0; j < here; ++j) {
+                const uint32_t entry = list[j];
+                up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t,
+                                  fired, lane, K, keep);
+            }
+            __syncwarp();  // the list is rewritten by the next chunk
+        }
+        // This warp's partial row, in column order (lane l's piece v holds columns v * 256 + 8l .. + 7).
+#pragma unroll
+        for (int v = 0; v < KV; ++v) {
+            float4 *dst = reinterpret_cast<float4 *>(partial + warp * KV * 256 + v * 256 + lane * 8);
+            dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+            dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+        }
+        if (lane == 0) {
+            warp_l1[warp] = l1_sum;
+            warp_l0[warp] = l0_sum;
+        }
+        __syncthreads();
+        // Sum the warps' partial rows in warp order: thread t owns columns 8t .. 8t + 7 of each 2048.
+        for (int col = threadIdx.x * 8; col < K; col += HEAVY_WARPS * 32 * 8) {
+            float sum[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
+            for (int w = 0; w < HEAVY_WARPS; ++w) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += partial[w * KV * 256 + col + j];
+            }
+            uint32_t packed[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const __nv_bfloat162 pair = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
+                packed[j] = *reinterpret_cast<const uint32_t *>(&pair);
+            }
+            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), make_uint4(packed[0], packed[1], packed[2], packed[3]));
+        }
+        if (threadIdx.x == 0) {
+            float l1_total = 0.0f;
+            int l0_total = 0;
+            for (int w = 0; w < HEAVY_WARPS; ++w) {
+                l1_total += warp_l1[w];
+                l0_total += warp_l0[w];
+            }
+            l1[m] = l1_total;
+            l0[m] = l0_total;
+        }
+        __syncthreads();  // partial rows, per-warp sums and x are reused by the next token
+    }
+}
+
+// Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
+#define GATE_UP_DOWN(KV)                                                                                        \
+    template __global__ void gate_up_down_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
+                                                    const __nv_bfloat16 *, const __nv_bfloat16 *,              \
+                                                    __nv_bfloat16 *, float *, int *, int *, int *, int *, int, \
+                                                    int, int, int);                                            \
+    template __global__ void gate_up_down_heavy<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
+                                                    const __nv_bfloat16 *, const __nv_bfloat16 *,              \
+                                                    __nv_bfloat16 *, float *, int *, int *, const int *,       \
+                                                    const int *, int, int);
+GATE_UP_DOWN(1)
+GATE_UP_DOWN(8)
+GATE_UP_DOWN(16)
