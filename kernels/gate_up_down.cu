@@ -10,18 +10,24 @@
 //                        column) in ascending column order in shared memory. A token with more than
 //                        split_nnz positives (split_nnz <= LIST_CAP) is appended to heavy_rows for
 //                        gate_up_down_heavy; the others are computed entry by entry (up_down_entry).
-//   gate_up_down_heavy : HEAVY_WARPS warps per heavy token, so a token with hundreds or thousands of
+//   gate_up_down_heavy : heavy_warps<KV>() warps per heavy token, so a token with hundreds or thousands of
 //                        positives does not hold one warp for the whole tail of the call. Persistent blocks
 //                        walk heavy_rows (its length is read on the device); warp w takes the 256-column
-//                        chunks w, w + HEAVY_WARPS, ...; the warps' fp32 partial rows are summed in warp
-//                        order in shared memory, so the result is deterministic.
+//                        chunks w, w + warps, ...; the warps' fp32 partial rows are summed in a fixed
+//                        order in shared memory (w + w + warps / 2 first, then the halves' sums in
+//                        warp order), so the result is deterministic.
 // Every token's y row, l1[m] (sum |h|) and l0[m] (h != 0 count) are written exactly once, by one of the two
 // kernels; fired[n] (zeroed by the caller) is set to 1 where h != 0. torch reference: formats.gated_mlp_ref.
 #include "up_down_common.cuh"
 
 constexpr int GATE_BATCH = 8;    // 256-column chunks of a gate row whose loads one warp issues together
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
-constexpr int HEAVY_WARPS = 8;   // warps sharing one heavy token
+// Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
+// more registers per thread, so 8.
+template <int KV>
+__host__ __device__ constexpr int heavy_warps() {
+    return KV <= 8 ? 16 : 8;
+}
 
 // This lane's 8 gate values of a chunk, their positives appended to `list` (ascending columns) from slot
 // `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
@@ -115,10 +121,10 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     }
 }
 
-// Shared memory: x row (KV * 32 uint4) | partial rows [HEAVY_WARPS][KV * 256] fp32 | chunk lists
-// [HEAVY_WARPS][256] uint32 | per-warp l1 [HEAVY_WARPS] fp32 | per-warp l0 [HEAVY_WARPS] int.
+// Shared memory: x row (KV * 32 uint4) | partial rows [warps / 2][KV * 256] fp32 | chunk lists
+// [warps][256] uint32 | per-warp l1 [warps] fp32 | per-warp l0 [warps] int.
 template <int KV>
-__global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_down_heavy(
+__global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
@@ -134,10 +140,12 @@ __global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_dow
     const int warp = threadIdx.x / 32;
     extern __shared__ uint4 smem[];
     uint4 *x_smem = smem;
+    constexpr int WARPS = heavy_warps<KV>();
+    constexpr int HALF = WARPS / 2;
     float *partial = reinterpret_cast<float *>(smem + KV * 32);
-    uint32_t *list = reinterpret_cast<uint32_t *>(partial + HEAVY_WARPS * KV * 256) + warp * 256;
-    float *warp_l1 = reinterpret_cast<float *>(list - warp * 256 + HEAVY_WARPS * 256);
-    int *warp_l0 = reinterpret_cast<int *>(warp_l1 + HEAVY_WARPS);
+    uint32_t *list = reinterpret_cast<uint32_t *>(partial + HALF * KV * 256) + warp * 256;
+    float *warp_l1 = reinterpret_cast<float *>(list - warp * 256 + WARPS * 256);
+    int *warp_l0 = reinterpret_cast<int *>(warp_l1 + WARPS);
     const int chunks = N / 256;
     const int count = *heavy_count;
     const uint64_t keep = l2_keep_policy();
@@ -145,7 +153,7 @@ __global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_dow
     for (int i = blockIdx.x; i < count; i += gridDim.x) {
         const long long m = heavy_rows[i];
         const __nv_bfloat16 *row = gate + m * N;
-        stage_x<KV, HEAVY_WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
+        stage_x<KV, WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
         __syncthreads();  // x staged (and the previous token's partial rows consumed)
 
         float acc[KV][8];
@@ -155,7 +163,7 @@ __global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_dow
             for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
         float l1_sum = 0.0f;
         int l0_sum = 0;
-        for (int c = warp; c < chunks; c += HEAVY_WARPS) {
+        for (int c = warp; c < chunks; c += WARPS) {
             const int here = list_positives(gate_piece(row, c, lane), c * 256 + lane * 8, list, 0, 256, lane);
             __syncwarp();
             for (int j = 0; j < here; ++j) {
@@ -165,24 +173,35 @@ __global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_dow
             }
             __syncwarp();  // the list is rewritten by the next chunk
         }
-        // This warp's partial row, in column order (lane l's piece v holds columns v * 256 + 8l .. + 7).
-#pragma unroll
-        for (int v = 0; v < KV; ++v) {
-            float4 *dst = reinterpret_cast<float4 *>(partial + warp * KV * 256 + v * 256 + lane * 8);
-            dst[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-            dst[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
-        }
         if (lane == 0) {
             warp_l1[warp] = l1_sum;
             warp_l0[warp] = l0_sum;
         }
+        // Partial rows in column order (lane l's piece v holds columns v * 256 + 8l .. + 7): the upper half
+        // of the warps writes, the lower half adds its own and writes the pair's sum.
+        float *mine = partial + (warp % HALF) * KV * 256 + lane * 8;
+        if (warp >= HALF) {
+#pragma unroll
+            for (int v = 0; v < KV; ++v) {
+                reinterpret_cast<float4 *>(mine + v * 256)[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+                reinterpret_cast<float4 *>(mine + v * 256)[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+            }
+        }
         __syncthreads();
-        // Sum the warps' partial rows in warp order: thread t owns columns 8t .. 8t + 7 of each 2048.
-        for (int col = threadIdx.x * 8; col < K; col += HEAVY_WARPS * 32 * 8) {
+        if (warp < HALF) {
+#pragma unroll
+            for (int v = 0; v < KV; ++v) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) mine[v * 256 + j] += acc[v][j];
+            }
+        }
+        __syncthreads();
+        // Sum the pairs in warp order: thread t owns columns 8t .. 8t + 7 of each 256 * WARPS.
+        for (int col = threadIdx.x * 8; col < K; col += WARPS * 32 * 8) {
             float sum[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
-            for (int w = 0; w < HEAVY_WARPS; ++w) {
+            for (int w = 0; w < HALF; ++w) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) sum[j] += partial[w * KV * 256 + col + j];
             }
@@ -197,7 +216,7 @@ __global__ void __launch_bounds__(HEAVY_WARPS * 32, KV <= 8 ? 2 : 1) gate_up_dow
         if (threadIdx.x == 0) {
             float l1_total = 0.0f;
             int l0_total = 0;
-            for (int w = 0; w < HEAVY_WARPS; ++w) {
+            for (int w = 0; w < WARPS; ++w) {
                 l1_total += warp_l1[w];
                 l0_total += warp_l0[w];
             }

@@ -52,8 +52,6 @@ UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_B
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
-DIRECT_HEAVY_WARPS = 8  # HEAVY_WARPS in gate_up_down.cu: warps sharing one heavy token
-DIRECT_HEAVY_BLOCKS_PER_SM = 2
 
 # ------------------------------------------------------------------------------------------------
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
@@ -445,16 +443,17 @@ def direct_up_down(
     cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
                 shared_mem=smem)  # fmt: skip
     heavy = cuda.get_function("gate_up_down.cu", f"gate_up_down_heavy<{kv}>", device)
-    # x row | partial fp32 rows per warp | a 256-entry list per warp | per-warp l1 and l0
-    smem = kv * 32 * 16 + DIRECT_HEAVY_WARPS * (kv * 256 * 4 + 256 * 4 + 8)
+    warps = 16 if kv <= 8 else 8  # heavy_warps<KV>() in gate_up_down.cu: warps sharing one heavy token
+    # x row | partial fp32 rows for half the warps | a 256-entry list per warp | per-warp l1 and l0
+    smem = kv * 32 * 16 + warps // 2 * kv * 256 * 4 + warps * (256 * 4 + 8)
     cuda.set_dynamic_smem(heavy, smem)
-    blocks = min(m, DIRECT_HEAVY_BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    blocks = min(m, torch.cuda.get_device_properties(device).multi_processor_count)  # one block per SM
     args = (
         cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK),
         cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
         _i32(k), _i32(n),
     )  # fmt: skip
-    cuda.launch(heavy, (blocks,), (32 * DIRECT_HEAVY_WARPS,), args, device, shared_mem=smem)
+    cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
     return y_MK, l1_M, l0_M, fired_N
 
 
