@@ -1,11 +1,12 @@
 """Training path of the gated feedforward block on the hybrid sparse format: an autograd-aware op.
 
-Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) have run on an H100 80GB
-SXM: tests/gpu/test_twell_train.py passed (32 tests, exact gradients), and a 300-step train.py run with
-kernel=twell kept within 0.024 of the dense run's loss (final 2.031 vs 2.008; BENCHMARKS.md). The
-per-layer dispatcher still picks this path only on request: `train_estimated_ms` (an uncalibrated cost
-model) returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1. A forced `kernel=twell` calls
-`twell_train_ffn` regardless.
+Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
+tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.61x faster than dense
+at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
+`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because the
+forward's host read (see "Host sync") makes small micro-batches slower end to end (2B model at 2 x 2048
+tokens: 0.81x; 1B at 8 x 2048: 1.11x). A forced `kernel=twell` calls `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
@@ -100,6 +101,10 @@ OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
+TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
+# Backup rows cost their nine GEMMs twice over: gathers, masks, casts and scatters around them (all tokens
+# heavy, u279: 12.1 ms measured against 5.1 ms of GEMMs).
+BACKUP_FACTOR = 2.0
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The op's outputs after (y_MK, l1_sum, l0_M, fired_N): the saved sparse state, in this order.
@@ -129,9 +134,12 @@ def training_opted_in() -> bool:
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """Predicted ms of one forward + backward, or None (not opted in, or a shape the kernels cannot take).
 
-    Uncalibrated first model from the inference calibration constants: the gate (cuBLAS + packing),
-    weight rows streamed per light non-zero (2 forward, 3 backward, 2 gathered token rows for the weight
-    gradients), the fp32 weight-gradient buffers, and the dense training cost of the backup rows.
+    The gate (cuBLAS + packing), weight rows streamed per light non-zero (2 forward, 3 backward, 2
+    gathered token rows for the weight gradients) at the inference kernel's row rate, the fp32
+    weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what
+    the rest does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at
+    M = 16384, K = 2048, N = 5632 (scripts/bench_train_mlp.py: u28 4.46 ms, u56 6.63 ms, h60 6.04 ms;
+    the model gives 4.45, 6.54 and 6.28; with every token heavy, u279, 12.1 ms measured and 11.7 modelled).
     """
     if not training_opted_in() or shape_unsupported_reason(k, n) is not None:
         return None
@@ -140,8 +148,8 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     light_entries = m * (1.0 - heavy_fraction) * light_mean
     rows = light_entries * (2 + 3 + 2) * 2 * k / (UP_DOWN_GBPS * 1e6)
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
-    backup = 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
-    return gate + rows + wgrad_buffers + backup
+    backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
+    return gate + rows + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
 
 
 # ------------------------------------------------------------------------------------------------
