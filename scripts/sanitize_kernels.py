@@ -1,0 +1,42 @@
+"""Small edge-case calls of every CUDA kernel, to run under compute-sanitizer (needs an sm_90 GPU).
+
+    export SPARSE_LLM_COMPILE_INPROCESS=1     # compile in this process, so the tool sees every launch
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize_kernels.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/sanitize_kernels.py
+
+Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M = 1 and 7 (split paths),
+130, and 2100 (the direct route's one-warp path starts at 2048 tokens); K = 128 and 320 (a partial 256-column
+piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
+rows); all three inference routes with the dense-row threshold low and off; the training op forward and
+backward with a narrow and the default ELL width; both transposes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_llm.twell_backend import synthetic_block, transposed_bf16, twell_gated_mlp
+from sparse_llm.twell_train import twell_train_ffn
+
+SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
+
+
+def main() -> None:
+    for m, k, n in SHAPES:
+        x, wg, wu, wd = synthetic_block(m, k, n, nnz_mean=0.02 * n, sigma=0.5, seed=m)
+        x[::3, 0] = -1.0  # flips the gate shift: nearly every gate of these tokens is positive
+        with torch.no_grad():
+            for route in ("direct", "fused", "cublas"):
+                for dense_row_nnz in (8, 1 << 30):
+                    twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
+        leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+        for width in (4, 128):
+            result = twell_train_ffn(*leaves, width=width)
+            (result.y_MK.float().sum() + result.l1_sum).backward()
+        transposed_bf16(torch.randn(k, n, device="cuda"))
+    torch.cuda.synchronize()
+    print(f"sanitize_kernels: {len(SHAPES)} shapes done")
+
+
+if __name__ == "__main__":
+    main()
