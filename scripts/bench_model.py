@@ -60,6 +60,7 @@ a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0
         trainer.global_batch=16 trainer.micro_batch=4 trainer.warmup_steps=50 seed=0
     python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/embedded --batch 8
 
+(`bash scripts/real_sparsity_run.sh` runs these three steps, resuming the training when re-run.)
 At the paper's 2B training rate (22.4 tokens/ms) 300 steps of 16 x 2048 tokens take about 8 minutes
 (an estimate, not a measurement); if micro-batch 4 does not fit, add trainer.gradient_checkpointing=true.
 l1=1e-4 is a starting point, not a measured setting: raise it if `l0/mean` is still above ~40 when it
