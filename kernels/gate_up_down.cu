@@ -99,14 +99,11 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
         return;
     }
 
-    stage_x<KV, 32>(x_smem, x + m * K, lane, K);
+    stage_row<KV>(x_smem, x + m * K, lane, K);
     __syncwarp();  // the list and x are written by all lanes, read by all lanes
     const uint64_t keep = l2_keep_policy();
     float acc[KV][8];
-#pragma unroll
-    for (int v = 0; v < KV; ++v)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
+    zero_acc<KV>(acc);
     float l1_sum = 0.0f;
     int l0_sum = 0;
     for (int j = 0; j < total; ++j) {
@@ -114,7 +111,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
         up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t, fired,
                           lane, K, keep);
     }
-    store_y_row<KV>(y + m * K, acc, lane, K);
+    store_row_bf16<KV>(y + m * K, acc, lane, K);
     if (lane == 0) {
         l1[m] = l1_sum;
         l0[m] = l0_sum;
@@ -153,14 +150,11 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     for (int i = blockIdx.x; i < count; i += gridDim.x) {
         const long long m = heavy_rows[i];
         const __nv_bfloat16 *row = gate + m * N;
-        stage_x<KV, WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
+        stage_row<KV, WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
         __syncthreads();  // x staged (and the previous token's partial rows consumed)
 
         float acc[KV][8];
-#pragma unroll
-        for (int v = 0; v < KV; ++v)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
+        zero_acc<KV>(acc);
         float l1_sum = 0.0f;
         int l0_sum = 0;
         for (int c = warp; c < chunks; c += WARPS) {
@@ -205,13 +199,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
 #pragma unroll
                 for (int j = 0; j < 8; ++j) sum[j] += partial[w * KV * 256 + col + j];
             }
-            uint32_t packed[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const __nv_bfloat162 pair = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
-                packed[j] = *reinterpret_cast<const uint32_t *>(&pair);
-            }
-            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), make_uint4(packed[0], packed[1], packed[2], packed[3]));
+            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), pack_bf16x8(sum));
         }
         if (threadIdx.x == 0) {
             float l1_total = 0.0f;

@@ -77,4 +77,88 @@ __device__ __forceinline__ void load_weight_row(uint4 (&dst)[KV], const __nv_bfl
                                                 uint64_t policy) {
     load_weight_pieces<KV>(dst, row + lane * 8, lane * 8, K, policy);
 }
+
+// ---- Warp-row helpers. One warp works on one K-wide bf16 row (a token's x or dy, or a weight row): lane l
+// owns the 8 columns v * 256 + 8l .. + 7 of piece v < KV, so K <= 256 * KV; columns >= K are masked (K is a
+// multiple of 64, so a lane's 8 columns are either all valid or all masked).
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
+    return v;
+}
+
+// Stage an activation row (read once: streaming loads) in shared memory as KV * 32 uint4, piece v of lane l
+// at [v * 32 + l] (consecutive lanes, consecutive 16 bytes: no bank conflicts), so registers stay free for
+// the weight rows in flight. Thread t of THREADS cooperating threads writes pieces t, t + THREADS, ...
+// (piece q holds columns 8q .. 8q + 7); a warp staging its own row passes its lane.
+template <int KV, int THREADS = 32>
+__device__ __forceinline__ void stage_row(uint4 *smem_row, const __nv_bfloat16 *__restrict__ row, int t, int K) {
+#pragma unroll
+    for (int i = 0; i < (KV * 32 + THREADS - 1) / THREADS; ++i) {
+        const int q = t + i * THREADS;
+        if (q < KV * 32) {
+            smem_row[q] = q * 8 < K ? __ldcs(reinterpret_cast<const uint4 *>(row + q * 8)) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// This lane's share of the dot product of a staged row and a loaded row (warp_sum gives the full dot).
+template <int KV>
+__device__ __forceinline__ float lane_dot(const uint4 *smem_row, const uint4 (&w)[KV], int lane) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        float a[8], b[8];
+        bf16x8_to_float(smem_row[v * 32 + lane], a);
+        bf16x8_to_float(w[v], b);
+        float part = 0.0f;  // one short chain per piece instead of one long one
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part = fmaf(a[j], b[j], part);
+        dot += part;
+    }
+    return dot;
+}
+
+// acc += scale * row (this lane's pieces).
+template <int KV>
+__device__ __forceinline__ void axpy(float (&acc)[KV][8], float scale, const uint4 (&w)[KV]) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        float b[8];
+        bf16x8_to_float(w[v], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[v][j] = fmaf(scale, b[j], acc[v][j]);
+    }
+}
+
+// Eight fp32 values rounded to bf16 (round to nearest even) and packed into 16 bytes.
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t *>(&pair);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int KV>
+__device__ __forceinline__ void zero_acc(float (&acc)[KV][8]) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[v][j] = 0.0f;
+}
+
+// Round this lane's pieces of a K-wide fp32 row (lane l owns columns v * 256 + 8l .. + 7) to bf16 and store
+// them; the rows are written once (streaming stores).
+template <int KV>
+__device__ __forceinline__ void store_row_bf16(__nv_bfloat16 *row, const float (&acc)[KV][8], int lane, int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        if (col < K) __stcs(reinterpret_cast<uint4 *>(row + col), pack_bf16x8(acc[v]));
+    }
+}
 #endif  // TWELL_COMMON_CUH

@@ -51,12 +51,9 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
     // piece v of lane l at x_smem[v * 32 + l]: consecutive lanes, consecutive 16 bytes, no bank conflicts.
     extern __shared__ uint4 smem_x[];
     uint4 *x_smem = smem_x + (threadIdx.x / 32) * KV * 32;
-    stage_x<KV, 32>(x_smem, x + m * K, lane, K);
+    stage_row<KV>(x_smem, x + m * K, lane, K);
     float acc[KV][8];
-#pragma unroll
-    for (int v = 0; v < KV; ++v)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[v][i] = 0.0f;
+    zero_acc<KV>(acc);
     // Issued after the x loads so both are in flight together.
     bool overflow = false;
     int total = 0;
@@ -98,7 +95,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
     }
 
     if (splits == 1) {
-        store_y_row<KV>(y + m * K, acc, lane, K);
+        store_row_bf16<KV>(y + m * K, acc, lane, K);
     } else {
 #pragma unroll
         for (int v = 0; v < KV; ++v) {
