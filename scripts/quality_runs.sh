@@ -4,7 +4,7 @@
 # final checkpoints side by side; scripts/compare_runs.py appends the training and quality tables to
 # BENCHMARKS.md (title from $TITLE).
 #   [STEPS=2000] [L1=2e-5] [WINDOW=100] [PREFIX=quality] bash scripts/quality_runs.sh [train.py overrides...]
-# A ~110M-parameter model on one GPU (about 30 minutes for the three runs on an H100):
+# A 91M-parameter model on one GPU (not yet run; three runs of 3000 steps: size STEPS to the device time):
 #   STEPS=3000 bash scripts/quality_runs.sh model.hidden_size=768 model.intermediate_size=2048 \
 #     model.num_layers=12 model.num_heads=12 model.max_position_embeddings=512 trainer.global_batch=64 \
 #     trainer.micro_batch=64 trainer.lr=1e-3 trainer.warmup_steps=200
