@@ -4,9 +4,9 @@ Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) r
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.61x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
-`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because the
-forward's host read (see "Host sync") makes small micro-batches slower end to end (2B model at 2 x 2048
-tokens: 0.81x; 1B at 8 x 2048: 1.11x). A forced `kernel=twell` calls `twell_train_ffn` regardless.
+`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
+micro-batches the host cannot keep up (its launches per layer and the forward's host read, see "Host sync";
+2B model at 2 x 2048 tokens: 0.81x end to end; 1B at 8 x 2048: 1.11x). A forced `kernel=twell` calls `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
