@@ -29,33 +29,6 @@ __host__ __device__ constexpr int heavy_warps() {
     return KV <= 8 ? 16 : 8;
 }
 
-// This lane's 8 gate values of a chunk, their positives appended to `list` (ascending columns) from slot
-// `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
-__device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32_t *list, int base, int cap,
-                                              int lane) {
-    float v[8];
-    bf16x8_to_float(raw, v);
-    int mine = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
-    int incl = mine;  // inclusive prefix sum over the lanes: each lane's first slot
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int other = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += other;
-    }
-    int slot = base + incl - mine;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        if (v[i] > 0.0f) {
-            // The values are already bf16, so twell_entry's rounding is the identity here.
-            if (slot < cap) list[slot] = twell_entry(v[i], col0 + i);
-            ++slot;
-        }
-    }
-    return __shfl_sync(FULL_MASK, incl, 31);
-}
-
 // 16 bytes of a gate row: this lane's 8 columns of chunk c (streaming: each row is read once).
 __device__ __forceinline__ uint4 gate_piece(const __nv_bfloat16 *__restrict__ row, int c, int lane) {
     return __ldcs(reinterpret_cast<const uint4 *>(row + c * 256 + lane * 8));

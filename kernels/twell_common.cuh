@@ -78,6 +78,34 @@ __device__ __forceinline__ void load_weight_row(uint4 (&dst)[KV], const __nv_bfl
     load_weight_pieces<KV>(dst, row + lane * 8, lane * 8, K, policy);
 }
 
+// This lane's 8 bf16 gate values (columns col0 .. col0 + 7 of a 256-column chunk whose lanes hold consecutive
+// 8-column groups): their positives are appended as entries to `list` in ascending column order from slot
+// `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
+__device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32_t *list, int base, int cap,
+                                              int lane) {
+    float v[8];
+    bf16x8_to_float(raw, v);
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
+    int incl = mine;  // inclusive prefix sum over the lanes: each lane's first slot
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int other = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += other;
+    }
+    int slot = base + incl - mine;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (v[i] > 0.0f) {
+            // The values are already bf16, so twell_entry's rounding is the identity here.
+            if (slot < cap) list[slot] = twell_entry(v[i], col0 + i);
+            ++slot;
+        }
+    }
+    return __shfl_sync(FULL_MASK, incl, 31);
+}
+
 // ---- Warp-row helpers. One warp works on one K-wide bf16 row (a token's x or dy, or a weight row): lane l
 // owns the 8 columns v * 256 + 8l .. + 7 of piece v < KV, so K <= 256 * KV; columns >= K are masked (K is a
 // multiple of 64, so a lane's 8 columns are either all valid or all masked).

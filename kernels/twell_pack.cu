@@ -17,29 +17,7 @@ extern "C" __global__ void __launch_bounds__(256) twell_pack_dense(
     const int col0 = t * TWELL_TILE + lane * 8;
 
     const uint4 raw = *reinterpret_cast<const uint4 *>(gate_MN + m * N + col0);
-    float v[8];
-    bf16x8_to_float(raw, v);
-    int mine = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
-
-    // Inclusive prefix sum of the per-lane counts gives each lane its first payload slot.
-    int incl = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int other = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += other;
-    }
-    const int total = __shfl_sync(FULL_MASK, incl, 31);
     uint32_t *out = packed + segment * TWELL_SLOTS;
-    int slot = 1 + incl - mine;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        if (v[i] > 0.0f) {
-            // Values are already bf16, so twell_entry's rounding is the identity here.
-            if (slot <= TWELL_CAPACITY) out[slot] = twell_entry(v[i], col0 + i);
-            ++slot;
-        }
-    }
+    const int total = list_positives(raw, col0, out + 1, 0, TWELL_CAPACITY, lane);  // payload words 1..31
     if (lane == 0) out[0] = static_cast<uint32_t>(total);
 }
