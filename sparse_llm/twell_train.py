@@ -102,6 +102,10 @@ WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
+# Host time to issue one forward + backward (~75 torch ops and CuPy launches, and the forward's host read).
+# Inferred from the 2B model at 2 x 2048 tokens per micro-batch (BENCHMARKS.md): per layer the sparse step
+# took ~1.3 ms longer than the dense one (1.6 ms of GEMMs) while its kernels need less device time.
+TRAIN_HOST_MS = 2.9
 # Backup rows cost their nine GEMMs twice over: gathers, masks, casts and scatters around them (all tokens
 # heavy, u279: 12.1 ms measured against 5.1 ms of GEMMs).
 BACKUP_FACTOR = 2.0
@@ -140,6 +144,7 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     the rest does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at
     M = 16384, K = 2048, N = 5632 (scripts/bench_train_mlp.py: u28 4.46 ms, u56 6.63 ms, h60 6.04 ms;
     the model gives 4.45, 6.54 and 6.28; with every token heavy, u279, 12.1 ms measured and 11.7 modelled).
+    A call never costs less than TRAIN_HOST_MS, the host's time to issue it: below that the GPU waits.
     """
     if not training_opted_in() or shape_unsupported_reason(k, n) is not None:
         return None
@@ -149,7 +154,8 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     rows = light_entries * (2 + 3 + 2) * 2 * k / (UP_DOWN_GBPS * 1e6)
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
-    return gate + rows + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
+    device_ms = gate + rows + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
+    return max(device_ms, TRAIN_HOST_MS)
 
 
 # ------------------------------------------------------------------------------------------------

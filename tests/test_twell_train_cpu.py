@@ -15,6 +15,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm import cuda
+from sparse_llm.backends import TorchFFN
+from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
 from sparse_llm.twell_train import (
     OPT_IN_ENV,
@@ -186,6 +188,15 @@ def test_not_picked_by_auto_unless_opted_in(monkeypatch):
     times = [train_estimated_ms(16384, 2048, 5632, l0, 1.5 * l0) for l0 in (28, 56, 112)]
     assert all(t is not None and t > 0 for t in times) and times == sorted(times)
     assert train_estimated_ms(16384, 2000, 5632, 28, 50) is None  # K not a multiple of 64
+
+
+def test_opted_in_auto_trains_sparse_only_where_the_host_keeps_up(monkeypatch):
+    """Measured on the H100: the sparse step wins at 16384 tokens per layer and loses at 4096 (host-bound)."""
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+    dense = TorchFFN()
+    for m, sparse_wins in ((16384, True), (4096, False)):
+        sparse_ms = train_estimated_ms(m, 2048, 5632, 24, 60)
+        assert (sparse_ms < SWITCH_MARGIN * dense.estimated_ms(m, 2048, 5632, 24, 60, True)) == sparse_wins
 
 
 # ---------------------------------------------------------------- host-side pieces of the GPU path
