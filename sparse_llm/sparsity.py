@@ -76,6 +76,8 @@ class SparsityTracker:
         self.fired_LN = torch.zeros(len(mlps), n, dtype=torch.bool, device=device)
         self.dead_LN: torch.Tensor | None = None  # dead mask of the last completed window (rank-reduced)
         self.steps_in_window = 0
+        # Tokens each layer computed on a dense path since the last read (FFNResult.overflow_rows).
+        self.dense_rows_L = [0] * len(mlps)
 
     def collect(self) -> list[FFNResult]:
         """The results of each layer's latest forward; call right after the model's forward."""
@@ -89,6 +91,7 @@ class SparsityTracker:
         for layer, r in enumerate(results):
             self.l0_hist_LB[layer] += torch.bincount(r.l0_M.long(), minlength=self.n + 1)
             self.fired_LN[layer] |= r.fired_N
+            self.dense_rows_L[layer] += r.overflow_rows
 
     @torch.no_grad()
     def end_optimizer_step(self, step: int, seed: int) -> int:
@@ -132,7 +135,8 @@ class SparsityTracker:
 
     @torch.no_grad()
     def read_window(self) -> dict[str, float]:
-        """Per-layer and model-mean L0 / sparsity / dead statistics since the last read (rank-reduced).
+        """Per-layer and model-mean L0 / sparsity / dead statistics and dense-rerouted rows since the last read
+        (rank-reduced).
 
         Feeds every layer's dispatcher with the same reduced numbers, so `auto` decisions agree across ranks.
         """
@@ -158,6 +162,14 @@ class SparsityTracker:
         if means:
             stats["l0/mean"] = sum(means) / len(means)
             stats["sparsity/mean"] = 1 - stats["l0/mean"] / self.n
+        # Tokens rerouted to a dense path (sparse-kernel rows that exceeded their format), summed over ranks;
+        # per layer only where there were any.
+        dense_rows_L = self.reduce(torch.tensor(self.dense_rows_L, device=self.l0_hist_LB.device), "sum").tolist()
+        self.dense_rows_L = [0] * len(self.mlps)
+        stats["dense_rows/total"] = sum(dense_rows_L)
+        for layer, rows in enumerate(dense_rows_L):
+            if rows:
+                stats[f"dense_rows/layer_{layer:02d}"] = rows
         if self.dead_LN is not None:
             dead_L = self.dead_LN.float().mean(dim=1).cpu()
             for layer, frac in enumerate(dead_L.tolist()):
@@ -172,6 +184,7 @@ class SparsityTracker:
             "fired_LN": self.fired_LN.cpu(),
             "dead_LN": None if self.dead_LN is None else self.dead_LN.cpu(),
             "steps_in_window": self.steps_in_window,
+            "dense_rows_L": list(self.dense_rows_L),
             "observed": [(m.dispatcher.l0_mean, m.dispatcher.l0_max) for m in self.mlps],
         }
 
@@ -186,6 +199,7 @@ class SparsityTracker:
         self.fired_LN = state["fired_LN"].to(device)
         self.dead_LN = None if state["dead_LN"] is None else state["dead_LN"].to(device)
         self.steps_in_window = int(state["steps_in_window"])
+        self.dense_rows_L = list(state.get("dense_rows_L", [0] * len(self.mlps)))  # absent in older checkpoints
         for mlp, (l0_mean, l0_max) in zip(self.mlps, state["observed"], strict=True):
             if l0_mean is not None:
                 mlp.dispatcher.observe(l0_mean, l0_max)

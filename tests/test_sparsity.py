@@ -43,8 +43,26 @@ def test_tracker_window_statistics_and_dead_neurons():
     assert stats["sparsity/mean"] == pytest.approx(0.75)
     assert stats["dead/layer_00"] == pytest.approx(0.25)  # neuron 3 never fired
     assert mlp.dispatcher.l0_mean == pytest.approx(1.0)
+    assert stats["dense_rows/total"] == 0 and "dense_rows/layer_00" not in stats  # the torch path reroutes nothing
     # The window was consumed by the read.
-    assert tracker.read_window() == {"dead/layer_00": 0.25, "dead/mean": 0.25}
+    assert tracker.read_window() == {"dense_rows/total": 0, "dead/layer_00": 0.25, "dead/mean": 0.25}
+
+
+def test_tracker_counts_rows_rerouted_to_a_dense_path_and_keeps_them_in_its_state():
+    mlps = [_mlp_with_known_activations(), _mlp_with_known_activations()]
+    tracker = SparsityTracker(mlps, SparsityConfig())
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    for rerouted in (2, 3):  # two micro-batches; layer 1 had rows a sparse kernel could not take
+        for mlp in mlps:
+            mlp(x)
+        results = tracker.collect()
+        results[1].overflow_rows = rerouted
+        tracker.accumulate(results)
+    restored = SparsityTracker(mlps, SparsityConfig())
+    restored.load_state_dict(tracker.state_dict())
+    for stats in (tracker.read_window(), restored.read_window()):
+        assert stats["dense_rows/total"] == 5 and stats["dense_rows/layer_01"] == 5
+        assert "dense_rows/layer_00" not in stats
 
 
 def test_dead_window_spans_several_steps():
