@@ -111,6 +111,7 @@ from sparse_llm.model import ModelConfig, build_model, load_pretrained, sparse_m
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import make_optimizer
+from sparse_llm.twell_train import OPT_IN_ENV, training_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
@@ -623,6 +624,9 @@ def report_header(
         sparsity = f"made sparse with --density-l0 {args.density_l0} (gate shifts {min(shifts):.2f}-{max(shifts):.2f})"
     else:
         sparsity = "sparsity as trained" if args.checkpoint else "no sparsity imposed"
+    # The opt-in that lets `auto` train through the sparse kernels changes what `auto` runs: show it.
+    opt_in = f"{OPT_IN_ENV}=1 " if training_opted_in() else ""
+    command = f"{opt_in}python scripts/bench_model.py {' '.join(args.argv)}".rstrip()
     forward_dtype = "bf16" if device.type == "cuda" else "fp32"
     train_precision = "fp32 weights + bf16 autocast" if device.type == "cuda" else "fp32"
     return [
@@ -631,7 +635,7 @@ def report_header(
         f"Hardware: {hardware_summary(device)}; attention {cfg._attn_implementation}; energy: {energy_note}.",
         f"Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, FFN {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}; {sparsity}.",
-        f"Settings: `{' '.join(['python scripts/bench_model.py', *args.argv])}`; inputs: {inputs}; "
+        f"Settings: `{command}`; inputs: {inputs}; "
         f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head); "
         f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; times: median of {args.reps} after "

@@ -148,6 +148,7 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     text = markdown.read_text()
     assert text.startswith("# Benchmarks\n")
     assert "## Model-level benchmark: random-init tiny" in text and "Hardware: CPU" in text
+    assert "Settings: `python scripts/bench_model.py --size tiny" in text
     for row in ("| forward | torch | 2 |", "| train | auto | 2 |", "| forward | twell | 2 | skipped:"):
         assert row in text and row in printed
     assert "| layer | forward L0 mean / p99 / max |" in text
@@ -156,6 +157,17 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert len(json.loads((tmp_path / "r.json").read_text())) == 11
     assert "aten::mm" in (tmp_path / "prof" / "train_auto.txt").read_text()  # one profiled step per variant
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
+
+
+def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
+    """The opt-in changes what `auto` trains with, so the settings line carries it."""
+    args = bench_model.parse_args(TINY)
+    model = build_model(ModelConfig(name="tiny", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                    vocab_size=64, max_position_embeddings=32), vocab_size=64)
+    monkeypatch.setenv("SPARSE_LLM_TWELL_TRAIN", "1")
+    settings = [line for line in bench_model.report_header(args, model, torch.device("cpu"), "n/a", None)
+                if line.startswith("Settings:")]
+    assert settings and settings[0].startswith("Settings: `SPARSE_LLM_TWELL_TRAIN=1 python scripts/bench_model.py --size")
 
 
 @pytest.mark.parametrize(
