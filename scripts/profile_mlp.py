@@ -5,12 +5,16 @@
 
 For each case the block runs `--iters` times under torch.profiler (after warm-up); every device kernel,
 including the CuPy ones, is listed with its calls and device ms per iteration, largest first, beside the
-dense torch block profiled the same way. Shapes and the synthetic sparsity are those of bench_mlp.py.
+dense torch block profiled the same way. The title also gives the wall-clock ms per iteration of
+back-to-back calls without the profiler: where it exceeds the kernel time, the GPU waited for the host
+(launch overhead, host reads). Shapes and the synthetic sparsity are those of bench_mlp.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -22,6 +26,16 @@ from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
 from sparse_llm.twell_train import twell_train_ffn
 
 L1_COEFF = 2e-5
+
+
+def host_ms(fn: Callable[[], object], iters: int) -> float:
+    """Wall-clock ms per iteration of back-to-back calls: above the kernel time, the GPU waited for the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def kernel_table(fn: Callable[[], object], iters: int) -> list[tuple[str, float, float]]:
@@ -43,9 +57,9 @@ def kernel_table(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
     return sorted(rows, key=lambda row: -row[2])
 
 
-def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
+def print_table(title: str, rows: list[tuple[str, float, float]], wall_ms: float) -> None:
     total = sum(ms for _, _, ms in rows)
-    print(f"\n### {title}: {total:.3f} ms of kernels per iteration\n")
+    print(f"\n### {title}: {total:.3f} ms of kernels, {wall_ms:.3f} ms wall-clock per iteration\n")
     print("| kernel | calls | ms | share |")
     print("|---|---|---|---|")
     for name, count, ms in rows:
@@ -84,16 +98,18 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
     for nnz in (float(v) for v in args.nnz.split(",")):
         x, wg, wu, wd = synthetic_block(args.m, args.k, args.n, nnz, args.sigma)
+        cases = []
         if "infer" in modes:
-            with torch.no_grad():
-                print_table(f"infer dense, nnz {nnz:g}", kernel_table(lambda: dense_infer(x, wg, wu, wd), args.iters))
-                twell = kernel_table(lambda: twell_gated_mlp(x, wg, wu, wd), args.iters)
-                print_table(f"infer twell, nnz {nnz:g}", twell)
+            cases.append(("infer dense", lambda: dense_infer(x, wg, wu, wd)))
+            cases.append(("infer twell", lambda: twell_gated_mlp(x, wg, wu, wd)))
         if "train" in modes:
             leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
             dy = torch.randn(args.m, args.k, device=x.device) / args.m**0.5
-            print_table(f"train dense, nnz {nnz:g}", kernel_table(lambda: dense_train_step(leaves, dy), args.iters))
-            print_table(f"train twell, nnz {nnz:g}", kernel_table(lambda: sparse_train_step(leaves, dy), args.iters))
+            cases.append(("train dense", lambda: dense_train_step(leaves, dy)))
+            cases.append(("train twell", lambda: sparse_train_step(leaves, dy)))
+        for title, fn in cases:
+            with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
+                print_table(f"{title}, nnz {nnz:g}", kernel_table(fn, args.iters), host_ms(fn, args.iters))
 
 
 if __name__ == "__main__":
