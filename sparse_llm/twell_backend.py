@@ -162,35 +162,45 @@ def _check_tensor(t: object, name: str, shape: tuple[int, int], layout: str) -> 
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
 
 
-def check_inputs(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor
-) -> None:
-    """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands."""
-    if not isinstance(x_MK, torch.Tensor) or x_MK.dim() != 2:
-        got = tuple(x_MK.shape) if isinstance(x_MK, torch.Tensor) else type(x_MK).__name__
-        raise ValueError(
-            f"x_MK must be a 2-D tensor [M, K], got {got}; flatten leading dims with x.reshape(-1, K)"
-        )
-    if not isinstance(w_gate_NK, torch.Tensor) or w_gate_NK.dim() != 2:
-        raise ValueError("w_gate_NK must be a 2-D tensor [N, K] (gate_proj.weight)")
+def _check_2d(t: object, name: str, expected: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D tensor {expected}, got {got}")
+
+
+def _check_operands(x_MK: torch.Tensor, n: int, operands: list[tuple[str, object, tuple[int, int], str]]) -> None:
+    """x_MK and each (name, tensor, expected shape, layout) must be bf16, shaped, contiguous, on one CUDA device."""
     m, k = x_MK.shape
-    n = w_gate_NK.shape[0]
     _check_tensor(x_MK, "x_MK", (m, k), "tokens x hidden")
-    _check_tensor(w_gate_NK, "w_gate_NK", (n, k), "gate_proj.weight in nn.Linear layout [N, K]")
-    _check_tensor(w_up_NK, "w_up_NK", (n, k), "up_proj.weight in nn.Linear layout [N, K]")
-    _check_tensor(w_down_KN, "w_down_KN", (k, n), "down_proj.weight in nn.Linear layout [K, N]")
+    for name, t, shape, layout in operands:
+        _check_tensor(t, name, shape, layout)
     reason = shape_unsupported_reason(k, n)
     if reason is not None:
         raise ValueError(
-            f"w_gate_NK: {reason}; the twell kernels cannot run this layer, use kernel=torch or auto"
+            f"{operands[0][0]}: {reason}; the twell kernels cannot run this layer, use kernel=torch or auto"
         )
-    for name, t in (("w_gate_NK", w_gate_NK), ("w_up_NK", w_up_NK), ("w_down_KN", w_down_KN)):
+    for name, t, _, _ in operands:
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
     if x_MK.device.type != "cuda":
         raise ValueError(
             f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)"
         )
+
+
+def check_inputs(
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor
+) -> None:
+    """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands."""
+    _check_2d(x_MK, "x_MK", "[M, K]; flatten leading dims with x.reshape(-1, K)")
+    _check_2d(w_gate_NK, "w_gate_NK", "[N, K] (gate_proj.weight)")
+    m, k = x_MK.shape
+    n = w_gate_NK.shape[0]
+    _check_operands(x_MK, n, [
+        ("w_gate_NK", w_gate_NK, (n, k), "gate_proj.weight in nn.Linear layout [N, K]"),
+        ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
+        ("w_down_KN", w_down_KN, (k, n), "down_proj.weight in nn.Linear layout [K, N]"),
+    ])  # fmt: skip
 
 
 def _check_gate_route(route: str, allowed: tuple[str, ...] = GATE_ROUTES) -> None:
@@ -419,9 +429,18 @@ def direct_up_down(
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync.
+
+    Raises TypeError/ValueError naming the bad argument, as `check_inputs` does.
     """
+    _check_2d(x_MK, "x_MK", "[M, K]; flatten leading dims with x.reshape(-1, K)")
+    _check_2d(gate_MN, "gate_MN", "[M, N], the pre-activation gate x w_gate^T")
     m, k = x_MK.shape
     n = gate_MN.shape[1]
+    _check_operands(x_MK, n, [
+        ("gate_MN", gate_MN, (m, n), "the pre-activation gate x w_gate^T [M, N]"),
+        ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
+        ("w_down_t_NK", w_down_t_NK, (n, k), "down_proj.weight transposed to [N, K], contiguous"),
+    ])  # fmt: skip
     device = x_MK.device
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = torch.empty(m, dtype=torch.float32, device=device)

@@ -22,6 +22,7 @@ from sparse_llm.twell_backend import (
     TransposeCache,
     TwellFFN,
     check_inputs,
+    direct_up_down,
     dense_ms,
     dense_row_split,
     dense_row_stats,
@@ -138,6 +139,26 @@ def test_unsupported_widths_are_rejected(k, n, what):
 def test_cpu_tensors_are_rejected_with_a_fix():
     with pytest.raises(ValueError, match="kernel=torch"):
         check_inputs(*block())
+
+
+@pytest.mark.parametrize(
+    "mutate, name",
+    [
+        (lambda a: a.__setitem__(1, a[1][:2]), "gate_MN"),  # one gate row per token
+        (lambda a: a.__setitem__(1, a[1].float()), "gate_MN"),
+        (lambda a: a.__setitem__(1, a[1][0]), "gate_MN"),
+        (lambda a: a.__setitem__(3, a[3].t()), "w_down_t_NK"),  # [K, N] given where [N, K] is expected
+        (lambda a: a.__setitem__(2, a[2][:, :64]), "w_up_NK"),
+    ],
+)
+def test_direct_up_down_names_a_bad_argument(mutate, name):
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block()
+    args = [x_MK, x_MK @ w_gate_NK.t(), w_up_NK, w_down_KN.t().contiguous()]
+    mutate(args)
+    with pytest.raises((TypeError, ValueError), match=name):
+        direct_up_down(*args)
+    with pytest.raises(ValueError, match="kernel=torch"):  # well-formed CPU operands: the kernels need CUDA
+        direct_up_down(x_MK, x_MK @ w_gate_NK.t(), w_up_NK, w_down_KN.t().contiguous())
 
 
 # ---------------------------------------------------------------- cost model and dispatch
