@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from sparse_llm.benchmark import time_ms, wall_ms
 from sparse_llm.twell_backend import synthetic_block
 from sparse_llm.twell_train import twell_train_ffn
 
@@ -41,32 +39,6 @@ CASES = {
 L1_COEFF = 2e-5
 DEVICE = "cuda"
 MB = 1 << 20
-
-
-def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def wall_ms(fn: Callable[[], object], reps: int) -> float:
-    """Host wall-clock ms per call of back-to-back calls (one sync at the end): shows host-side stalls,
-    such as the op's one host read per forward, that CUDA-event timings of a single call hide."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def dense_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,9 +105,9 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
         for what, got, ref in zip(names, [y, *grads], [ref_y, *ref_grads]):
             row[f"err_{what}_{label}"] = rel_err(got, ref)
         del y, grads
-        row[f"{label}_ms"] = median_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
+        row[f"{label}_ms"] = time_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
         row[f"{label}_wall_ms"] = wall_ms(lambda f=forward: step(f, leaves, dy, coeff), reps=reps)
-        row[f"{label}_fwd_ms"] = median_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
+        row[f"{label}_fwd_ms"] = time_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
         row[f"{label}_peak_MB"], row[f"{label}_saved_MB"] = memory_mb(forward, leaves, dy, coeff)
     row["speedup"] = row["dense_ms"] / row["twell_ms"]
     row["peak_ratio"] = row["twell_peak_MB"] / row["dense_peak_MB"]

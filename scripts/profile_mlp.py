@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -22,20 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from sparse_llm.benchmark import wall_ms
 from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
 from sparse_llm.twell_train import twell_train_ffn
 
 L1_COEFF = 2e-5
-
-
-def host_ms(fn: Callable[[], object], iters: int) -> float:
-    """Wall-clock ms per iteration of back-to-back calls: above the kernel time, the GPU waited for the host."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def kernel_table(fn: Callable[[], object], iters: int) -> list[tuple[str, float, float]]:
@@ -57,9 +47,9 @@ def kernel_table(fn: Callable[[], object], iters: int) -> list[tuple[str, float,
     return sorted(rows, key=lambda row: -row[2])
 
 
-def print_table(title: str, rows: list[tuple[str, float, float]], wall_ms: float) -> None:
+def print_table(title: str, rows: list[tuple[str, float, float]], wall: float) -> None:
     total = sum(ms for _, _, ms in rows)
-    print(f"\n### {title}: {total:.3f} ms of kernels, {wall_ms:.3f} ms wall-clock per iteration\n")
+    print(f"\n### {title}: {total:.3f} ms of kernels, {wall:.3f} ms wall-clock per iteration\n")
     print("| kernel | calls | ms | share |")
     print("|---|---|---|---|")
     for name, count, ms in rows:
@@ -109,7 +99,7 @@ def main() -> None:
             cases.append(("train twell", lambda: sparse_train_step(leaves, dy)))
         for title, fn in cases:
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
-                print_table(f"{title}, nnz {nnz:g}", kernel_table(fn, args.iters), host_ms(fn, args.iters))
+                print_table(f"{title}, nnz {nnz:g}", kernel_table(fn, args.iters), wall_ms(fn, args.iters))
 
 
 if __name__ == "__main__":

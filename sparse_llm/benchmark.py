@@ -80,6 +80,22 @@ def time_ms(
     return statistics.median(time_samples_ms(fn, warmup, reps, device))
 
 
+def wall_ms(fn: Callable[[], object], reps: int = 30, device: torch.device | str | None = None) -> float:
+    """Host wall-clock ms per call of `reps` back-to-back calls (one sync at the end), after one warm-up call.
+
+    Above the device time of a call, the GPU waited for the host (launch overhead, host reads): stalls that
+    per-call CUDA-event timings hide.
+    """
+    clock = Clock(device)
+    fn()
+    clock.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    clock.synchronize()
+    return (time.perf_counter() - start) * 1e3 / reps
+
+
 def energy_mj_per_call(
     meter: EnergyMeter, fn: Callable[[], object], seconds: float = 1.0, calls_per_sync: int = 10
 ) -> float | None:

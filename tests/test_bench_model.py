@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparse_llm.benchmark import PeakMemory, SectionTimer, energy_mj_per_call, l0_summary, time_ms
+from sparse_llm.benchmark import PeakMemory, SectionTimer, energy_mj_per_call, l0_summary, time_ms, wall_ms
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.model import ModelConfig, build_model, sparse_mlps
 
@@ -39,6 +39,12 @@ def test_time_ms_is_the_median_of_the_timed_calls():
     delays = iter([0.3, 0.02, 0.3, 0.02])
     ms = time_ms(lambda: time.sleep(next(delays)), warmup=1, reps=3, device="cpu")
     assert 20.0 <= ms < 100.0
+
+
+def test_wall_ms_is_the_mean_of_back_to_back_calls_after_one_warm_up():
+    delays = iter([0.3, 0.01, 0.05])  # the slow first call is the untimed warm-up: mean of the rest 30 ms
+    ms = wall_ms(lambda: time.sleep(next(delays)), reps=2, device="cpu")
+    assert 30.0 <= ms < 150.0
 
 
 def test_section_timer_sums_module_time_per_section_and_can_pause():
