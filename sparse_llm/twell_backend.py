@@ -441,6 +441,15 @@ def direct_up_down(
         ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
         ("w_down_t_NK", w_down_t_NK, (n, k), "down_proj.weight transposed to [N, K], contiguous"),
     ])  # fmt: skip
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz)
+
+
+def _direct_up_down(
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`direct_up_down` on operands already validated (the block op checks its inputs once)."""
+    m, k = x_MK.shape
+    n = gate_MN.shape[1]
     device = x_MK.device
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = torch.empty(m, dtype=torch.float32, device=device)
@@ -507,7 +516,8 @@ def twell_gated_mlp(
     _check_gate_route(gate_route, MLP_ROUTES)
     if gate_route in ("auto", "direct"):
         gate_MN = F.linear(x_MK, w_gate_NK)
-        y_MK, l1_M, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
+        # gate_MN and the cached transpose are well formed by construction: no second validation.
+        y_MK, l1_M, l0_M, fired_N = _direct_up_down(x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
         return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path="twell-direct")
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
