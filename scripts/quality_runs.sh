@@ -1,28 +1,57 @@
 #!/usr/bin/env bash
-# Dense vs sparse quality at one model shape, same seed and data: train.py with l1=0, with l1=$L1, and with
-# l1=$L1 plus dead-neuron re-initialisation (paper eq. 6, every $WINDOW steps); eval.py scores the three
+# Dense vs sparse quality at one model shape, same seed and data: train.py with l1=0, with each l1 of $L1S, and
+# with l1=$REINIT_L1 plus dead-neuron re-initialisation (paper eq. 6, every $WINDOW steps); eval.py scores the
 # final checkpoints side by side; scripts/compare_runs.py appends the training and quality tables to
-# BENCHMARKS.md (title from $TITLE).
-#   [STEPS=2000] [L1=2e-5] [WINDOW=100] [PREFIX=quality] bash scripts/quality_runs.sh [train.py overrides...]
-# A 91M-parameter model on one GPU (not yet run; three runs of 3000 steps: size STEPS to the device time):
-#   STEPS=3000 bash scripts/quality_runs.sh model.hidden_size=768 model.intermediate_size=2048 \
-#     model.num_layers=12 model.num_heads=12 model.max_position_embeddings=512 trainer.global_batch=64 \
-#     trainer.micro_batch=64 trainer.lr=1e-3 trainer.warmup_steps=200
+# BENCHMARKS.md (title from $TITLE). Re-running resumes unfinished runs from their last checkpoint and skips
+# finished ones. PARALLEL=1 trains all runs at once (small models leave most of a large GPU idle).
+#   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] \
+#     bash scripts/quality_runs.sh [train.py overrides...]
+# A 91M-parameter model on one H100, on a carried token file (scripts/tokenize_corpus.py):
+#   STEPS=800 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
+#     model.hidden_size=768 model.intermediate_size=2048 model.num_layers=12 model.num_heads=12 \
+#     model.max_position_embeddings=512 trainer.global_batch=64 trainer.micro_batch=32 trainer.lr=1e-3 \
+#     trainer.warmup_steps=100
 set -euo pipefail
 STEPS=${STEPS:-2000}
-L1=${L1:-2e-5}
+L1S=${L1S:-2e-5}
+REINIT_L1=${REINIT_L1:-${L1S##* }}
 WINDOW=${WINDOW:-100}
 PREFIX=${PREFIX:-quality}
+PARALLEL=${PARALLEL:-0}
 TITLE=${TITLE:-"Dense vs sparse training: quality at equal steps"}
-COMMON=(trainer.max_steps=$STEPS logging.progress_bar=false logging.wandb=false "$@")
-python train.py "${COMMON[@]}" l1=0 run_name="${PREFIX}_dense"
-python train.py "${COMMON[@]}" l1="$L1" run_name="${PREFIX}_sparse"
-python train.py "${COMMON[@]}" l1="$L1" sparsity.reinit_dead=true sparsity.dead_window_steps="$WINDOW" \
-  run_name="${PREFIX}_reinit"
-python eval.py checkpoint="outputs/${PREFIX}_dense/final" \
-  "compare=[outputs/${PREFIX}_sparse/final,outputs/${PREFIX}_reinit/final]" out="outputs/${PREFIX}_eval" \
-  logging.wandb=false
+COMMON=(trainer.max_steps=$STEPS logging.progress_bar=false logging.wandb=false checkpoint.resume=auto "$@")
+
+# name and the train.py overrides of every run, in table order
+RUNS=("${PREFIX}_dense|l1=0")
+for l1 in $L1S; do RUNS+=("${PREFIX}_l1_${l1}|l1=${l1}"); done
+RUNS+=("${PREFIX}_reinit_${REINIT_L1}|l1=${REINIT_L1} sparsity.reinit_dead=true sparsity.dead_window_steps=${WINDOW}")
+
+train() {  # name, overrides (space-separated); output goes to outputs/<name>.log
+  local name=$1
+  # shellcheck disable=SC2086  # the overrides are several words
+  python train.py "${COMMON[@]}" $2 run_name="$name" > "outputs/$name.log" 2>&1
+}
+
+mkdir -p outputs
+pids=()
+for run in "${RUNS[@]}"; do
+  name=${run%%|*}
+  [ -d "outputs/$name/final" ] && continue
+  if [ "$PARALLEL" = 1 ]; then
+    train "$name" "${run#*|}" & pids+=($!)
+  else
+    train "$name" "${run#*|}" || { tail -20 "outputs/$name.log"; exit 1; }
+  fi
+done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+[ "$failed" = 0 ] || { echo "a run failed: see outputs/${PREFIX}_*.log" >&2; exit 1; }
+
+dirs=()
+for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}"); done
+others=$(IFS=,; echo "${dirs[*]:1}" | sed 's#\(outputs/[^,]*\)#\1/final#g')
+python eval.py checkpoint="${dirs[0]}/final" "compare=[$others]" out="outputs/${PREFIX}_eval" logging.wandb=false
 DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
-python scripts/compare_runs.py "outputs/${PREFIX}_dense" "outputs/${PREFIX}_sparse" "outputs/${PREFIX}_reinit" \
-  --eval "outputs/${PREFIX}_eval/results.json" --markdown BENCHMARKS.md --title "$TITLE" \
-  --note "$DEVICE. \`STEPS=$STEPS L1=$L1 WINDOW=$WINDOW bash scripts/quality_runs.sh $*\`; the sparse runs use l1=$L1, the reinit run also sparsity.reinit_dead=true sparsity.dead_window_steps=$WINDOW. Held-out = the validation documents of the training data; never fired = share of FFN neurons with no non-zero on the held-out tokens."
+python scripts/compare_runs.py "${dirs[@]}" --eval "outputs/${PREFIX}_eval/results.json" --markdown BENCHMARKS.md \
+  --title "$TITLE" \
+  --note "$DEVICE. \`STEPS=$STEPS L1S=\"$L1S\" REINIT_L1=$REINIT_L1 WINDOW=$WINDOW bash scripts/quality_runs.sh $*\`; the reinit run also has sparsity.reinit_dead=true sparsity.dead_window_steps=$WINDOW. Held-out = the validation documents of the training data; never fired = share of FFN neurons with no non-zero on the held-out tokens."
