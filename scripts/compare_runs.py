@@ -72,16 +72,17 @@ def quality_table(run_dirs: list[Path], eval_results: Path) -> str:
         rows.append((run_dir.name, model, _last(read_metrics(run_dir / "metrics.jsonl"), "dead/mean")))
     tasks = sorted({task for _, model, _ in rows for task in model.get("tasks", {})})
     base_ce = rows[0][1]["perplexity"]["ce"]
-    lines = ["| run | held-out CE | CE vs first | perplexity | mean L0 / N | sparsity | never fired (held-out) | "
-             "dead (last training window) | " + " | ".join(f"{t} acc" for t in tasks) + " |",
-             "|---" * (8 + len(tasks)) + "|"]
+    header = ["run", "held-out CE", "CE vs first", "perplexity", "mean L0 / N", "sparsity", "never fired (held-out)",
+              "dead (last training window)"] + [f"{t} acc" for t in tasks]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, model, dead in rows:
         ce, sparsity = model["perplexity"]["ce"], model["sparsity"]
         never = sum(layer["never_fired"] for layer in sparsity["layers"]) / len(sparsity["layers"])
         accs = [f"{model['tasks'][t]['acc']:.3f}" if t in model.get("tasks", {}) else "-" for t in tasks]
-        lines.append(f"| {name} | {ce:.4f} | {100 * (ce / base_ce - 1):+.2f}% | {model['perplexity']['ppl']:.2f} | "
-                     f"{sparsity['l0_mean']:.1f} / {sparsity['neurons']} | {100 * sparsity['sparsity_mean']:.2f}% | "
-                     f"{100 * never:.1f}% | {100 * dead:.1f}% | " + " | ".join(accs) + " |")
+        cells = [name, f"{ce:.4f}", f"{100 * (ce / base_ce - 1):+.2f}%", f"{model['perplexity']['ppl']:.2f}",
+                 f"{sparsity['l0_mean']:.1f} / {sparsity['neurons']}", f"{100 * sparsity['sparsity_mean']:.2f}%",
+                 f"{100 * never:.1f}%", f"{100 * dead:.1f}%"] + accs
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
 # with l1=$REINIT_L1 plus dead-neuron re-initialisation (paper eq. 6, every $WINDOW steps); eval.py scores the
 # final checkpoints side by side; scripts/compare_runs.py appends the training and quality tables to
 # BENCHMARKS.md (title from $TITLE). Re-running resumes unfinished runs from their last checkpoint and skips
-# finished ones. PARALLEL=1 trains all runs at once (small models leave most of a large GPU idle).
-#   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] \
+# finished ones. PARALLEL=1 trains all runs at once (small models leave most of a large GPU idle). TASKS is
+# eval.py's tasks= (none: held-out perplexity and sparsity only, for machines without lm-eval).
+#   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] [TASKS=embedded] \
 #     bash scripts/quality_runs.sh [train.py overrides...]
 # A 91M-parameter model on one H100, on a carried token file (scripts/tokenize_corpus.py):
 #   STEPS=800 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
@@ -18,6 +19,7 @@ REINIT_L1=${REINIT_L1:-${L1S##* }}
 WINDOW=${WINDOW:-100}
 PREFIX=${PREFIX:-quality}
 PARALLEL=${PARALLEL:-0}
+TASKS=${TASKS:-embedded}
 TITLE=${TITLE:-"Dense vs sparse training: quality at equal steps"}
 COMMON=(trainer.max_steps=$STEPS logging.progress_bar=false logging.wandb=false checkpoint.resume=auto "$@")
 
@@ -50,7 +52,8 @@ for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 dirs=()
 for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}"); done
 others=$(IFS=,; echo "${dirs[*]:1}" | sed 's#\(outputs/[^,]*\)#\1/final#g')
-python eval.py checkpoint="${dirs[0]}/final" "compare=[$others]" out="outputs/${PREFIX}_eval" logging.wandb=false
+python eval.py checkpoint="${dirs[0]}/final" "compare=[$others]" tasks="$TASKS" \
+  out="outputs/${PREFIX}_eval" logging.wandb=false
 DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
 python scripts/compare_runs.py "${dirs[@]}" --eval "outputs/${PREFIX}_eval/results.json" --markdown BENCHMARKS.md \
   --title "$TITLE" \

@@ -61,7 +61,8 @@ class EvalConfig:
         compare: checkpoints evaluated the same way and shown beside the first: one path, a list of
             paths (``compare=[a,b]``) or "" (none).
         tasks: task name, comma-separated names or a list: any lm-eval task, ``heldout_continuation``,
-            ``embedded`` (= heldout_continuation) or ``paper`` (the paper's seven zero-shot tasks).
+            ``embedded`` (= heldout_continuation), ``paper`` (the paper's seven zero-shot tasks) or ``none``
+            (held-out perplexity and sparsity only; needs no lm-eval).
         task_data: task name -> local .json/.jsonl/.parquet file with the split the task evaluates, in the
             schema of its Hugging Face dataset (for machines without the hub). eval.yaml lists the paper's
             tasks with null values, so ``task_data.piqa=<file>`` needs no ``+``; other tasks do.
@@ -495,10 +496,11 @@ def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[s
 # Entry
 
 
-def _software() -> dict[str, Any]:
+def _software(ran_lm_eval: bool) -> dict[str, Any]:
     import transformers
 
-    return {"lm_eval": mc_tasks.import_lm_eval().__version__, "torch": torch.__version__,
+    lm_eval_version = mc_tasks.import_lm_eval().__version__ if ran_lm_eval else None
+    return {"lm_eval": lm_eval_version, "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_offline": mc_tasks.hub_env_summary()}
 
 
@@ -526,8 +528,9 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size={cfg.batch_size} must be >= 1")
     names = mc_tasks.expand_task_names(cfg.tasks)
-    manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
-    mc_tasks.check_known(names, manager)
+    manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names)) if names else None
+    if names:
+        mc_tasks.check_known(names, manager)
     tokenizers = {model_dir: _checkpoint_tokenizer(model_dir, cfg) for model_dir in model_dirs}
     documents = held_out_documents(cfg.data)
     heldout, count_tokens = _heldout_fitted(cfg.heldout, model_dirs, tokenizers)
@@ -537,9 +540,10 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
         heldout_file = mc_tasks.write_jsonl(rows, out_dir / f"{mc_tasks.HELDOUT_TASK}.jsonl")
         log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
                  len(documents), heldout_file)
-    specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
+    specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager) if names else []
     hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and not cfg.task_data.get(n)]
-    mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
+    if hub_tasks:
+        mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
     return _Plan(names, specs, manager, hub_tasks, documents, device, dtype, tokenizers, heldout)
 
 
@@ -580,7 +584,7 @@ def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> d
                     dtype=str(plan.dtype).removeprefix("torch."),
                     device_name=torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu")
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(),
+    results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(bool(plan.specs)),
                "models": models}
     print(format_table(models), flush=True)
     log_telemetry(cfg.logging, out_dir, results)

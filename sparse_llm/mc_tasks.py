@@ -34,6 +34,7 @@ import numpy as np
 
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "winogrande", "commonsense_qa")
 HELDOUT_TASK = "heldout_continuation"
+NO_TASKS = "none"  # tasks=none: held-out perplexity and sparsity only, which need no lm-eval
 TASK_ALIASES = {"paper": PAPER_TASKS, "embedded": (HELDOUT_TASK,)}
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Dataset builders that read files named in the config (data_files), not a hub repository.
@@ -86,7 +87,12 @@ def import_lm_eval() -> Any:
 
 
 def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
-    """``"paper"``, ``"a,b"`` or ``["paper", "piqa"]`` -> task names in order, aliases expanded, once each."""
+    """``"paper"``, ``"a,b"`` or ``["paper", "piqa"]`` -> task names in order, aliases expanded, once each.
+
+    ``"none"`` -> [] (no benchmark task).
+    """
+    if tasks == NO_TASKS:
+        return []
     items = [tasks] if isinstance(tasks, str) else list(tasks)
     names: list[str] = []
     for item in items:
@@ -99,7 +105,7 @@ def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
                 if name and name not in names:
                     names.append(name)
     if not names:
-        raise ValueError(f"tasks={tasks!r} names no task; use e.g. tasks=embedded or tasks=paper")
+        raise ValueError(f"tasks={tasks!r} names no task; use e.g. tasks=embedded, tasks=paper or tasks=none (perplexity and sparsity only)")
     return names
 
 

@@ -45,6 +45,17 @@ def test_training_and_quality_tables(tmp_path):
     assert quality[3] == "| sparse | 2.0400 | +2.00% | 7.69 | 1.0 / 100 | 99.00% | 20.0% | 25.0% | 0.550 |"
 
 
+def test_quality_table_without_tasks_has_no_empty_column(tmp_path):
+    dense = _run(tmp_path, "dense", [2.0], dead=0.0)
+    model = _model(dense, 2.0, 40.0, [0.0], 0.5)
+    del model["tasks"]  # eval.py tasks=none
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"models": [model]}))
+    header, rule, row = compare_runs.quality_table([dense], results).splitlines()
+    assert header.endswith("| dead (last training window) |") and rule.count("|---") == 8
+    assert row == "| dense | 2.0000 | +0.00% | 7.39 | 40.0 / 100 | 60.00% | 0.0% | 0.0% |"
+
+
 def test_quality_table_names_a_run_that_was_not_evaluated(tmp_path):
     dense = _run(tmp_path, "dense", [2.0], dead=0.0)
     other = _run(tmp_path, "other", [2.0], dead=0.0)

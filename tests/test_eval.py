@@ -113,6 +113,20 @@ def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
     assert records[0]["compare_2/ppl"] == trained["perplexity"]["ppl"]
 
 
+def test_tasks_none_measures_perplexity_and_sparsity_without_lm_eval(models, tmp_path, monkeypatch):
+    def no_lm_eval():
+        raise ImportError("lm-eval is not installed")
+
+    monkeypatch.setattr(mc_tasks, "import_lm_eval", no_lm_eval)
+    results = evaluate(eval_config(checkpoint=str(models["trained"]), tasks="none"), tmp_path / "eval")
+    (trained,) = results["models"]
+    assert "tasks" not in trained and "mean_acc" not in trained
+    assert trained["perplexity"]["ppl"] > 1.0 and len(trained["sparsity"]["layers"]) == 2
+    assert results["settings"]["tasks"] == [] and results["software"]["lm_eval"] is None
+    with pytest.raises(ValueError, match="tasks=none"):
+        mc_tasks.expand_task_names("")
+
+
 def test_compare_takes_one_checkpoint_or_a_list():
     assert evaluation.compare_paths("") == []
     assert evaluation.compare_paths("runs/a") == ["runs/a"]
