@@ -7,11 +7,12 @@
 # eval.py's tasks= (none: held-out perplexity and sparsity only, for machines without lm-eval).
 #   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] [TASKS=embedded] \
 #     bash scripts/quality_runs.sh [train.py overrides...]
-# A 91M-parameter model on one H100, on a carried token file (scripts/tokenize_corpus.py):
-#   STEPS=800 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
+# The 91M-parameter runs of BENCHMARKS.md (five runs sharing one H100: about 9 minutes of training; data/docs
+# from scripts/build_doc_corpus.py and scripts/tokenize_corpus.py):
+#   STEPS=600 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
 #     model.hidden_size=768 model.intermediate_size=2048 model.num_layers=12 model.num_heads=12 \
 #     model.max_position_embeddings=512 trainer.global_batch=64 trainer.micro_batch=32 trainer.lr=1e-3 \
-#     trainer.warmup_steps=100
+#     trainer.warmup_steps=100 checkpoint.every=0
 set -euo pipefail
 STEPS=${STEPS:-2000}
 L1S=${L1S:-2e-5}
