@@ -7,7 +7,7 @@
 # eval.py's tasks= (none: held-out perplexity and sparsity only, for machines without lm-eval).
 #   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] [TASKS=embedded] \
 #     bash scripts/quality_runs.sh [train.py overrides...]
-# The 91M-parameter runs of BENCHMARKS.md (five runs sharing one H100: about 9 minutes of training; data/docs
+# The 91M-parameter runs of BENCHMARKS.md (five runs sharing one H100: about 10 minutes of training; data/docs
 # from scripts/build_doc_corpus.py and scripts/tokenize_corpus.py):
 #   STEPS=600 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
 #     model.hidden_size=768 model.intermediate_size=2048 model.num_layers=12 model.num_heads=12 \
