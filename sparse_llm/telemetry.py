@@ -118,8 +118,19 @@ _CONSOLE_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 )
 
 
+def _duration(seconds: float) -> str:
+    """12s, 4m05s, 2h07m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def format_console_line(step: int, total_steps: int, metrics: dict[str, MetricValue | None]) -> str:
-    """``step  120/1000 | loss 3.2101 | ... | sparsity 97.8% | 12.3k tok/s | ...`` (metrics present only)."""
+    """``step  120/1000 | loss 3.2101 | ... | sparsity 97.8% | 12.3k tok/s | eta 4m05s | ...`` (metrics present only;
+    eta from the window's step time, validation passes not included)."""
     parts = [f"step {step:>{len(str(total_steps))}}/{total_steps}"]
     for key, template, fmt in _CONSOLE_FIELDS:
         value = metrics.get(key)
@@ -127,6 +138,9 @@ def format_console_line(step: int, total_steps: int, metrics: dict[str, MetricVa
             continue
         shown = fmt(value) if isinstance(value, Number) and not isinstance(value, bool) else str(value)
         parts.append(template.format(shown))
+        step_time_s = metrics.get("step_time_s")
+        if key == "tokens_per_s" and isinstance(step_time_s, Number) and step < total_steps:
+            parts.append(f"eta {_duration((total_steps - step) * step_time_s)}")
     return " | ".join(parts)
 
 

@@ -128,6 +128,11 @@ def test_console_line_shows_present_metrics_only(tmp_path: Path, capsys: pytest.
         20, 1000, {"loss": 3.21, "sparsity/mean": 0.978, "tokens_per_s": 12345.0, "mj_per_token": 1.5}
     )
     assert line == "step   20/1000 | loss 3.2100 | sparsity 97.8% | 12.3k tok/s | 1.5 mJ/tok"
+    timed = {"tokens_per_s": 12345.0, "step_time_s": 0.25}
+    assert format_console_line(20, 1000, timed) == "step   20/1000 | 12.3k tok/s | eta 4m05s"
+    assert format_console_line(0, 40000, timed).endswith("eta 2h46m")
+    assert format_console_line(990, 1000, timed).endswith("eta 2s")
+    assert "eta" not in format_console_line(1000, 1000, timed)
     cfg = LoggingConfig(wandb=False, progress_bar=True, console=True)
     with Telemetry(cfg, tmp_path, {}, is_main=True, total_steps=1000) as tel:
         tel.advance(20, {"loss": 3.21})
