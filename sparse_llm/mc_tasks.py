@@ -132,7 +132,8 @@ def check_known(names: Sequence[str], manager: Any) -> None:
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ValueError(
             f"tasks: unknown task {name!r}.{hint} Valid names: any lm-eval task (list them with "
-            f"`lm-eval ls tasks`), {HELDOUT_TASK}, or the aliases {', '.join(TASK_ALIASES)}."
+            f"`lm-eval ls tasks`), {HELDOUT_TASK}, the aliases {', '.join(TASK_ALIASES)}, or {NO_TASKS} "
+            "(perplexity and sparsity only)."
         )
 
 
