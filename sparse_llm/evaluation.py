@@ -528,8 +528,9 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size={cfg.batch_size} must be >= 1")
     names = mc_tasks.expand_task_names(cfg.tasks)
-    manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names)) if names else None
+    manager = None  # tasks=none runs no benchmark and needs no lm-eval
     if names:
+        manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
         mc_tasks.check_known(names, manager)
     tokenizers = {model_dir: _checkpoint_tokenizer(model_dir, cfg) for model_dir in model_dirs}
     documents = held_out_documents(cfg.data)
@@ -540,7 +541,7 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
         heldout_file = mc_tasks.write_jsonl(rows, out_dir / f"{mc_tasks.HELDOUT_TASK}.jsonl")
         log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
                  len(documents), heldout_file)
-    specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager) if names else []
+    specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
     hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and not cfg.task_data.get(n)]
     if hub_tasks:
         mc_tasks.check_hub_tasks(hub_tasks, manager, cfg.hub_timeout_s)
