@@ -50,10 +50,9 @@ failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 [ "$failed" = 0 ] || { echo "a run failed: see outputs/${PREFIX}_*.log" >&2; exit 1; }
 
-dirs=()
-for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}"); done
-others=$(IFS=,; echo "${dirs[*]:1}" | sed 's#\(outputs/[^,]*\)#\1/final#g')
-python eval.py checkpoint="${dirs[0]}/final" "compare=[$others]" tasks="$TASKS" \
+dirs=() finals=()
+for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}") finals+=("outputs/${run%%|*}/final"); done
+python eval.py checkpoint="${finals[0]}" "compare=[$(IFS=,; echo "${finals[*]:1}")]" tasks="$TASKS" \
   out="outputs/${PREFIX}_eval" logging.wandb=false
 DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
 python scripts/compare_runs.py "${dirs[@]}" --eval "outputs/${PREFIX}_eval/results.json" --markdown BENCHMARKS.md \
