@@ -304,6 +304,20 @@ def _backup_forward(
     return g_RN, u_RN
 
 
+def _zeroed_ell(m: int, width: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Zeroed ELL columns (int32) and gate and up values (bf16), each [m, width], carved from one buffer."""
+    size = m * width
+    # Each array starts on a 256-byte boundary, as a separate allocation would.
+    cols_bytes, values_bytes = (-(-size * itemsize // 256) * 256 for itemsize in (4, 2))
+    raw = torch.zeros(cols_bytes + 2 * values_bytes, dtype=torch.uint8, device=device)
+    cols_MW = raw[: size * 4].view(torch.int32).view(m, width)
+    g_MW, u_MW = (
+        raw[start : start + size * 2].view(torch.bfloat16).view(m, width)
+        for start in (cols_bytes, cols_bytes + values_bytes)
+    )
+    return cols_MW, g_MW, u_MW
+
+
 def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
     device = x_MK.device
     _require_kernels(device)
@@ -313,16 +327,15 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
         # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable.
-        ell_cols_MW = torch.zeros(m, width, dtype=i32, device=device)
-        ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
-        ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
+        # The zeroed arrays share one allocation each for their dtype: one fill instead of several.
+        ell_cols_MW, ell_g_MW, ell_u_MW = _zeroed_ell(m, width, device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
         row_slot_M = torch.empty(m, dtype=i32, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
         l1_M = torch.empty(m, dtype=torch.float32, device=device)
         backup_rows_M = torch.empty(m, dtype=torch.int64, device=device)
-        counters = torch.zeros(2, dtype=i32, device=device)  # heavy tokens, tokens with an overflowed tile
-        fired_N = torch.zeros(n, dtype=i32, device=device)
+        zeroed_i32 = torch.zeros(2 + n, dtype=i32, device=device)
+        counters, fired_N = zeroed_i32[:2], zeroed_i32[2:]  # counters: heavy tokens, tokens with an overflowed tile
         y_MK = torch.empty(m, k, dtype=bf16, device=device)
         heavy = 0
         if m:
@@ -383,27 +396,33 @@ def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: i
     return order_E, col_start
 
 
-def _csc_wgrad(
-    order_E: Tensor, col_start: Tensor, values: tuple[Tensor, ...], src_MK: Tensor, n: int, width: int
-) -> tuple[Tensor, ...]:
-    """fp32 [N, K] sums over column n's entries of value * src_MK[token]; one per value array (1 or 2)."""
-    device = src_MK.device
-    k = src_MK.shape[1]
+def csc_chunk_starts(col_start: Tensor) -> Tensor:
+    """int64 [N + 1]: where column n's CSC_CHUNK-entry work chunks start in the list of all chunks."""
     chunks = (col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK
-    chunk_start = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    chunk_start = torch.zeros_like(col_start)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
-    outs = tuple(torch.zeros(n, k, dtype=torch.float32, device=device) for _ in values)
-    next_item = torch.zeros(1, dtype=torch.int64, device=device)
+    return chunk_start
+
+
+def _csc_wgrad(
+    csc: tuple[Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
+    next_item: Tensor, width: int,
+) -> None:  # fmt: skip
+    """Adds to each zeroed fp32 [N, K] out the sums over column n's entries of value * src_MK[token].
+
+    csc = (order_E, col_start, chunk_start) of `csc_order` and `csc_chunk_starts`; one out per value array
+    (1 or 2); next_item is a zeroed int64 [1] work counter.
+    """
+    device = src_MK.device
+    n, k = outs[0].shape
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     kw, parts = wgrad_slices(k)
     args = (
-        cuda.ptr(order_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
-        cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
+        *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
         cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(next_item),
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts),
     )  # fmt: skip
     _launch("train_backward.cu", f"train_csc_wgrad<{kw},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
-    return outs
 
 
 def _cuda_backward(
@@ -438,11 +457,15 @@ def _cuda_backward(
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
+        # fp32 sums of dW_gate, dW_up and dW_down^T in one zeroed buffer (one fill).
+        dw_3NK = torch.zeros(3, n, k, dtype=torch.float32, device=device)
+        dw_gate_NK, dw_up_NK, dw_down_NK = dw_3NK.unbind(0)
+        if m:
             order_E, col_start = csc_order(ell_cols_MW, ell_count_M, row_slot_M, n)
-            dw_gate_NK, dw_up_NK = _csc_wgrad(order_E, col_start, (ell_dg_MW, ell_du_MW), x_MK, n, width)
-            (dw_down_NK,) = _csc_wgrad(order_E, col_start, (ell_h_MW,), dy_MK, n, width)
-        else:
-            dw_gate_NK, dw_up_NK, dw_down_NK = (torch.zeros(n, k, device=device) for _ in range(3))
+            csc = (order_E, col_start, csc_chunk_starts(col_start))
+            next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
+            _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
+            _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)
         if backup_rows_R.numel():
             _backup_backward(
                 x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,

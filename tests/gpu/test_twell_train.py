@@ -27,6 +27,7 @@ if REASON is None:
     from sparse_llm.twell_train import (
         STATE_NAMES,
         _csc_wgrad,
+        csc_chunk_starts,
         csc_order,
         twell_train_ffn,
         twell_train_forward_op,
@@ -224,7 +225,9 @@ def test_csc_weight_gradient_kernel_with_hot_columns():
     order, col_start = csc_order(packed.ell_cols_MW, packed.ell_count_M, row_slot, n)
     values = packed.ell_values_MW.contiguous()
     second = (values * 2).contiguous()
-    out1, out2 = _csc_wgrad(order, col_start, (values, second), x, n, width)
+    out1, out2 = torch.zeros(2, n, k, device="cuda").unbind(0)
+    next_item = torch.zeros(1, dtype=torch.int64, device="cuda")
+    _csc_wgrad((order, col_start, csc_chunk_starts(col_start)), (values, second), x, (out1, out2), next_item, width)
     light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
     want = hybrid_t_matmul(light, x.float())
     torch.testing.assert_close(out1, want, atol=1e-3, rtol=1e-4)
