@@ -584,7 +584,21 @@ def breakdown_table(results: list[VariantResult]) -> list[str]:
     ]
     for r in rows:
         lines.append(f"| {r.mode} | {r.kernel} | " + " | ".join(fmt(r.breakdown_ms.get(k), ".2f") for k in keys) + " |")
+    stock = next((r for r in rows if r.mode == "forward" and r.kernel == "stock"), None)
+    if stock is not None:
+        lines += ["", forward_ceiling(stock.breakdown_ms)]
     return lines
+
+
+def forward_ceiling(stock_ms: dict[str, float]) -> str:
+    """The speed-up of the stock forward if its FFN past the gate GEMM cost nothing: the most any sparse FFN
+    that keeps the dense gate GEMM can give; attention and the other layers bound it."""
+    total, rest = stock_ms["total"], stock_ms["ffn rest"]
+    return (
+        f"Forward ceiling: with the FFN past its gate GEMM free, the stock forward would take {total - rest:.2f} "
+        f"of {total:.2f} ms ({total / (total - rest):.3f}x); attention {stock_ms['attention']:.2f} ms, gate GEMM "
+        f"{stock_ms['ffn gate GEMM']:.2f} ms and the other layers {stock_ms['other fwd']:.2f} ms remain."
+    )
 
 
 def layer_table(results: list[VariantResult]) -> list[str]:

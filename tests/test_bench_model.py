@@ -158,11 +158,18 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     for row in ("| forward | torch | 2 |", "| train | auto | 2 |", "| forward | twell | 2 | skipped:"):
         assert row in text and row in printed
     assert "| layer | forward L0 mean / p99 / max |" in text
+    assert "Forward ceiling: with the FFN past its gate GEMM free" in text
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
     assert len(json.loads((tmp_path / "r.json").read_text())) == 11
     assert "aten::mm" in (tmp_path / "prof" / "train_auto.txt").read_text()  # one profiled step per variant
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
+
+
+def test_forward_ceiling_is_the_stock_forward_without_its_sparse_part():
+    stock = {"attention": 37.0, "ffn gate GEMM": 9.25, "ffn rest": 21.75, "other fwd": 12.0, "total": 80.0}
+    line = bench_model.forward_ceiling(stock)
+    assert "take 58.25 of 80.00 ms (1.373x)" in line and "attention 37.00 ms" in line
 
 
 def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
