@@ -310,20 +310,6 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
     return g_RN, torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
 
 
-def _zeroed_ell(m: int, width: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Zeroed ELL columns (int32) and gate and up values (bf16), each [m, width], carved from one buffer."""
-    size = m * width
-    # Each array starts on a 256-byte boundary, as a separate allocation would.
-    cols_bytes, values_bytes = (-(-size * itemsize // 256) * 256 for itemsize in (4, 2))
-    raw = torch.zeros(cols_bytes + 2 * values_bytes, dtype=torch.uint8, device=device)
-    cols_MW = raw[: size * 4].view(torch.int32).view(m, width)
-    g_MW, u_MW = (
-        raw[start : start + size * 2].view(torch.bfloat16).view(m, width)
-        for start in (cols_bytes, cols_bytes + values_bytes)
-    )
-    return cols_MW, g_MW, u_MW
-
-
 def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
     device = x_MK.device
     _require_kernels(device)
@@ -332,8 +318,11 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
-        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable.
-        ell_cols_MW, ell_g_MW, ell_u_MW = _zeroed_ell(m, width, device)
+        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable. Three
+        # allocations, not views of one: outputs of a custom op must not alias each other.
+        ell_cols_MW = torch.zeros(m, width, dtype=i32, device=device)
+        ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
+        ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
         row_slot_M = torch.empty(m, dtype=i32, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)

@@ -24,7 +24,6 @@ from sparse_llm.twell_train import (
     STATE_NAMES,
     _backup_backward,
     _backup_gate_up,
-    _zeroed_ell,
     check_train_inputs,
     csc_chunk_starts,
     csc_order,
@@ -237,16 +236,6 @@ def test_csc_order_lists_light_entries_by_column():
 def test_csc_chunk_starts_count_whole_chunks_per_column():
     col_start = torch.tensor([0, 0, 1, 1 + CSC_CHUNK, 1 + 3 * CSC_CHUNK + 1])  # 0, 1, 64 and 129 entries
     assert csc_chunk_starts(col_start).tolist() == [0, 0, 1, 2, 5]
-
-
-def test_zeroed_ell_arrays_are_separate_zeroed_and_contiguous():
-    cols, g, u = _zeroed_ell(5, 3, torch.device("cpu"))
-    assert (cols.dtype, g.dtype, u.dtype) == (torch.int32, torch.bfloat16, torch.bfloat16)
-    assert all((t.data_ptr() - cols.data_ptr()) % 256 == 0 for t in (g, u))  # CUDA buffers start aligned
-    assert all(t.shape == (5, 3) and t.is_contiguous() and not t.any() for t in (cols, g, u))
-    cols.fill_(-1)
-    g.fill_(2.0)
-    assert not u.any() and (g == 2.0).all() and (cols == -1).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
