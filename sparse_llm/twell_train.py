@@ -20,8 +20,8 @@ Format and saved state (sparse only: no dense [M, N] or [R, N] activation is kep
 -------------------------------------------------------------------------------------
 A token with at most ``width`` gate non-zeros is *light*: its entries live in an ELL row (column
 ``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused;
-``row_slot_M`` is -1). Any other token is *heavy* (``row_slot_M`` >= 0): ``heavy_rows_M[:R]`` lists them, with
-R = ``heavy_counts[0]`` (a pinned CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the
+``heavy_M`` is False). Any other token is *heavy* (``heavy_M`` True); R = ``heavy_counts[0]`` of them (a pinned
+CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the
 GPU a token whose TwELL tile overflowed (more than 31 positives in 256 columns) is also heavy, since its packed
 words are incomplete. Nothing is ever dropped: there is no capacity to run out of. h is recomputed from
 g * u in the backward, and the heavy tokens' dense g and u rows are recomputed there by cuBLAS from x.
@@ -29,7 +29,7 @@ Token indices are int32/int64 throughout (no 65536-token limit).
 
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
-forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows + heavy-token list)  ->
+forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows, heavy flags and list)  ->
           train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  gate_up_down_heavy (the inference
           direct route's split kernel: each heavy token's y, L1, L0, fired straight from its gate row, the
           list's length read on the device).
@@ -58,8 +58,9 @@ the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
 Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
-ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order); the order of
-``heavy_rows_M`` is not (tokens join the list as they arrive), and the backward sorts it.
+ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order), as
+torch.compile and opcheck require: the heavy tokens leave the op as flags, not as the kernel's list (whose
+order is that of arrival); the backward lists them with nonzero_static, sized by the landed count.
 
 On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference built on
 `sparse_llm.formats` (`hybrid_gated_mlp_forward_ref` / `hybrid_gated_mlp_backward_ref`), any float dtype.
@@ -120,13 +121,12 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STATE_NAMES = (
     "ell_cols_MW",
     "ell_count_M",
-    "row_slot_M",
+    "heavy_M",
     "ell_g_MW",
     "ell_u_MW",
-    "heavy_rows_M",
     "heavy_counts",
 )
-_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,23 +230,18 @@ def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_
     fired_N = torch.zeros(n, dtype=torch.bool, device=x_MK.device)
     fired_N[g.ell_cols_MW[nonzero_MW].long()] = True
     fired_N |= nonzero_RN.any(dim=0)
-    heavy = g.backup_rows_R.numel()
-    row_slot_M = torch.full((m,), -1, dtype=torch.int32, device=x_MK.device)
-    row_slot_M[g.backup_rows_R] = torch.arange(heavy, dtype=torch.int32, device=x_MK.device)
-    heavy_rows_M = torch.full((m,), -1, dtype=torch.int64, device=x_MK.device)
-    heavy_rows_M[:heavy] = g.backup_rows_R
-    heavy_counts = torch.tensor([heavy, 0], dtype=torch.int32)
+    heavy_counts = torch.tensor([g.backup_rows_R.numel(), 0], dtype=torch.int32)
     return (
         fwd.y_MK, fwd.l1_sum, l0_M, fired_N,
-        g.ell_cols_MW, g.ell_count_M, row_slot_M, g.ell_values_MW, u.ell_values_MW, heavy_rows_M, heavy_counts,
+        g.ell_cols_MW, g.ell_count_M, g.heavy_M, g.ell_values_MW, u.ell_values_MW, heavy_counts,
     )  # fmt: skip
 
 
 def _reference_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-    heavy_rows_M, heavy_counts, dy_MK, dl1,
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+    dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    rows_R = heavy_rows(heavy_rows_M, heavy_counts)
+    rows_R = heavy_rows(heavy_M, heavy_counts)
     backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
     g = HybridPacked(
         ell_values_MW=ell_g_MW,
@@ -293,9 +288,12 @@ def _require_kernels(device: torch.device) -> None:
         )
 
 
-def heavy_rows(heavy_rows_M: Tensor, heavy_counts: Tensor) -> Tensor:
-    """The heavy tokens of a forward, ascending: int64 [R] (R = heavy_counts[0] once its copy has landed)."""
-    return heavy_rows_M[: landed(heavy_counts)[0]].sort().values
+def heavy_rows(heavy_M: Tensor, heavy_counts: Tensor) -> Tensor:
+    """The heavy tokens of a forward, ascending: int64 [R] (R = heavy_counts[0] once its copy has landed).
+
+    nonzero_static, unlike nonzero, is sized by the host and so does not wait for the device.
+    """
+    return torch.nonzero_static(heavy_M, size=landed(heavy_counts)[0])[:, 0]
 
 
 def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Tensor) -> tuple[Tensor, Tensor]:
@@ -324,10 +322,10 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
-        row_slot_M = torch.empty(m, dtype=i32, device=device)
+        heavy_M = torch.empty(m, dtype=torch.bool, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
         l1_M = torch.empty(m, dtype=torch.float32, device=device)
-        heavy_rows_M = torch.empty(m, dtype=torch.int64, device=device)
+        heavy_list = torch.empty(m, dtype=i32, device=device)  # the kernel's order: not an output
         zeroed_i32 = torch.zeros(2 + n, dtype=i32, device=device)
         counters, fired_N = zeroed_i32[:2], zeroed_i32[2:]  # counters: heavy tokens, tokens with an overflowed tile
         y_MK = torch.empty(m, k, dtype=bf16, device=device)
@@ -339,7 +337,7 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             blocks = math.ceil(m / WARPS_PER_BLOCK)
             args = (
                 cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M),
-                cuda.ptr(row_slot_M), cuda.ptr(heavy_rows_M), cuda.ptr(counters),
+                cuda.ptr(heavy_M), cuda.ptr(heavy_list), cuda.ptr(counters),
                 np.int32(m), np.int32(n // TILE), np.int32(width),
             )  # fmt: skip
             _launch("train_forward.cu", "train_ell_from_twell", blocks, args, device)
@@ -349,7 +347,7 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             kv = _pieces(k)
             args = (
                 cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
-                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(ell_u_MW),
+                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(ell_u_MW),
                 cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N),
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
@@ -358,17 +356,17 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
             # read on the device, so the host goes on without waiting.
             split_token_up_down(
-                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M.to(i32), counters[:1], (y_MK, l1_M, l0_M, fired_N)
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, counters[:1], (y_MK, l1_M, l0_M, fired_N)
             )
         else:
             heavy_counts.zero_()
         return (
             y_MK, l1_M.sum(), l0_M, fired_N.bool(),
-            ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW, heavy_rows_M, heavy_counts,
+            ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
         )  # fmt: skip
 
 
-def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
 
     order_E lists positions m * W + s sorted by column (stable: ascending tokens within a column); column n
@@ -377,7 +375,7 @@ def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: i
     """
     width = ell_cols_MW.shape[1]
     used_MW = torch.arange(width, device=ell_cols_MW.device) < ell_count_M[:, None]
-    used_MW &= (row_slot_M < 0)[:, None]
+    used_MW &= ~heavy_M[:, None]
     key_E = torch.where(used_MW, ell_cols_MW, n).flatten()
     sorted_E, order_E = torch.sort(key_E, stable=True)
     col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=key_E.dtype, device=key_E.device))
@@ -414,8 +412,8 @@ def _csc_wgrad(
 
 
 def _cuda_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-    heavy_rows_M, heavy_counts, dy_MK, dl1,
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+    dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     device = x_MK.device
     _require_kernels(device)
@@ -433,7 +431,7 @@ def _cuda_backward(
             w_down_t_NK = transposed_bf16(w_down_KN)
             args = (
                 cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
-                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dl1_1),
+                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
                 cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
@@ -441,7 +439,7 @@ def _cuda_backward(
             del w_down_t_NK
             args = (
                 cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
-                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dx_MK),
+                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
@@ -449,12 +447,12 @@ def _cuda_backward(
         dw_3NK = torch.zeros(3, n, k, dtype=torch.float32, device=device)
         dw_gate_NK, dw_up_NK, dw_down_NK = dw_3NK.unbind(0)
         if m:
-            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, row_slot_M, n)
+            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, heavy_M, n)
             csc = (order_E, col_start, csc_chunk_starts(col_start))
             next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
             _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
             _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)
-        rows_R = heavy_rows(heavy_rows_M, heavy_counts)
+        rows_R = heavy_rows(heavy_M, heavy_counts)
         if rows_R.numel():
             backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(
@@ -500,13 +498,13 @@ def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_d
 @torch.library.custom_op("sparsellm::twell_train_backward", mutates_args=())
 def twell_train_backward_op(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor,
-    ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
-    heavy_rows_M: Tensor, heavy_counts: Tensor, dy_MK: Tensor, dl1: Tensor,
+    ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
+    heavy_counts: Tensor, dy_MK: Tensor, dl1: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor)."""
     return _reference_backward(
-        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-        heavy_rows_M, heavy_counts, dy_MK, dl1,
+        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+        dy_MK, dl1,
     )  # fmt: skip
 
 
@@ -522,9 +520,8 @@ def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
     return (
         x_MK.new_empty(m, k), x_MK.new_empty((), dtype=_acc_dtype(x_MK.dtype)),
         x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
-        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=i32),
-        x_MK.new_empty(m, width), x_MK.new_empty(m, width),
-        x_MK.new_empty(m, dtype=torch.int64), torch.empty(2, dtype=i32, device="cpu"),
+        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=torch.bool),
+        x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(2, dtype=i32, device="cpu"),
     )  # fmt: skip
 
 

@@ -90,21 +90,21 @@ def test_state_is_sparse_and_names_the_heavy_tokens():
     heavy_M = state["ell_count_M"] > 20
     heavy = int(heavy_M.sum())
     assert state["heavy_counts"].device.type == "cpu" and state["heavy_counts"].tolist() == [heavy, 0]
-    assert torch.equal(heavy_rows(state["heavy_rows_M"], state["heavy_counts"]), heavy_M.nonzero()[:, 0])
-    assert ((state["row_slot_M"] >= 0) == heavy_M).all()
+    assert torch.equal(state["heavy_M"], heavy_M)
+    assert torch.equal(heavy_rows(state["heavy_M"], state["heavy_counts"]), heavy_M.nonzero()[:, 0])
     assert state["ell_g_MW"].shape == (x.shape[0], 20)  # no dense [M, N] or [R, N] row is kept
     assert all(t.shape[-1] != wg.shape[0] for t in state.values())
 
 
 def test_heavy_rows_wait_for_a_count_that_has_not_landed(monkeypatch):
-    rows_M = torch.tensor([7, 2, 5, -1])
+    heavy_M = torch.tensor([False, False, True, False, False, True, False, True])
     counts = torch.tensor([-1, -1], dtype=torch.int32)  # as the forward leaves them before the copy lands
 
     def copy_lands():
         counts.copy_(torch.tensor([3, 0]))
 
     monkeypatch.setattr(torch.cuda, "synchronize", copy_lands)
-    assert heavy_rows(rows_M, counts).tolist() == [2, 5, 7]
+    assert heavy_rows(heavy_M, counts).tolist() == [2, 5, 7]
 
 
 def test_gradcheck():
@@ -223,8 +223,7 @@ def test_csc_order_lists_light_entries_by_column():
     gen = torch.Generator().manual_seed(3)
     cols = torch.randint(0, n, (m, w), generator=gen, dtype=torch.int32)
     count = torch.randint(0, w + 3, (m,), generator=gen, dtype=torch.int32)  # > w: heavy
-    row_slot = torch.where(count > w, 0, -1).to(torch.int32)
-    order, col_start = csc_order(cols, count, row_slot, n)
+    order, col_start = csc_order(cols, count, count > w, n)
     assert col_start.shape == (n + 1,) and col_start[0] == 0
     expected = [(int(cols[r, s]), r * w + s) for r in range(m) for s in range(w) if s < count[r] <= w]
     expected.sort()  # by column, then position (the sort is stable)

@@ -191,7 +191,7 @@ def test_saved_state_is_the_hybrid_packing_of_the_gate():
     packed = TwellPacked(twell_pack(F.linear(x, wg)), n, 8)  # the gate the op packs
     count_M = packed.counts_MT.sum(dim=1, dtype=torch.int32)
     assert torch.equal(state["ell_count_M"], count_M)
-    light = state["row_slot_M"] < 0
+    light = ~state["heavy_M"]
     assert torch.equal(light, ~packed.overflow_M & (count_M <= width))  # the routing rule
     rows = light.nonzero()[:, 0]
     ref = pack_hybrid(unpack_twell(packed, rows), width=width)  # ascending columns, zero padding
@@ -204,7 +204,7 @@ def test_saved_state_is_the_hybrid_packing_of_the_gate():
     u = torch.where(used, state["ell_u_MW"][rows].gather(1, order), 0)
     torch.testing.assert_close(u.float(), u_ref.float(), rtol=1e-2, atol=1e-3)
     assert (state["ell_g_MW"][~light] == 0).all() and (state["ell_u_MW"][~light] == 0).all()
-    heavy = heavy_rows(state["heavy_rows_M"], state["heavy_counts"])
+    heavy = heavy_rows(state["heavy_M"], state["heavy_counts"])
     assert torch.equal(heavy, (~light).nonzero()[:, 0]) and state["heavy_counts"][0] == heavy.numel()
     assert state["heavy_counts"][1] == int(packed.overflow_M.sum())  # tokens with an overflowed tile
 
@@ -220,9 +220,8 @@ def test_csc_weight_gradient_kernel_with_hot_columns():
     h[:, 11] = 0.0
     h[::50] = torch.randn(n, device="cuda", generator=gen)  # heavy tokens: excluded from the CSC walk
     packed = pack_hybrid(h.bfloat16(), width=width)
-    row_slot = torch.where(packed.heavy_M, 0, -1).to(torch.int32)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-    order, col_start = csc_order(packed.ell_cols_MW, packed.ell_count_M, row_slot, n)
+    order, col_start = csc_order(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n)
     values = packed.ell_values_MW.contiguous()
     second = (values * 2).contiguous()
     out1, out2 = torch.zeros(2, n, k, device="cuda").unbind(0)
