@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     const __nv_bfloat16 *__restrict__ ell_g,     // [M, W]
     const __nv_bfloat16 *__restrict__ ell_u,     // [M, W]
     const int *__restrict__ ell_count,           // [M]
-    const int *__restrict__ row_slot,            // [M] -1 = light
+    const bool *__restrict__ heavy,              // [M] heavy tokens are skipped
     const float *__restrict__ dl1,               // [1] gradient of the loss w.r.t. sum |h|
     __nv_bfloat16 *__restrict__ ell_h,           // [M, W] out
     __nv_bfloat16 *__restrict__ ell_du,          // [M, W] out
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     int M, int K, int W) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
-    if (m >= M || row_slot[m] >= 0) return;  // whole warp
+    if (m >= M || heavy[m]) return;  // whole warp
     extern __shared__ uint4 smem[];
     uint4 *dy_row = smem + (threadIdx.x / 32) * KV * 32;
     stage_row<KV>(dy_row, dy + m * K, lane, K);
@@ -78,12 +78,12 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
     const __nv_bfloat16 *__restrict__ ell_du,  // [M, W]
     const __nv_bfloat16 *__restrict__ ell_dg,  // [M, W]
     const int *__restrict__ ell_count,         // [M]
-    const int *__restrict__ row_slot,          // [M] -1 = light
+    const bool *__restrict__ heavy,            // [M] heavy tokens are skipped
     __nv_bfloat16 *__restrict__ dx,            // [M, K] out (light rows)
     int M, int K, int W) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
-    if (m >= M || row_slot[m] >= 0) return;  // whole warp
+    if (m >= M || heavy[m]) return;  // whole warp
     const long long row0 = m * W;
     float acc[KV][8];
     zero_acc<KV>(acc);
@@ -209,11 +209,11 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
 #define TRAIN_BWD_TOKEN_KERNELS(KV)                                                                                \
     template __global__ void train_bwd_sddmm<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
                                                  const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
-                                                 const int *, const float *, __nv_bfloat16 *, __nv_bfloat16 *,    \
+                                                 const bool *, const float *, __nv_bfloat16 *, __nv_bfloat16 *,   \
                                                  __nv_bfloat16 *, int, int, int);                                 \
     template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
-                                              const int *, __nv_bfloat16 *, int, int, int);
+                                              const bool *, __nv_bfloat16 *, int, int, int);
 #define TRAIN_CSC_WGRAD(KW, NV)                                                                                  \
     template __global__ void train_csc_wgrad<KW, NV>(const long long *, const long long *, const long long *, \
                                                      const __nv_bfloat16 *, const __nv_bfloat16 *,            \

@@ -6,20 +6,21 @@
 //   train_fwd_light      : per light token, u = x . w_up[n] at the gate's non-zeros, h = g * u,
 //                          y = sum h w_down[:, n], |h| and h != 0 statistics.
 //                          torch reference: formats.hybrid_sddmm, hybrid_mul, hybrid_matmul, hybrid_abs_sum
-// Heavy tokens (backup rows) are computed by dense cuBLAS GEMMs in sparse_llm/twell_train.py.
+// Heavy tokens go through gate_up_down_heavy (twell_direct.cu) from their dense gate rows; their gradients
+// through cuBLAS (sparse_llm/twell_train.py).
 #include "train_common.cuh"
 
 // One warp per token. A token is heavy (goes whole to the dense backup) when its gate has more than W
 // non-zeros or when one of its TwELL tiles overflowed (more than 31 positives: the words hold only 31 of
-// them, so only the dense path can be exact). Heavy tokens get a backup slot from an atomic counter, so
-// the backup list is in arbitrary order; each row's result does not depend on its slot.
+// them, so only the dense path can be exact). Heavy tokens are flagged (a deterministic output) and also
+// appended to a list through an atomic counter, in arbitrary order, for the forward's heavy-token kernel.
 extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
     const uint32_t *__restrict__ packed,   // [M, T * 32] TwELL words of the gate
     int *__restrict__ ell_cols,            // [M, W] out: column of each ELL entry (light rows, slots < count)
     __nv_bfloat16 *__restrict__ ell_g,     // [M, W] out: gate value of each ELL entry
     int *__restrict__ ell_count,           // [M] out: true gate non-zeros of the token
-    int *__restrict__ row_slot,            // [M] out: -1 for a light token, else its backup slot
-    long long *__restrict__ backup_rows,   // [M] out: token of each backup slot (first counters[0] valid)
+    bool *__restrict__ heavy,              // [M] out: true for a heavy token
+    int *__restrict__ heavy_list,          // [M] out: the heavy tokens, any order (first counters[0] valid)
     int *__restrict__ counters,            // [2] zeroed: heavy tokens, tokens with an overflowed tile
     int M, int T, int W) {
     const int lane = threadIdx.x & 31;
@@ -36,18 +37,16 @@ extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
     }
     total = warp_sum_int(total);
     overflow = __any_sync(FULL_MASK, overflow);
-    const bool heavy = overflow || total > W;
+    const bool is_heavy = overflow || total > W;
     if (lane == 0) {
         ell_count[m] = total;
-        int slot = -1;
-        if (heavy) {
-            slot = atomicAdd(&counters[0], 1);
-            backup_rows[slot] = m;
+        heavy[m] = is_heavy;
+        if (is_heavy) {
+            heavy_list[atomicAdd(&counters[0], 1)] = static_cast<int>(m);
             if (overflow) atomicAdd(&counters[1], 1);
         }
-        row_slot[m] = slot;
     }
-    if (heavy) return;
+    if (is_heavy) return;
 
     // Light token: copy the segments in tile order; lane i moves payload word i of each segment.
     int base = 0;
@@ -76,7 +75,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_light(
     const int *__restrict__ ell_cols,            // [M, W]
     const __nv_bfloat16 *__restrict__ ell_g,     // [M, W]
     const int *__restrict__ ell_count,           // [M]
-    const int *__restrict__ row_slot,            // [M]
+    const bool *__restrict__ heavy,              // [M] heavy tokens are skipped
     __nv_bfloat16 *__restrict__ ell_u,           // [M, W] out: u at the ELL entries
     __nv_bfloat16 *__restrict__ y,               // [M, K] out (light rows)
     float *__restrict__ l1,                      // [M] out (light rows): sum |h|
@@ -86,7 +85,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_light(
     constexpr bool kBothRows = KV <= 8;
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
-    if (m >= M || row_slot[m] >= 0) return;  // whole warp
+    if (m >= M || heavy[m]) return;  // whole warp
     extern __shared__ uint4 smem[];
     uint4 *x_row = smem + (threadIdx.x / 32) * KV * 32;
     stage_row<KV>(x_row, x + m * K, lane, K);
@@ -143,7 +142,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_light(
 #define TRAIN_FWD_LIGHT(KV)                                                                                      \
     template __global__ void train_fwd_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                \
                                                  const __nv_bfloat16 *, const int *, const __nv_bfloat16 *,   \
-                                                 const int *, const int *, __nv_bfloat16 *, __nv_bfloat16 *,  \
+                                                 const int *, const bool *, __nv_bfloat16 *, __nv_bfloat16 *, \
                                                  float *, int *, int *, int, int, int);
 TRAIN_FWD_LIGHT(1)
 TRAIN_FWD_LIGHT(8)

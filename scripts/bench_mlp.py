@@ -62,7 +62,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
             "nnz_max": result.l0_M.max().item(),
             "err_twell": rel_err(result.y_MK, ref),
             "err_dense": rel_err(run_dense(), ref),
-            "path": result.path, "overflow_rows": result.overflow_rows,
+            "path": result.path, "overflow_rows": result.dense_rows(),
         }  # fmt: skip
         del ref
         reps = 30 if m >= 1024 else 200

@@ -277,7 +277,7 @@ def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
     for mlp in sparse_mlps(model):
         result = mlp.last_result
         mean, p99, top = l0_summary(result.l0_M)
-        stats.append(LayerStats(mean, p99, top, result.path, int(result.overflow_rows)))
+        stats.append(LayerStats(mean, p99, top, result.path, result.dense_rows()))
     return stats
 
 

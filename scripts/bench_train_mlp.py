@@ -95,7 +95,7 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     row = {
         "case": name, "M": m, "K": k, "N": n, "sigma": sigma,
         "nnz_mean": l0.mean().item(), "nnz_p99": l0.quantile(0.99).item(), "nnz_max": l0.max().item(),
-        "backup_rows": result.overflow_rows, "path": result.path,
+        "backup_rows": result.dense_rows(), "path": result.path,
     }  # fmt: skip
     names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
     for label, forward in (("dense", dense_forward), ("twell", sparse_forward)):

@@ -2,6 +2,7 @@
 
     python scripts/profile_mlp.py                           # inference and training, 28 and 56 non-zeros
     python scripts/profile_mlp.py --mode train --nnz 28 --sigma 0.5
+    python scripts/profile_mlp.py --mode train --m 4096 --nnz 28 --host   # also the host's time, by function
 
 For each case the block runs `--iters` times under torch.profiler (after warm-up); every device kernel,
 including the CuPy ones, is listed with its calls and device ms per iteration, largest first, beside the
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pathlib
+import pstats
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -57,6 +62,40 @@ def print_table(title: str, rows: list[tuple[str, float, float]], wall: float) -
         print(f"| `{short}` | {count:g} | {ms:.3f} | {ms / total:.0%} |")
 
 
+def host_ms(fn: Callable[[], object], iters: int) -> float:
+    """Host ms to issue one call while the GPU is still busy with earlier work (so no call waits for it):
+    the launch cost that bounds a block whose kernels are shorter than it."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning, enough to queue `iters` calls behind it
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / iters
+
+
+def print_host_profile(title: str, fn: Callable[[], object], iters: int, top: int = 25) -> None:
+    """The Python functions (torch ops included) taking the host's time per call, by own time."""
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"\n### host, {title}: {host_ms(fn, iters):.3f} ms to issue one call (GPU kept busy)\n")
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (.., tottime, ..)
+    print("| function | calls | own us per call of the block |")
+    print("|---|---|---|")
+    for (file, line, name), (_, calls, own, *_rest) in rows:
+        where = f"{pathlib.Path(file).name}:{line}" if line else file
+        print(f"| `{name}` ({where}) | {calls / iters:g} | {own * 1e6 / iters:.1f} |")
+
+
 def dense_infer(x, wg, wu, wd):
     return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
@@ -83,6 +122,7 @@ def main() -> None:
     parser.add_argument("--nnz", type=str, default="28,56", help="comma-separated mean gate non-zeros per token")
     parser.add_argument("--sigma", type=float, default=0.0, help="log-normal token scale (heavy tails if > 0)")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--host", action="store_true", help="also the host's time per call, by Python function")
     args = parser.parse_args()
     modes = ("infer", "train") if args.mode == "both" else (args.mode,)
     print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
@@ -100,6 +140,8 @@ def main() -> None:
         for title, fn in cases:
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
                 print_table(f"{title}, nnz {nnz:g}", kernel_table(fn, args.iters), wall_ms(fn, args.iters))
+                if args.host:
+                    print_host_profile(f"{title}, nnz {nnz:g}", fn, args.iters)
 
 
 if __name__ == "__main__":

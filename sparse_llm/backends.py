@@ -30,7 +30,9 @@ class FFNResult:
         l0_M: [M] int32, non-zeros of h per token (detached).
         fired_N: [N] bool, neurons with h != 0 for at least one token (detached).
         path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
-        overflow_rows: tokens that could not take the sparse path and were computed densely.
+        overflow_rows: tokens that could not take the sparse path and were computed densely: an int, or, where
+            the call does not wait for the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy
+            fills (-1 until it lands). `dense_rows()` reads either.
     """
 
     y_MK: torch.Tensor
@@ -38,7 +40,29 @@ class FFNResult:
     l0_M: torch.Tensor
     fired_N: torch.Tensor
     path: str
-    overflow_rows: int = 0
+    overflow_rows: int | torch.Tensor = 0
+
+    def dense_rows(self) -> int:
+        """overflow_rows as an int (waits for the device only if its count has not landed yet)."""
+        if isinstance(self.overflow_rows, torch.Tensor):
+            return landed(self.overflow_rows)[0]
+        return self.overflow_rows
+
+
+def landed(values_host: torch.Tensor) -> list[int]:
+    """The values of a pinned CPU tensor that an asynchronous device-to-host copy fills, once they are there.
+
+    The writer sets every entry to -1 before queueing the copy and copies only non-negative counts, so -1
+    means "not yet". Read well after the copy (a layer's backward reading its forward's count) this returns
+    at once; otherwise it synchronises the device, the wait the asynchronous copy avoids in the usual case.
+    """
+    values = values_host.tolist()
+    if values and min(values) < 0:
+        torch.cuda.synchronize()
+        values = values_host.tolist()
+        if min(values) < 0:
+            raise RuntimeError("A device-to-host count never arrived: the copy that fills it was not queued.")
+    return values
 
 
 class FFNBackend(abc.ABC):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparse_llm.backends import FFNResult
+from sparse_llm.backends import FFNResult, landed
 from sparse_llm.mlp import SparseMLP
 
 # all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
@@ -76,8 +76,10 @@ class SparsityTracker:
         self.fired_LN = torch.zeros(len(mlps), n, dtype=torch.bool, device=device)
         self.dead_LN: torch.Tensor | None = None  # dead mask of the last completed window (rank-reduced)
         self.steps_in_window = 0
-        # Tokens each layer computed on a dense path since the last read (FFNResult.overflow_rows).
+        # Tokens each layer computed on a dense path since the last read (FFNResult.overflow_rows), and the counts
+        # still on their way from the GPU (layer, pinned CPU tensor), added once a read needs them.
         self.dense_rows_L = [0] * len(mlps)
+        self.pending_rows: list[tuple[int, torch.Tensor]] = []
 
     def collect(self) -> list[FFNResult]:
         """The results of each layer's latest forward; call right after the model's forward."""
@@ -91,7 +93,15 @@ class SparsityTracker:
         for layer, r in enumerate(results):
             self.l0_hist_LB[layer] += torch.bincount(r.l0_M.long(), minlength=self.n + 1)
             self.fired_LN[layer] |= r.fired_N
-            self.dense_rows_L[layer] += r.overflow_rows
+            if isinstance(r.overflow_rows, torch.Tensor):
+                self.pending_rows.append((layer, r.overflow_rows))
+            else:
+                self.dense_rows_L[layer] += r.overflow_rows
+
+    def _settle_pending_rows(self) -> None:
+        for layer, count in self.pending_rows:
+            self.dense_rows_L[layer] += landed(count)[0]
+        self.pending_rows = []
 
     @torch.no_grad()
     def end_optimizer_step(self, step: int, seed: int) -> int:
@@ -164,6 +174,7 @@ class SparsityTracker:
             stats["sparsity/mean"] = 1 - stats["l0/mean"] / self.n
         # Tokens rerouted to a dense path (sparse-kernel rows that exceeded their format), summed over ranks;
         # per layer only where there were any.
+        self._settle_pending_rows()
         dense_rows_L = self.reduce(torch.tensor(self.dense_rows_L, device=self.l0_hist_LB.device), "sum").tolist()
         self.dense_rows_L = [0] * len(self.mlps)
         stats["dense_rows/total"] = sum(dense_rows_L)
@@ -179,6 +190,7 @@ class SparsityTracker:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's open windows and each layer's last observed L0, for checkpoints (tensors on CPU)."""
+        self._settle_pending_rows()
         return {
             "l0_hist_LB": self.l0_hist_LB.cpu(),
             "fired_LN": self.fired_LN.cpu(),

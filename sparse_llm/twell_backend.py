@@ -470,6 +470,21 @@ def _direct_up_down(
     smem = UP_DOWN_TOKENS_PER_BLOCK * (kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + positives list per warp
     cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
                 shared_mem=smem)  # fmt: skip
+    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, heavy_count, (y_MK, l1_M, l0_M, fired_N))
+    return y_MK, l1_M, l0_M, fired_N
+
+
+def split_token_up_down(
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
+    rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    """Writes the y, l1 and l0 rows of the tokens rows_M[: count_1[0]] and sets their fired neurons, each token
+    split over a block of warps (gate_up_down_heavy). rows_M: int32 [M]; count_1: int32 [1], read on the device,
+    so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down` allocates them."""
+    m, k = x_MK.shape
+    n = gate_MN.shape[1]
+    device = x_MK.device
+    kv = math.ceil(k / 256)
     heavy = cuda.get_function("gate_up_down.cu", f"gate_up_down_heavy<{kv}>", device)
     warps = 16 if kv <= 8 else 8  # heavy_warps<KV>() in gate_up_down.cu: warps sharing one heavy token
     # x row | partial fp32 rows for half the warps | a 256-entry list per warp | per-warp l1 and l0
@@ -477,12 +492,10 @@ def _direct_up_down(
     cuda.set_dynamic_smem(heavy, smem)
     blocks = min(m, torch.cuda.get_device_properties(device).multi_processor_count)  # one block per SM
     args = (
-        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK),
-        cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
-        _i32(k), _i32(n),
+        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), *(cuda.ptr(t) for t in outs),
+        cuda.ptr(rows_M), cuda.ptr(count_1), _i32(k), _i32(n),
     )  # fmt: skip
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
-    return y_MK, l1_M, l0_M, fired_N
 
 
 def dense_row_stats(h_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.61x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host cannot keep up (its launches per layer and the forward's host read, see "Host sync";
-2B model at 2 x 2048 tokens: 0.81x end to end; 1B at 8 x 2048: 1.11x). A forced `kernel=twell` calls `twell_train_ffn` regardless.
+micro-batches the host could not keep up (its launches per layer and, before the forward lost its host read,
+that read; see "Host sync"; 2B model at 2 x 2048 tokens: 0.81x end to end; 1B at 8 x 2048: 1.11x, both measured
+with the read). A forced `kernel=twell` calls `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
@@ -15,33 +16,36 @@ The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], 
 and the exact gradients of y and l1_sum (the trainer's loss is CE + coeff * mean_layers(l1_sum / M)).
 Only the gate GEMM is dense work; everything else runs at the gate's non-zeros.
 
-Format and saved state (sparse only: no dense [M, N] activation is kept except backup rows)
--------------------------------------------------------------------------------------------
+Format and saved state (sparse only: no dense [M, N] or [R, N] activation is kept)
+-------------------------------------------------------------------------------------
 A token with at most ``width`` gate non-zeros is *light*: its entries live in an ELL row (column
-``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused).
-Any other token is *heavy* and lives whole in the dense backup rows (``backup_g_RN``, ``backup_u_RN``;
-``backup_rows_R`` names the tokens, ``row_slot_M`` maps token -> slot, -1 for light tokens). On the GPU a
-token whose TwELL tile overflowed (more than 31 positives in 256 columns) is also heavy, since its packed
-words are incomplete. Nothing is ever dropped: there is no backup capacity to run out of (see "Host sync").
-h is recomputed from g * u in the backward. Token indices are int32/int64 throughout (no 65536-token limit).
+``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused;
+``heavy_M`` is False). Any other token is *heavy* (``heavy_M`` True); R = ``heavy_counts[0]`` of them (a pinned
+CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the
+GPU a token whose TwELL tile overflowed (more than 31 positives in 256 columns) is also heavy, since its packed
+words are incomplete. Nothing is ever dropped: there is no capacity to run out of. h is recomputed from
+g * u in the backward, and the heavy tokens' dense g and u rows are recomputed there by cuBLAS from x.
+Token indices are int32/int64 throughout (no 65536-token limit).
 
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
-forward:  twell_gate (the inference gate GEMM + TwELL packing)  ->  train_ell_from_twell (ELL + backup
-          list)  ->  train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  cuBLAS on the backup
-          rows (gate, up, down; their y, L1, L0, fired rows scattered back).
+forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows, heavy flags and list)  ->
+          train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  gate_up_down_heavy (the inference
+          direct route's split kernel: each heavy token's y, L1, L0, fired straight from its gate row, the
+          list's length read on the device).
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg; light tokens)  ->  train_bwd_dx
           (dx of light tokens)  ->  a stable sort of the ELL entries by column (the transposed, CSC view;
           its size is bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad
-          (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the backup rows.
+          (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed).
 
-Host sync: the forward reads one int (the number of heavy tokens) to size the backup GEMMs exactly. The
-read is issued right after the ELL conversion and waited for only after the light-token kernel is queued,
-so the GPU keeps working while the host waits; the cost is a launch bubble of the few backup kernels. The
-backward has no host sync (the CSC sizes stay on the device). Fixed-capacity backups with a deferred
-check would avoid the read but then need a redo of the step on overflow; that is not implemented. The
-read also rules out CUDA-graph capture, and a gradient-checkpointed layer pays it again in its recompute.
-scripts/bench_train_mlp.py reports host wall-clock per step beside the CUDA-event time to measure it.
+Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
+the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
+before the layer's backward is issued, so the read waits for nothing; if it has not (a backward issued
+right after its forward, or a gradient-checkpointed layer's recompute), the read synchronises the device.
+The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
+path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
+Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
+beside the CUDA-event time.
 
 Cost bound (why a target may be missed): past the gate GEMM, each light non-zero streams seven K-wide bf16
 rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: the token's x and dy rows),
@@ -53,9 +57,10 @@ N = 5632, B = 5.5 TB/s (the inference kernel's measured L2 rate), F = 720 TFLOP/
 the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
 Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
-atomics, so their summation order varies run to run. With the cuBLAS gate route (what `twell_gate` picks
-today) the forward is deterministic: ELL rows in ascending columns, backup rows in ascending tokens, zero
-padding, as in formats.py; the fused gate route packs a tile's entries in arrival order.
+atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
+ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order), as
+torch.compile and opcheck require: the heavy tokens leave the op as flags, not as the kernel's list (whose
+order is that of arrival); the backward lists them with nonzero_static, sized by the landed count.
 
 On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference built on
 `sparse_llm.formats` (`hybrid_gated_mlp_forward_ref` / `hybrid_gated_mlp_backward_ref`), any float dtype.
@@ -71,7 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.backends import FFNResult
+from sparse_llm.backends import FFNResult, landed
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -88,8 +93,9 @@ from sparse_llm.twell_backend import (
     check_inputs,
     dense_row_split,
     shape_unsupported_reason,
+    split_token_up_down,
     transposed_bf16,
-    twell_gate,
+    twell_pack,
 )
 
 Tensor = torch.Tensor
@@ -115,14 +121,12 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STATE_NAMES = (
     "ell_cols_MW",
     "ell_count_M",
-    "row_slot_M",
+    "heavy_M",
     "ell_g_MW",
     "ell_u_MW",
-    "backup_rows_R",
-    "backup_g_RN",
-    "backup_u_RN",
+    "heavy_counts",
 )
-_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,28 +230,28 @@ def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_
     fired_N = torch.zeros(n, dtype=torch.bool, device=x_MK.device)
     fired_N[g.ell_cols_MW[nonzero_MW].long()] = True
     fired_N |= nonzero_RN.any(dim=0)
-    row_slot_M = torch.full((m,), -1, dtype=torch.int32, device=x_MK.device)
-    row_slot_M[g.backup_rows_R] = torch.arange(g.backup_rows_R.numel(), dtype=torch.int32, device=x_MK.device)
+    heavy_counts = torch.tensor([g.backup_rows_R.numel(), 0], dtype=torch.int32)
     return (
         fwd.y_MK, fwd.l1_sum, l0_M, fired_N,
-        g.ell_cols_MW, g.ell_count_M, row_slot_M, g.ell_values_MW, u.ell_values_MW,
-        g.backup_rows_R, g.backup_values_RN, u.backup_values_RN,
+        g.ell_cols_MW, g.ell_count_M, g.heavy_M, g.ell_values_MW, u.ell_values_MW, heavy_counts,
     )  # fmt: skip
 
 
 def _reference_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-    backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+    dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    rows_R = heavy_rows(heavy_M, heavy_counts)
+    backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
     g = HybridPacked(
         ell_values_MW=ell_g_MW,
         ell_cols_MW=ell_cols_MW,
         ell_count_M=ell_count_M,
-        backup_rows_R=backup_rows_R,
+        backup_rows_R=rows_R,
         backup_values_RN=backup_g_RN,
         n_cols=w_gate_NK.shape[0],
         width=ell_cols_MW.shape[1],
-        capacity=max(1, backup_rows_R.numel()),
+        capacity=max(1, rows_R.numel()),
         capacity_grown=False,
     )
     saved = HybridSaved(g=g, u=g.with_values(ell_u_MW, backup_u_RN))
@@ -284,24 +288,24 @@ def _require_kernels(device: torch.device) -> None:
         )
 
 
-def _backup_forward(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, rows_R: Tensor,
-    y_MK: Tensor, l1_M: Tensor, l0_M: Tensor, fired_N: Tensor,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Heavy tokens through cuBLAS; writes their y, L1, L0 rows and fired neurons. Returns (g_RN, u_RN).
+def heavy_rows(heavy_M: Tensor, heavy_counts: Tensor) -> Tensor:
+    """The heavy tokens of a forward, ascending: int64 [R] (R = heavy_counts[0] once its copy has landed).
 
-    torch reference: the backup branch of formats.hybrid_sddmm / hybrid_matmul (u is masked by g's support).
+    nonzero_static, unlike nonzero, is sized by the host and so does not wait for the device.
+    """
+    return torch.nonzero_static(heavy_M, size=landed(heavy_counts)[0])[:, 0]
+
+
+def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Tensor) -> tuple[Tensor, Tensor]:
+    """Heavy tokens' dense gate and up rows through cuBLAS: (g_RN = relu(x w_gate^T), u_RN = x w_up^T masked by
+    g's support). The backward recomputes them rather than the forward keeping [R, N] rows (or waiting to
+    learn R).
+
+    torch reference: the backup branch of formats.hybrid_sddmm / pack_hybrid.
     """
     x_RK = x_MK.index_select(0, rows_R)
     g_RN = F.relu(F.linear(x_RK, w_gate_NK))
-    u_RN = torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
-    h_RN = g_RN * u_RN
-    y_MK.index_copy_(0, rows_R, F.linear(h_RN, w_down_KN))
-    nonzero_RN = h_RN != 0
-    l1_M.index_copy_(0, rows_R, h_RN.float().abs().sum(dim=1))
-    l0_M.index_copy_(0, rows_R, nonzero_RN.sum(dim=1, dtype=torch.int32))
-    fired_N.bitwise_or_(nonzero_RN.any(dim=0).to(torch.int32))
-    return g_RN, u_RN
+    return g_RN, torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
 
 
 def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
@@ -312,62 +316,57 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
-        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable.
+        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable. Three
+        # allocations, not views of one: outputs of a custom op must not alias each other.
         ell_cols_MW = torch.zeros(m, width, dtype=i32, device=device)
         ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
-        row_slot_M = torch.empty(m, dtype=i32, device=device)
+        heavy_M = torch.empty(m, dtype=torch.bool, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
         l1_M = torch.empty(m, dtype=torch.float32, device=device)
-        backup_rows_M = torch.empty(m, dtype=torch.int64, device=device)
-        counters = torch.zeros(2, dtype=i32, device=device)  # heavy tokens, tokens with an overflowed tile
-        fired_N = torch.zeros(n, dtype=i32, device=device)
+        heavy_list = torch.empty(m, dtype=i32, device=device)  # the kernel's order: not an output
+        zeroed_i32 = torch.zeros(2 + n, dtype=i32, device=device)
+        counters, fired_N = zeroed_i32[:2], zeroed_i32[2:]  # counters: heavy tokens, tokens with an overflowed tile
         y_MK = torch.empty(m, k, dtype=bf16, device=device)
-        heavy = 0
+        # The counters reach the host asynchronously; -1 marks "not landed" (backends.landed).
+        heavy_counts = torch.full((2,), -1, dtype=i32, pin_memory=True)
         if m:
-            packed_MS = twell_gate(x_MK, w_gate_NK)
+            gate_MN = F.linear(x_MK, w_gate_NK)
+            packed_MS = twell_pack(gate_MN)
             blocks = math.ceil(m / WARPS_PER_BLOCK)
             args = (
                 cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M),
-                cuda.ptr(row_slot_M), cuda.ptr(backup_rows_M), cuda.ptr(counters),
+                cuda.ptr(heavy_M), cuda.ptr(heavy_list), cuda.ptr(counters),
                 np.int32(m), np.int32(n // TILE), np.int32(width),
             )  # fmt: skip
             _launch("train_forward.cu", "train_ell_from_twell", blocks, args, device)
             del packed_MS
-            counts_host = torch.empty(2, dtype=i32, pin_memory=True)
-            counts_host.copy_(counters, non_blocking=True)
-            counted = torch.cuda.Event()
-            counted.record()
+            heavy_counts.copy_(counters, non_blocking=True)
             w_down_t_NK = transposed_bf16(w_down_KN)
             kv = _pieces(k)
             args = (
                 cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
-                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(ell_u_MW),
+                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(ell_u_MW),
                 cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N),
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
             _launch("train_forward.cu", f"train_fwd_light<{kv}>", blocks, args, device, smem)
-            counted.synchronize()  # the forward's one host read: the light-token kernel is already queued
-            heavy = int(counts_host[0])
-        # The kernel hands out backup slots in arrival order; ascending tokens make the state deterministic.
-        backup_rows_R = backup_rows_M[:heavy].sort().values
-        row_slot_M[backup_rows_R] = torch.arange(heavy, dtype=i32, device=device)
-        if heavy:
-            backup_g_RN, backup_u_RN = _backup_forward(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, y_MK, l1_M, l0_M, fired_N
+            # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
+            # read on the device, so the host goes on without waiting.
+            split_token_up_down(
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, counters[:1], (y_MK, l1_M, l0_M, fired_N)
             )
         else:
-            backup_g_RN, backup_u_RN = x_MK.new_empty(0, n), x_MK.new_empty(0, n)
+            heavy_counts.zero_()
         return (
             y_MK, l1_M.sum(), l0_M, fired_N.bool(),
-            ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-            backup_rows_R, backup_g_RN, backup_u_RN,
+            ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
         )  # fmt: skip
 
 
-def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
 
     order_E lists positions m * W + s sorted by column (stable: ascending tokens within a column); column n
@@ -376,39 +375,45 @@ def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, n: i
     """
     width = ell_cols_MW.shape[1]
     used_MW = torch.arange(width, device=ell_cols_MW.device) < ell_count_M[:, None]
-    used_MW &= (row_slot_M < 0)[:, None]
+    used_MW &= ~heavy_M[:, None]
     key_E = torch.where(used_MW, ell_cols_MW, n).flatten()
     sorted_E, order_E = torch.sort(key_E, stable=True)
     col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=key_E.dtype, device=key_E.device))
     return order_E, col_start
 
 
-def _csc_wgrad(
-    order_E: Tensor, col_start: Tensor, values: tuple[Tensor, ...], src_MK: Tensor, n: int, width: int
-) -> tuple[Tensor, ...]:
-    """fp32 [N, K] sums over column n's entries of value * src_MK[token]; one per value array (1 or 2)."""
-    device = src_MK.device
-    k = src_MK.shape[1]
+def csc_chunk_starts(col_start: Tensor) -> Tensor:
+    """int64 [N + 1]: where column n's CSC_CHUNK-entry work chunks start in the list of all chunks."""
     chunks = (col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK
-    chunk_start = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    chunk_start = torch.zeros_like(col_start)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
-    outs = tuple(torch.zeros(n, k, dtype=torch.float32, device=device) for _ in values)
-    next_item = torch.zeros(1, dtype=torch.int64, device=device)
+    return chunk_start
+
+
+def _csc_wgrad(
+    csc: tuple[Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
+    next_item: Tensor, width: int,
+) -> None:  # fmt: skip
+    """Adds to each zeroed fp32 [N, K] out the sums over column n's entries of value * src_MK[token].
+
+    csc = (order_E, col_start, chunk_start) of `csc_order` and `csc_chunk_starts`; one out per value array
+    (1 or 2); next_item is a zeroed int64 [1] work counter.
+    """
+    device = src_MK.device
+    n, k = outs[0].shape
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     kw, parts = wgrad_slices(k)
     args = (
-        cuda.ptr(order_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
-        cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
+        *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
         cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(next_item),
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts),
     )  # fmt: skip
     _launch("train_backward.cu", f"train_csc_wgrad<{kw},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
-    return outs
 
 
 def _cuda_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-    backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+    dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     device = x_MK.device
     _require_kernels(device)
@@ -426,7 +431,7 @@ def _cuda_backward(
             w_down_t_NK = transposed_bf16(w_down_KN)
             args = (
                 cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
-                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dl1_1),
+                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
                 cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
@@ -434,18 +439,24 @@ def _cuda_backward(
             del w_down_t_NK
             args = (
                 cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
-                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(row_slot_M), cuda.ptr(dx_MK),
+                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
-            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, row_slot_M, n)
-            dw_gate_NK, dw_up_NK = _csc_wgrad(order_E, col_start, (ell_dg_MW, ell_du_MW), x_MK, n, width)
-            (dw_down_NK,) = _csc_wgrad(order_E, col_start, (ell_h_MW,), dy_MK, n, width)
-        else:
-            dw_gate_NK, dw_up_NK, dw_down_NK = (torch.zeros(n, k, device=device) for _ in range(3))
-        if backup_rows_R.numel():
+        # fp32 sums of dW_gate, dW_up and dW_down^T in one zeroed buffer (one fill).
+        dw_3NK = torch.zeros(3, n, k, dtype=torch.float32, device=device)
+        dw_gate_NK, dw_up_NK, dw_down_NK = dw_3NK.unbind(0)
+        if m:
+            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, heavy_M, n)
+            csc = (order_E, col_start, csc_chunk_starts(col_start))
+            next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
+            _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
+            _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)
+        rows_R = heavy_rows(heavy_M, heavy_counts)
+        if rows_R.numel():
+            backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
                 dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
             )  # fmt: skip
         return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), transposed_bf16(dw_down_NK)
@@ -487,13 +498,13 @@ def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_d
 @torch.library.custom_op("sparsellm::twell_train_backward", mutates_args=())
 def twell_train_backward_op(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor,
-    ell_cols_MW: Tensor, ell_count_M: Tensor, row_slot_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
-    backup_rows_R: Tensor, backup_g_RN: Tensor, backup_u_RN: Tensor, dy_MK: Tensor, dl1: Tensor,
+    ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
+    heavy_counts: Tensor, dy_MK: Tensor, dl1: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor)."""
     return _reference_backward(
-        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, row_slot_M, ell_g_MW, ell_u_MW,
-        backup_rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1,
+        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+        dy_MK, dl1,
     )  # fmt: skip
 
 
@@ -505,14 +516,12 @@ twell_train_backward_op.register_kernel("cuda")(_cuda_backward)
 def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
-    r = torch.library.get_ctx().new_dynamic_size()  # heavy tokens: data dependent
     i32 = torch.int32
     return (
         x_MK.new_empty(m, k), x_MK.new_empty((), dtype=_acc_dtype(x_MK.dtype)),
         x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
-        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=i32),
-        x_MK.new_empty(m, width), x_MK.new_empty(m, width),
-        x_MK.new_empty(r, dtype=torch.int64), x_MK.new_empty(r, n), x_MK.new_empty(r, n),
+        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=torch.bool),
+        x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(2, dtype=i32, device="cpu"),
     )  # fmt: skip
 
 
@@ -548,11 +557,13 @@ def twell_train_ffn(
     Args:
         x_MK: tokens [M, K]. w_gate_NK, w_up_NK: [N, K]; w_down_KN: [K, N] (nn.Linear layouts).
             Under autocast all four are cast to the autocast dtype first (gradients reach the originals).
-        width: ELL width W; tokens with more gate non-zeros are computed as dense backup rows.
+        width: ELL width W; tokens with more gate non-zeros are heavy: the forward splits each over a block
+            of warps, the backward computes their gradients with cuBLAS on their rows.
 
     Returns:
         FFNResult with y_MK, l1_sum (fp32 sum |h|), l0_M (int32 non-zeros of h per token), fired_N (bool),
-        path "twell-train" or "twell-train+backup-rows", overflow_rows = tokens computed as backup rows.
+        path "twell-train", overflow_rows = the heavy tokens (more than `width` gate non-zeros), as a pinned
+        CPU int32 [1] that fills once the GPU has passed the call (`FFNResult.dense_rows()` reads it).
     """
     device_type = x_MK.device.type if isinstance(x_MK, torch.Tensor) else "cpu"
     tensors = (x_MK, w_gate_NK, w_up_NK, w_down_KN)
@@ -563,12 +574,6 @@ def twell_train_ffn(
     check_train_inputs(*tensors, width)
     with torch.autocast(device_type, enabled=False):
         y_MK, l1_sum, l0_M, fired_N, *state = twell_train_forward_op(*tensors, width)
-    heavy = state[STATE_NAMES.index("backup_rows_R")].shape[0]
-    return FFNResult(
-        y_MK=y_MK,
-        l1_sum=l1_sum,
-        l0_M=l0_M,
-        fired_N=fired_N,
-        path="twell-train+backup-rows" if heavy else "twell-train",
-        overflow_rows=int(heavy),
-    )
+    heavy_counts = state[STATE_NAMES.index("heavy_counts")]
+    return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
+                     overflow_rows=heavy_counts[:1])  # fmt: skip

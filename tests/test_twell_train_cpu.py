@@ -19,12 +19,15 @@ from sparse_llm.backends import TorchFFN
 from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
 from sparse_llm.twell_train import (
+    CSC_CHUNK,
     OPT_IN_ENV,
     STATE_NAMES,
     _backup_backward,
-    _backup_forward,
+    _backup_gate_up,
     check_train_inputs,
+    csc_chunk_starts,
     csc_order,
+    heavy_rows,
     train_estimated_ms,
     twell_train_backward_op,
     twell_train_ffn,
@@ -76,19 +79,32 @@ def test_heavy_tokens_go_to_the_backup_and_are_counted():
     result = twell_train_ffn(x, wg, wu, wd, width=width)
     heavy = int((count_M > width).sum())
     assert 0 < heavy < x.shape[0]
-    assert result.overflow_rows == heavy and result.path == "twell-train+backup-rows"
-    assert twell_train_ffn(x, wg, wu, wd, width=wg.shape[0]).path == "twell-train"
+    assert result.dense_rows() == heavy and result.path == "twell-train"
+    assert twell_train_ffn(x, wg, wu, wd, width=wg.shape[0]).dense_rows() == 0
 
 
-def test_state_is_sparse_and_names_the_backup_rows():
+def test_state_is_sparse_and_names_the_heavy_tokens():
     x, wg, wu, wd = block(requires_grad=False)
     outputs = twell_train_forward_op(x, wg, wu, wd, 20)
     state = dict(zip(STATE_NAMES, outputs[4:]))
     heavy_M = state["ell_count_M"] > 20
-    assert torch.equal(state["backup_rows_R"], heavy_M.nonzero()[:, 0])
-    assert torch.equal(state["row_slot_M"][heavy_M], torch.arange(int(heavy_M.sum()), dtype=torch.int32))
-    assert (state["row_slot_M"][~heavy_M] == -1).all()
-    assert state["ell_g_MW"].shape == (x.shape[0], 20) and state["backup_g_RN"].shape == (int(heavy_M.sum()), 64)
+    heavy = int(heavy_M.sum())
+    assert state["heavy_counts"].device.type == "cpu" and state["heavy_counts"].tolist() == [heavy, 0]
+    assert torch.equal(state["heavy_M"], heavy_M)
+    assert torch.equal(heavy_rows(state["heavy_M"], state["heavy_counts"]), heavy_M.nonzero()[:, 0])
+    assert state["ell_g_MW"].shape == (x.shape[0], 20)  # no dense [M, N] or [R, N] row is kept
+    assert all(t.shape[-1] != wg.shape[0] for t in state.values())
+
+
+def test_heavy_rows_wait_for_a_count_that_has_not_landed(monkeypatch):
+    heavy_M = torch.tensor([False, False, True, False, False, True, False, True])
+    counts = torch.tensor([-1, -1], dtype=torch.int32)  # as the forward leaves them before the copy lands
+
+    def copy_lands():
+        counts.copy_(torch.tensor([3, 0]))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", copy_lands)
+    assert heavy_rows(heavy_M, counts).tolist() == [2, 5, 7]
 
 
 def test_gradcheck():
@@ -141,7 +157,7 @@ def test_autocast_casts_to_bf16_and_gradients_reach_fp32_weights():
 def test_empty_batch():
     x, wg, wu, wd = block(m=0)
     result = twell_train_ffn(x, wg, wu, wd)
-    assert result.y_MK.shape == (0, 16) and result.l1_sum.item() == 0.0 and result.overflow_rows == 0
+    assert result.y_MK.shape == (0, 16) and result.l1_sum.item() == 0.0 and result.dense_rows() == 0
 
 
 # ---------------------------------------------------------------- validation
@@ -207,14 +223,18 @@ def test_csc_order_lists_light_entries_by_column():
     gen = torch.Generator().manual_seed(3)
     cols = torch.randint(0, n, (m, w), generator=gen, dtype=torch.int32)
     count = torch.randint(0, w + 3, (m,), generator=gen, dtype=torch.int32)  # > w: heavy
-    row_slot = torch.where(count > w, 0, -1).to(torch.int32)
-    order, col_start = csc_order(cols, count, row_slot, n)
+    order, col_start = csc_order(cols, count, count > w, n)
     assert col_start.shape == (n + 1,) and col_start[0] == 0
     expected = [(int(cols[r, s]), r * w + s) for r in range(m) for s in range(w) if s < count[r] <= w]
     expected.sort()  # by column, then position (the sort is stable)
     assert col_start[-1] == len(expected)
     got = [(c, int(order[e])) for c in range(n) for e in range(int(col_start[c]), int(col_start[c + 1]))]
     assert got == expected
+
+
+def test_csc_chunk_starts_count_whole_chunks_per_column():
+    col_start = torch.tensor([0, 0, 1, 1 + CSC_CHUNK, 1 + 3 * CSC_CHUNK + 1])  # 0, 1, 64 and 129 entries
+    assert csc_chunk_starts(col_start).tolist() == [0, 0, 1, 2, 5]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,13 +246,9 @@ def test_backup_rows_match_the_reference(dtype):
     ref = hybrid_gated_mlp_forward_ref(x, wg, wu, wd, width=1)
     rows = torch.arange(m)
     rows = rows[ref.saved.g.heavy_M]
-    y = torch.zeros(m, k, dtype=dtype)
-    l1, l0, fired = torch.zeros(m), torch.zeros(m, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
-    g, u = _backup_forward(x, wg, wu, wd, rows, y, l1, l0, fired)
+    g, u = _backup_gate_up(x, wg, wu, rows)
     torch.testing.assert_close(g, ref.saved.g.backup_values_RN)
     torch.testing.assert_close(u, ref.saved.u.backup_values_RN)
-    torch.testing.assert_close(y[rows], ref.y_MK[rows])
-    torch.testing.assert_close(l1.sum(), ref.l1_sum)
 
     dy = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     want = hybrid_gated_mlp_backward_ref(x, wg, wu, wd, ref.saved, dy, 0.25)
