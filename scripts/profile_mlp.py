@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import pathlib
 import pstats
 import time
@@ -62,55 +63,64 @@ def print_table(title: str, rows: list[tuple[str, float, float]], wall: float) -
         print(f"| `{short}` | {count:g} | {ms:.3f} | {ms / total:.0%} |")
 
 
-def host_ms(fn: Callable[[], object], iters: int) -> float:
-    """Host ms to issue one call while the GPU is still busy with earlier work (so no call waits for it):
-    the launch cost that bounds a block whose kernels are shorter than it."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning, enough to queue `iters` calls behind it
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed * 1e3 / iters
+HOST_ITERS = 8  # calls queued behind the GPU's sleep: few enough that the launch queue never fills
 
 
-def print_host_profile(title: str, fn: Callable[[], object], iters: int, top: int = 25) -> None:
-    """The Python functions (torch ops included) taking the host's time per call, by own time."""
-    fn()
+def issue_ms(forward: Callable[[], object], backward: Callable[[object], object] | None, profiler=None) -> float:
+    """Host ms to issue one call while the GPU is still busy with earlier work, so that no call waits for it:
+    the launch cost that bounds a block whose kernels take less. Training issues HOST_ITERS forwards, then,
+    once the GPU has run them, their backwards, as a model does (a layer's backward comes long after its
+    forward, whose asynchronous heavy-token count has landed by then)."""
+    outs = [forward()]  # warm-up
+    if backward is not None:
+        backward(outs[0])
+    elapsed = 0.0
+    for phase in ("forward", "backward") if backward is not None else ("forward",):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        if phase == "forward":
+            outs = [forward() for _ in range(HOST_ITERS)]
+        else:
+            for out in outs:
+                backward(out)
+        elapsed += time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
     torch.cuda.synchronize()
+    return elapsed * 1e3 / HOST_ITERS
+
+
+def print_host_profile(title: str, forward: Callable[[], object], backward, top: int = 25) -> None:
+    """Host ms to issue one call, and the Python functions (torch ops included) taking that time."""
+    ms = issue_ms(forward, backward)
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(iters):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    print(f"\n### host, {title}: {host_ms(fn, iters):.3f} ms to issue one call (GPU kept busy)\n")
+    issue_ms(forward, backward, profiler)
+    print(f"\n### host, {title}: {ms:.3f} ms to issue one call (GPU kept busy)\n")
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (.., tottime, ..)
-    print("| function | calls | own us per call of the block |")
+    print("| function (profiled: times inflated by the profiler) | calls | own us per call of the block |")
     print("|---|---|---|")
     for (file, line, name), (_, calls, own, *_rest) in rows:
         where = f"{pathlib.Path(file).name}:{line}" if line else file
-        print(f"| `{name}` ({where}) | {calls / iters:g} | {own * 1e6 / iters:.1f} |")
+        print(f"| `{name}` ({where}) | {calls / HOST_ITERS:g} | {own * 1e6 / HOST_ITERS:.1f} |")
 
 
 def dense_infer(x, wg, wu, wd):
     return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
-def dense_train_step(leaves, dy):
+def dense_train_loss(leaves, dy):
     x, wg, wu, wd = leaves
     h = F.relu(F.linear(x, wg)) * F.linear(x, wu)
-    loss = (F.linear(h, wd).float() * dy).sum() + L1_COEFF / x.shape[0] * h.float().abs().sum()
-    return torch.autograd.grad(loss, leaves)
+    return (F.linear(h, wd).float() * dy).sum() + L1_COEFF / x.shape[0] * h.float().abs().sum()
 
 
-def sparse_train_step(leaves, dy):
+def sparse_train_loss(leaves, dy):
     result = twell_train_ffn(*leaves)
-    loss = (result.y_MK.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * result.l1_sum
-    return torch.autograd.grad(loss, leaves)
+    return (result.y_MK.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * result.l1_sum
 
 
 def main() -> None:
@@ -128,20 +138,22 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
     for nnz in (float(v) for v in args.nnz.split(",")):
         x, wg, wu, wd = synthetic_block(args.m, args.k, args.n, nnz, args.sigma)
-        cases = []
+        cases = []  # (title, forward, backward of the forward's output or None)
         if "infer" in modes:
-            cases.append(("infer dense", lambda: dense_infer(x, wg, wu, wd)))
-            cases.append(("infer twell", lambda: twell_gated_mlp(x, wg, wu, wd)))
+            cases.append(("infer dense", lambda: dense_infer(x, wg, wu, wd), None))
+            cases.append(("infer twell", lambda: twell_gated_mlp(x, wg, wu, wd), None))
         if "train" in modes:
             leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
             dy = torch.randn(args.m, args.k, device=x.device) / args.m**0.5
-            cases.append(("train dense", lambda: dense_train_step(leaves, dy)))
-            cases.append(("train twell", lambda: sparse_train_step(leaves, dy)))
-        for title, fn in cases:
+            backward = functools.partial(torch.autograd.grad, inputs=leaves)
+            cases.append(("train dense", lambda: dense_train_loss(leaves, dy), backward))
+            cases.append(("train twell", lambda: sparse_train_loss(leaves, dy), backward))
+        for title, forward, backward in cases:
+            step = forward if backward is None else lambda f=forward, b=backward: b(f())
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
-                print_table(f"{title}, nnz {nnz:g}", kernel_table(fn, args.iters), wall_ms(fn, args.iters))
+                print_table(f"{title}, nnz {nnz:g}", kernel_table(step, args.iters), wall_ms(step, args.iters))
                 if args.host:
-                    print_host_profile(f"{title}, nnz {nnz:g}", fn, args.iters)
+                    print_host_profile(f"{title}, nnz {nnz:g}", forward, backward)
 
 
 if __name__ == "__main__":
