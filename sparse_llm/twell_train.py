@@ -2,12 +2,14 @@
 
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
-0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.61x faster than dense
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.6x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host could not keep up (its launches per layer and, before the forward lost its host read,
-that read; see "Host sync"; 2B model at 2 x 2048 tokens: 0.81x end to end; 1B at 8 x 2048: 1.11x, both measured
-with the read). A forced `kernel=twell` calls `twell_train_ffn` regardless.
+micro-batches the host cannot keep up: at M = 4096 the host needs 3.2 ms to issue one forward + backward
+(about 60 torch ops and CuPy launches, and the autograd around them) for 1.24 ms of kernels, against 1.8 ms
+of host and 1.8 ms of kernels for the dense block (scripts/profile_mlp.py --host). The forward reads nothing
+back (see "Host sync"); 2B model at 2 x 2048 tokens per micro-batch: 0.90-0.93x of the dense path end to end.
+A forced `kernel=twell` calls `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
@@ -108,10 +110,10 @@ WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
-# Host time to issue one forward + backward (~75 torch ops and CuPy launches, and the forward's host read).
-# Inferred from the 2B model at 2 x 2048 tokens per micro-batch (BENCHMARKS.md): per layer the sparse step
-# took ~1.3 ms longer than the dense one (1.6 ms of GEMMs) while its kernels need less device time.
-TRAIN_HOST_MS = 2.9
+# Host time to issue one forward + backward with the L1 loss term (about 60 torch ops and CuPy launches, and the
+# autograd around them), measured with the GPU kept busy: `scripts/profile_mlp.py --mode train --m 4096 --host`
+# on the H100 machine's host (BENCHMARKS.md). Below it the GPU waits for the host.
+TRAIN_HOST_MS = 3.2
 # Backup rows cost their nine GEMMs twice over: gathers, masks, casts and scatters around them (all tokens
 # heavy, u279: 12.1 ms measured against 5.1 ms of GEMMs).
 BACKUP_FACTOR = 2.0
