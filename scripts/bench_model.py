@@ -56,15 +56,16 @@ a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0
 `l0_p99/...`, `l0_max/...`), then benchmark the checkpoint on held-out text:
 
     python scripts/tokenize_corpus.py --out data/embedded      # the shipped corpus (or a fineweb_edu file)
-    python train.py model=2b l1=1e-4 data=tokens 'data.paths=[data/embedded.bin]' trainer.max_steps=300 \\
+    python train.py model=2b l1=2e-4 data=tokens 'data.paths=[data/embedded.bin]' trainer.max_steps=300 \\
         trainer.global_batch=16 trainer.micro_batch=4 trainer.warmup_steps=50 seed=0
     python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/embedded --batch 8
 
 (`bash scripts/real_sparsity_run.sh` runs these three steps, resuming the training when re-run.)
 At the paper's 2B training rate (22.4 tokens/ms) 300 steps of 16 x 2048 tokens take about 8 minutes
 (an estimate, not a measurement); if micro-batch 4 does not fit, add trainer.gradient_checkpointing=true.
-l1=1e-4 is a starting point, not a measured setting: raise it if `l0/mean` is still above ~40 when it
-stops falling, lower it if it drops under ~24; record the value, steps and seed used next to the numbers.
+l1=2e-4 is measured at the 1B shape (200 steps of 8 x 2048 tokens on data/docs: L0 25-30 from step 150,
+BENCHMARKS.md), a starting point for the others: raise it if `l0/mean` is still above ~40 when it stops
+falling, lower it if it drops under ~24; record the value, steps and seed used next to the numbers.
 """
 
 from __future__ import annotations
