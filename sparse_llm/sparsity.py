@@ -73,6 +73,7 @@ class SparsityTracker:
         n = mlps[0].intermediate_size
         self.n = n
         self.l0_hist_LB = torch.zeros(len(mlps), n + 1, dtype=torch.int64, device=device)
+        self._one = torch.ones((), dtype=torch.int64, device=device)
         self.fired_LN = torch.zeros(len(mlps), n, dtype=torch.bool, device=device)
         self.dead_LN: torch.Tensor | None = None  # dead mask of the last completed window (rank-reduced)
         self.steps_in_window = 0
@@ -91,7 +92,10 @@ class SparsityTracker:
     @torch.no_grad()
     def accumulate(self, results: list[FFNResult]) -> None:
         for layer, r in enumerate(results):
-            self.l0_hist_LB[layer] += torch.bincount(r.l0_M.long(), minlength=self.n + 1)
+            # Counts added into the fixed N + 1 bins: torch.bincount would read the largest count back to the
+            # host to size its output, a sync per layer and micro-batch.
+            l0_M = r.l0_M.long()
+            self.l0_hist_LB[layer].index_add_(0, l0_M, self._one.expand_as(l0_M))
             self.fired_LN[layer] |= r.fired_N
             if isinstance(r.overflow_rows, torch.Tensor):
                 self.pending_rows.append((layer, r.overflow_rows))

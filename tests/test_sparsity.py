@@ -48,6 +48,17 @@ def test_tracker_window_statistics_and_dead_neurons():
     assert tracker.read_window() == {"dense_rows/total": 0, "dead/layer_00": 0.25, "dead/mean": 0.25}
 
 
+def test_tracker_histogram_counts_every_token_including_empty_and_full_rows():
+    mlp = _mlp_with_known_activations()
+    tracker = SparsityTracker([mlp], SparsityConfig())
+    mlp(torch.tensor([[1.0, 0.0]]))
+    result = tracker.collect()[0]
+    for l0 in ([0, 4, 4, 1], [2, 0]):  # 0 and N = 4 are the edge bins
+        result.l0_M = torch.tensor(l0, dtype=torch.int32)
+        tracker.accumulate([result])
+    assert tracker.l0_hist_LB[0].tolist() == torch.bincount(torch.tensor([0, 4, 4, 1, 2, 0]), minlength=5).tolist()
+
+
 def test_tracker_counts_rows_rerouted_to_a_dense_path_and_keeps_them_in_its_state():
     mlps = [_mlp_with_known_activations(), _mlp_with_known_activations()]
     tracker = SparsityTracker(mlps, SparsityConfig())

@@ -256,6 +256,27 @@ def test_no_host_sync_in_forward_nor_in_backward():
     assert all(t.grad is not None for t in leaves)
 
 
+def test_trainer_statistics_accumulate_without_a_sync():
+    """What the trainer does after each micro-batch's backward: L0 histogram, fired neurons, the heavy-token
+    count still on its way from the GPU. None of it may wait for the device."""
+    from sparse_llm.mlp import SparseMLP
+    from sparse_llm.sparsity import SparsityConfig, SparsityTracker
+
+    mlp = SparseMLP(2048, 5632, kernel="twell").cuda().bfloat16()
+    tracker = SparsityTracker([mlp], SparsityConfig())
+    x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
+    mlp(x)  # compiles the kernels outside the checked region
+    tracker.accumulate(tracker.collect())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mlp(x)
+        tracker.accumulate(tracker.collect())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tracker.l0_hist_LB.sum() == 2 * 1024 and tracker.read_window()["l0_max/layer_00"] > 0
+
+
 def test_autocast_with_fp32_weights():
     x, wg, wu, wd = (t.float().requires_grad_() for t in synthetic_block(512, 2048, 5632, 56, seed=4))
     with torch.autocast("cuda", dtype=torch.bfloat16):
