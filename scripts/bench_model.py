@@ -107,7 +107,7 @@ from sparse_llm.benchmark import (
 from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
 from sparse_llm.energy import EnergyMeter
-from sparse_llm.mlp import SparseMLP
+from sparse_llm.mlp import SparseMLP, recording_statistics
 from sparse_llm.model import ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
@@ -368,6 +368,8 @@ def bench_forward(
     try:
         with torch.inference_mode(), PeakMemory(device) as peak:
             samples = time_samples_ms(forward, args.warmup, args.reps, device)
+            with recording_statistics(model):  # the timed calls skip what only this report needs
+                forward()
             result.layers = layer_stats(model)
             energy = energy_mj_per_call(meter, forward, args.energy_seconds)
         fill_timing(result, samples, peak.gib, energy)
@@ -651,7 +653,8 @@ def report_header(
         f"Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, FFN {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}; {sparsity}.",
         f"Settings: `{command}`; inputs: {inputs}; "
-        f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head); "
+        f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head), "
+        "L0 statistics from one extra pass (timed calls skip them, as generation does); "
         f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; times: median of {args.reps} after "
         f"{args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: median of "

@@ -29,6 +29,8 @@ class FFNResult:
         l1_sum: scalar, sum over tokens of sum_n |h[m, n]| (differentiable when training).
         l0_M: [M] int32, non-zeros of h per token (detached).
         fired_N: [N] bool, neurons with h != 0 for at least one token (detached).
+            These three are None where an inference call was not asked for statistics and its backend would
+            have had to spend passes over h on them (the dense path); training calls always carry them.
         path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
         overflow_rows: tokens that could not take the sparse path and were computed densely: an int, or, where
             the call does not wait for the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy
@@ -36,9 +38,9 @@ class FFNResult:
     """
 
     y_MK: torch.Tensor
-    l1_sum: torch.Tensor
-    l0_M: torch.Tensor
-    fired_N: torch.Tensor
+    l1_sum: torch.Tensor | None
+    l0_M: torch.Tensor | None
+    fired_N: torch.Tensor | None
     path: str
     overflow_rows: int | torch.Tensor = 0
 
@@ -83,8 +85,10 @@ class FFNBackend(abc.ABC):
         w_down_KN: torch.Tensor,
         *,
         training: bool,
+        statistics: bool = True,
     ) -> FFNResult:
-        """Run the block; `training` says whether gradients must flow."""
+        """Run the block; `training` says whether gradients must flow. `statistics=False` lets an inference
+        call skip L1/L0/fired where they cost extra work (a backend may still return them)."""
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
@@ -114,10 +118,12 @@ class TorchFFN(FFNBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True):
         g_MN = F.relu(F.linear(x_MK, w_gate_NK))
         h_MN = g_MN * F.linear(x_MK, w_up_NK)
         y_MK = F.linear(h_MN, w_down_KN)
+        if not (training or statistics):  # four passes over h saved: about 0.6 ms per layer at 16384 x 5632
+            return FFNResult(y_MK=y_MK, l1_sum=None, l0_M=None, fired_N=None, path=self.name)
         # Accumulated in fp32 (bf16 sums over 10^5+ terms lose most of their digits) without an fp32 copy
         # of h: at M=16384, N=5632 a copy costs more than a GEMM.
         l1_sum = torch.linalg.vector_norm(h_MN, ord=1, dtype=torch.float32)

@@ -41,6 +41,7 @@ from sparse_llm.data import DataConfig, held_out_documents
 from sparse_llm.dispatch import validate_kernel
 from sparse_llm.eval_report import RESULTS_FILE, format_table, log_telemetry, write_results
 from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError
+from sparse_llm.mlp import recording_statistics
 from sparse_llm.model import load_pretrained, sparse_mlps
 from sparse_llm.telemetry import LoggingConfig
 from sparse_llm.tokenizer import load_tokenizer
@@ -354,13 +355,14 @@ def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
     stats = _LayerStats(len(mlps), mlps[0].intermediate_size)
     nll, predicted = 0.0, 0
     model.eval()
-    for ids_BT in batches:
-        ids_BT = ids_BT.to(device)
-        logits_BTV = model(input_ids=ids_BT).logits
-        stats.add(mlps)
-        nll += float(F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), ids_BT[:, 1:].flatten(),
-                                     reduction="sum"))
-        predicted += ids_BT[:, 1:].numel()
+    with recording_statistics(model):
+        for ids_BT in batches:
+            ids_BT = ids_BT.to(device)
+            logits_BTV = model(input_ids=ids_BT).logits
+            stats.add(mlps)
+            nll += float(F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), ids_BT[:, 1:].flatten(),
+                                         reduction="sum"))
+            predicted += ids_BT[:, 1:].numel()
     ce = nll / predicted
     return {"perplexity": {"ce": ce, "ppl": math.exp(min(ce, 50.0)), "tokens": predicted, "seq_len": seq_len},
             "sparsity": stats.summary()}

@@ -590,7 +590,8 @@ class TwellFFN(FFNBackend):
         bf16 = x_MK.dtype == w_gate_NK.dtype == torch.bfloat16
         return training or bf16 or _bf16_autocast(x_MK.device.type)
 
-    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True):
+        # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
@@ -601,7 +602,7 @@ class TwellFFN(FFNBackend):
             if reason not in self._warned:
                 warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
                 self._warned.add(reason)
-            result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False)
+            result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics)
             result.path = "torch (twell unavailable)"
             return result
         if _bf16_autocast(x_MK.device.type):

@@ -12,6 +12,7 @@ from torch import nn
 
 from sparse_llm.benchmark import PeakMemory, SectionTimer, energy_mj_per_call, l0_summary, time_ms, wall_ms
 from sparse_llm.energy import EnergyMeter
+from sparse_llm.mlp import recording_statistics
 from sparse_llm.model import ModelConfig, build_model, sparse_mlps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,14 +95,14 @@ def test_make_sparse_gives_the_target_l0_in_every_layer():
         kernel="torch",
     )
     ids = torch.randint(0, 300, (4, 64))
-    with torch.no_grad():
+    with torch.no_grad(), recording_statistics(model):
         model.model(input_ids=ids)
     dense_l0 = [m.last_result.l0_M.float().mean().item() for m in sparse_mlps(model)]
     assert min(dense_l0) > 100  # random init: about half of the 512 gates are positive
 
     shifts = bench_model.make_sparse(model, 12.0, ids)
     assert len(shifts) == 3 and min(shifts) > 0
-    with torch.no_grad():
+    with torch.no_grad(), recording_statistics(model):
         out = model.model(input_ids=ids, output_hidden_states=True)
     for mlp in sparse_mlps(model):
         assert mlp.last_result.l0_M.float().mean().item() == pytest.approx(12.0, abs=0.5)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from sparse_llm.backends import get_backend
@@ -91,6 +92,29 @@ def test_auto_uses_torch_on_cpu_and_reports_the_path():
     mlp = SparseMLP(64, 256, kernel="auto")
     mlp(torch.randn(4, 64))
     assert mlp.last_result.path == "torch"
+
+
+def test_inference_calls_skip_statistics_unless_recorded_or_refreshing_the_dispatcher():
+    from sparse_llm.mlp import SELF_OBSERVE_EVERY, recording_statistics
+
+    model = nn.Sequential(SparseMLP(64, 256, kernel="auto"))
+    mlp, x = model[0], torch.randn(4, 64)
+    with torch.no_grad():
+        mlp(x)  # the first call refreshes the layer's backend decision, from its own L0
+        assert mlp.last_result.l0_M is not None and mlp.dispatcher.l0_mean is not None
+        mlp(x)
+        assert mlp.last_result.l0_M is None and mlp.last_result.l1_sum is None and mlp.last_result.fired_N is None
+        with recording_statistics(model):
+            mlp(x)
+            assert mlp.last_result.l0_M.shape == (4,) and mlp.last_result.fired_N.shape == (256,)
+        assert mlp.record_statistics is False  # restored
+        for _ in range(SELF_OBSERVE_EVERY - 3):
+            mlp(x)
+        assert mlp.last_result.l0_M is None
+        mlp(x)  # call SELF_OBSERVE_EVERY: the next refresh
+        assert mlp.last_result.l0_M is not None
+    mlp(x)  # training calls always carry them
+    assert mlp.last_result.l1_sum.requires_grad and mlp.last_result.l0_M is not None
 
 
 def test_l1_gradients_survive_gradient_checkpointing():
