@@ -132,11 +132,13 @@ class TorchFFN(FFNBackend):
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
         # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
-        # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus the statistics
-        # pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
+        # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in training, the
+        # statistics pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
         # M=16384, N=5632 on an H100 (BENCHMARKS.md, "re-check after the torch-path statistics change").
+        # Inference calls skip that pass unless statistics are recorded, so a sparse backend is weighed
+        # against the bare GEMMs there: the stricter comparison.
         flops = 2.0 * m * k * n * (9 if training else 3)
-        return flops / 600e12 * 1e3 + m * n * STATS_MS_PER_ELEMENT
+        return flops / 600e12 * 1e3 + (m * n * STATS_MS_PER_ELEMENT if training else 0.0)
 
 
 _BACKENDS: dict[str, FFNBackend] = {}
