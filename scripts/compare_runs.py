@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -43,6 +44,11 @@ def summarize(run_dir: Path, baseline: dict[int, dict] | None) -> dict[str, floa
             "mj_per_token": median("mj_per_token"), "l0": records[steps[-1]].get("l0/mean", float("nan"))}
 
 
+def _cell(value: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """value formatted with `spec`, or "-" where it was not measured (NaN: no GPU meter, no closed window)."""
+    return "-" if math.isnan(value) else f"{value * scale:{spec}}{suffix}"
+
+
 def table(run_dirs: list[Path]) -> str:
     base_records = {r["step"]: r for r in read_metrics(run_dirs[0] / "metrics.jsonl")}
     rows = [summarize(d, None if i == 0 else base_records) for i, d in enumerate(run_dirs)]
@@ -50,9 +56,10 @@ def table(run_dirs: list[Path]) -> str:
     lines = ["| run | steps | final loss | max loss gap vs first | tokens/s | speed vs first | peak GB/rank | "
              "mJ/token | mean L0 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['steps']} | {r['final_loss']:.4f} | {r['max_gap']:.4f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base_tps:.2f}x | {r['peak_mem_gb']:.1f} | "
-                     f"{r['mj_per_token']:.2f} | {r['l0']:.1f} |")
+        cells = [r["run"], str(r["steps"]), _cell(r["final_loss"], ".4f"), _cell(r["max_gap"], ".4f"),
+                 _cell(r["tokens_per_s"], ",.0f"), _cell(r["tokens_per_s"] / base_tps, ".2f", suffix="x"),
+                 _cell(r["peak_mem_gb"], ".1f"), _cell(r["mj_per_token"], ".2f"), _cell(r["l0"], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -81,7 +88,7 @@ def quality_table(run_dirs: list[Path], eval_results: Path) -> str:
         accs = [f"{model['tasks'][t]['acc']:.3f}" if t in model.get("tasks", {}) else "-" for t in tasks]
         cells = [name, f"{ce:.4f}", f"{100 * (ce / base_ce - 1):+.2f}%", f"{model['perplexity']['ppl']:.2f}",
                  f"{sparsity['l0_mean']:.1f} / {sparsity['neurons']}", f"{100 * sparsity['sparsity_mean']:.2f}%",
-                 f"{100 * never:.1f}%", f"{100 * dead:.1f}%"] + accs
+                 f"{100 * never:.1f}%", _cell(dead, ".1f", 100, "%")] + accs
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

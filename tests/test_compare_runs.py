@@ -36,7 +36,7 @@ def test_training_and_quality_tables(tmp_path):
     results.write_text(json.dumps({"models": models}))
 
     training = compare_runs.table([dense, sparse]).splitlines()
-    assert training[2].startswith("| dense | 20 | 2.0000 | nan |")
+    assert training[2].startswith("| dense | 20 | 2.0000 | - |")  # no gap against itself
     assert training[3].startswith("| sparse | 20 | 2.0500 | 0.1000 |")
 
     quality = compare_runs.quality_table([dense, sparse], results).splitlines()
