@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sparse_llm.benchmark import wall_ms
 from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
-from sparse_llm.twell_train import twell_train_ffn
+from sparse_llm.twell_train import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
 
 L1_COEFF = 2e-5
 
@@ -66,15 +66,15 @@ def print_table(title: str, rows: list[tuple[str, float, float]], wall: float) -
 HOST_ITERS = 8  # calls queued behind the GPU's sleep: few enough that the launch queue never fills
 
 
-def issue_ms(forward: Callable[[], object], backward: Callable[[object], object] | None, profiler=None) -> float:
-    """Host ms to issue one call while the GPU is still busy with earlier work, so that no call waits for it:
-    the launch cost that bounds a block whose kernels take less. Training issues HOST_ITERS forwards, then,
-    once the GPU has run them, their backwards, as a model does (a layer's backward comes long after its
-    forward, whose asynchronous heavy-token count has landed by then)."""
+def issue_ms(forward: Callable[[], object], backward: Callable[[object], object] | None, profiler=None) -> list[float]:
+    """Host ms to issue one forward (and one backward), each while the GPU is still busy with earlier work so
+    that no call waits for it: the launch cost that bounds a block whose kernels take less. Training issues
+    HOST_ITERS forwards, then, once the GPU has run them, their backwards, as a model does (a layer's backward
+    comes long after its forward, whose asynchronous heavy-token count has landed by then)."""
     outs = [forward()]  # warm-up
     if backward is not None:
         backward(outs[0])
-    elapsed = 0.0
+    per_phase = []
     for phase in ("forward", "backward") if backward is not None else ("forward",):
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
@@ -86,19 +86,20 @@ def issue_ms(forward: Callable[[], object], backward: Callable[[object], object]
         else:
             for out in outs:
                 backward(out)
-        elapsed += time.perf_counter() - start
+        per_phase.append((time.perf_counter() - start) * 1e3 / HOST_ITERS)
         if profiler is not None:
             profiler.disable()
     torch.cuda.synchronize()
-    return elapsed * 1e3 / HOST_ITERS
+    return per_phase
 
 
 def print_host_profile(title: str, forward: Callable[[], object], backward, top: int = 25) -> None:
     """Host ms to issue one call, and the Python functions (torch ops included) taking that time."""
-    ms = issue_ms(forward, backward)
+    phases = issue_ms(forward, backward)
     profiler = cProfile.Profile()
     issue_ms(forward, backward, profiler)
-    print(f"\n### host, {title}: {ms:.3f} ms to issue one call (GPU kept busy)\n")
+    split = f" (forward {phases[0]:.3f} + backward {phases[1]:.3f})" if len(phases) == 2 else ""
+    print(f"\n### host, {title}: {sum(phases):.3f} ms to issue one call{split} (GPU kept busy)\n")
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (.., tottime, ..)
     print("| function (profiled: times inflated by the profiler) | calls | own us per call of the block |")
@@ -106,6 +107,18 @@ def print_host_profile(title: str, forward: Callable[[], object], backward, top:
     for (file, line, name), (_, calls, own, *_rest) in rows:
         where = f"{pathlib.Path(file).name}:{line}" if line else file
         print(f"| `{name}` ({where}) | {calls / HOST_ITERS:g} | {own * 1e6 / HOST_ITERS:.1f} |")
+
+
+def print_op_issue(x, wg, wu, wd, dy) -> None:
+    """Host ms to issue the training op's forward and backward themselves, without autograd or a loss around
+    them: what the op's own launches and torch calls cost, against the whole step above."""
+    dl1 = torch.tensor(L1_COEFF / x.shape[0], device=x.device)
+    with torch.no_grad():
+        fwd, bwd = issue_ms(
+            lambda: twell_train_forward_op(x, wg, wu, wd, DEFAULT_WIDTH),
+            lambda outs: twell_train_backward_op(x, wg, wu, wd, *outs[4:], dy.bfloat16(), dl1),
+        )
+    print(f"\nthe op alone: forward {fwd:.3f} ms, backward {bwd:.3f} ms to issue (no autograd, no loss)")
 
 
 def dense_infer(x, wg, wu, wd):
@@ -154,6 +167,8 @@ def main() -> None:
                 print_table(f"{title}, nnz {nnz:g}", kernel_table(step, args.iters), wall_ms(step, args.iters))
                 if args.host:
                     print_host_profile(f"{title}, nnz {nnz:g}", forward, backward)
+                    if title == "train twell":
+                        print_op_issue(x, wg, wu, wd, dy)
 
 
 if __name__ == "__main__":
