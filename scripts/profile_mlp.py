@@ -112,11 +112,11 @@ def print_host_profile(title: str, forward: Callable[[], object], backward, top:
 def print_op_issue(x, wg, wu, wd, dy) -> None:
     """Host ms to issue the training op's forward and backward themselves, without autograd or a loss around
     them: what the op's own launches and torch calls cost, against the whole step above."""
-    dl1 = torch.tensor(L1_COEFF / x.shape[0], device=x.device)
+    dl1, dy_bf16 = torch.tensor(L1_COEFF / x.shape[0], device=x.device), dy.bfloat16()
     with torch.no_grad():
         fwd, bwd = issue_ms(
             lambda: twell_train_forward_op(x, wg, wu, wd, DEFAULT_WIDTH),
-            lambda outs: twell_train_backward_op(x, wg, wu, wd, *outs[4:], dy.bfloat16(), dl1),
+            lambda outs: twell_train_backward_op(x, wg, wu, wd, *outs[4:], dy_bf16, dl1),
         )
     print(f"\nthe op alone: forward {fwd:.3f} ms, backward {bwd:.3f} ms to issue (no autograd, no loss)")
 
