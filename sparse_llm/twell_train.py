@@ -224,7 +224,7 @@ def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_
     fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
     g, u = fwd.saved.g, fwd.saved.u
     h = hybrid_mul(g, u)
-    m, n = g.n_rows, g.n_cols
+    n = g.n_cols
     nonzero_MW = h.ell_values_MW != 0  # padding slots hold 0
     nonzero_RN = h.backup_values_RN != 0
     l0_M = nonzero_MW.sum(dim=1, dtype=torch.int32)
