@@ -23,9 +23,8 @@ Format and saved state (sparse only: no dense [M, N] or [R, N] activation is kep
 A token with at most ``width`` gate non-zeros is *light*: its entries live in an ELL row (column
 ``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused;
 ``heavy_M`` is False). Any other token is *heavy* (``heavy_M`` True); R = ``heavy_counts[0]`` of them (a pinned
-CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the
-GPU a token whose TwELL tile overflowed (more than 31 positives in 256 columns) is also heavy, since its packed
-words are incomplete. Nothing is ever dropped: there is no capacity to run out of. h is recomputed from
+CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the GPU a token whose TwELL tile
+overflowed (more than 31 positives in 256 columns) is also heavy, since its packed words are incomplete. Nothing is ever dropped: there is no capacity to run out of. h is recomputed from
 g * u in the backward, and the heavy tokens' dense g and u rows are recomputed there by cuBLAS from x.
 Token indices are int32/int64 throughout (no 65536-token limit).
 
@@ -312,8 +311,7 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
 
 def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
     device = x_MK.device
-    _require_kernels(device)
-    check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    _require_kernels(device)  # the operands were checked once, by twell_train_ffn
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
