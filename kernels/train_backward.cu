@@ -4,13 +4,14 @@
 //   train_bwd_sddmm : per light token, at its ELL entries (n, g, u):
 //                       dh = bf16(bf16(dy[m] . w_down[:, n]) + dl1 * sign(h)),  h = bf16(g * u)
 //                       du = bf16(dh * g),  dg = bf16(dh * u)
-//                     stored at the entries (h too, for dW_down).
+//                     stored at the entries (h too, for dW_down), and the sort keys of the transposed view.
 //   train_bwd_dx    : per light token, dx[m] = sum over its entries of du * w_up[n] + dg * w_gate[n],
 //                     summed in one fp32 accumulator before rounding.
 //                     torch reference of both: formats.hybrid_gated_mlp_backward_ref (hybrid_sddmm, the L1
 //                     shift, hybrid_mul, hybrid_matmul). Two kernels rather than one so that each streams
 //                     only the weight rows it needs: w_down (N x K) then w_up and w_gate (2 x N x K), working
 //                     sets that stay in L2 where all three together (69 MB at K = 2048, N = 5632) do not.
+//   train_csc_offsets : column and chunk offsets of the transposed view from the sorted keys sddmm wrote.
 //   train_csc_wgrad : weight gradients out[n] += sum over the entries e of column n of value(e) * src[row(e)],
 //                     e.g. dW_gate = dg^T x, dW_up = du^T x (NV = 2, one gather of x for both) and
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
@@ -29,10 +30,15 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     __nv_bfloat16 *__restrict__ ell_h,           // [M, W] out
     __nv_bfloat16 *__restrict__ ell_du,          // [M, W] out
     __nv_bfloat16 *__restrict__ ell_dg,          // [M, W] out
-    int M, int K, int W) {
+    int *__restrict__ csc_key,                   // [M, W] out: column of a light token's entry, else N
+    int M, int N, int K, int W) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
-    if (m >= M || heavy[m]) return;  // whole warp
+    if (m >= M) return;  // whole warp
+    // Sort keys of the transposed (CSC) view for the weight gradients: unused slots and heavy tokens sort last.
+    const int used = heavy[m] ? 0 : ell_count[m];
+    for (int s = lane; s < W; s += 32) csc_key[m * W + s] = s < used ? ell_cols[m * W + s] : N;
+    if (heavy[m]) return;  // whole warp
     extern __shared__ uint4 smem[];
     uint4 *dy_row = smem + (threadIdx.x / 32) * KV * 32;
     stage_row<KV>(dy_row, dy + m * K, lane, K);
@@ -69,6 +75,60 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     };
     walk_entries<KV, 1>(ell_cols + row0, ell_count[m], down, lane, K, begin, step, finish);
 }
+
+// Offsets of the transposed view, in one block (replaces about a dozen small torch ops per backward). Given
+// the E sort keys in ascending order (a column per light entry, N for the rest): col_start[c] = the first e
+// with key[e] >= c, for c = 0..N, and chunk_start = the exclusive prefix sum over columns of
+// ceil(entries / chunk), with chunk_start[N] the number of chunks. Each thread finds the starts of a run of
+// consecutive columns by binary search, the block scans the runs' chunk totals. Launch with 1024 threads.
+// torch reference: the searchsorted of csc_order and csc_chunk_starts in sparse_llm/twell_train.py.
+extern "C" __global__ void __launch_bounds__(1024) train_csc_offsets(
+    const int *__restrict__ sorted_key,  // [E] ascending
+    long long *col_start,                // [N + 1] out (read back after the barrier: not __restrict__)
+    long long *__restrict__ chunk_start,  // [N + 1] out
+    long long E, int N, int chunk) {
+    __shared__ long long warp_total[32];
+    const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+    const int per = (N + 1 + blockDim.x - 1) / blockDim.x;  // columns 0..N, N's start included
+    const int c0 = min(N + 1, t * per), c1 = min(N + 1, c0 + per);
+    for (int c = c0; c < c1; ++c) {
+        long long lo = 0, hi = E;  // first e with key[e] >= c
+        while (lo < hi) {
+            const long long mid = (lo + hi) / 2;
+            if (sorted_key[mid] < c) lo = mid + 1;
+            else hi = mid;
+        }
+        col_start[c] = lo;
+    }
+    __syncthreads();  // every start is written (and visible to the block)
+    const int last = min(c1, N);  // chunks belong to columns 0..N-1
+    long long mine = 0;
+    for (int c = c0; c < last; ++c) mine += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+    // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
+    long long inclusive = mine;
+    for (int d = 1; d < 32; d *= 2) {
+        const long long up = __shfl_up_sync(FULL_MASK, inclusive, d);
+        if (lane >= d) inclusive += up;
+    }
+    if (lane == 31) warp_total[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        long long total = lane < blockDim.x / 32 ? warp_total[lane] : 0;
+        for (int d = 1; d < 32; d *= 2) {
+            const long long up = __shfl_up_sync(FULL_MASK, total, d);
+            if (lane >= d) total += up;
+        }
+        warp_total[lane] = total;  // inclusive over warps
+    }
+    __syncthreads();
+    long long chunks = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
+    for (int c = c0; c < last; ++c) {
+        chunk_start[c] = chunks;
+        chunks += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+    }
+    if (t == 0) chunk_start[N] = warp_total[blockDim.x / 32 - 1];
+}
+
 
 template <int KV>
 __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
@@ -210,7 +270,7 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     template __global__ void train_bwd_sddmm<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
                                                  const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
                                                  const bool *, const float *, __nv_bfloat16 *, __nv_bfloat16 *,   \
-                                                 __nv_bfloat16 *, int, int, int);                                 \
+                                                 __nv_bfloat16 *, int *, int, int, int, int);                     \
     template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const bool *, __nv_bfloat16 *, int, int, int);

@@ -18,6 +18,7 @@ extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
     const uint32_t *__restrict__ packed,   // [M, T * 32] TwELL words of the gate
     int *__restrict__ ell_cols,            // [M, W] out: column of each ELL entry (light rows, slots < count)
     __nv_bfloat16 *__restrict__ ell_g,     // [M, W] out: gate value of each ELL entry
+    __nv_bfloat16 *__restrict__ ell_u,     // [M, W] out here: zero padding only (train_fwd_light fills the rest)
     int *__restrict__ ell_count,           // [M] out: true gate non-zeros of the token
     bool *__restrict__ heavy,              // [M] out: true for a heavy token
     int *__restrict__ heavy_list,          // [M] out: the heavy tokens, any order (first counters[0] valid)
@@ -45,6 +46,13 @@ extern "C" __global__ void __launch_bounds__(128) train_ell_from_twell(
             heavy_list[atomicAdd(&counters[0], 1)] = static_cast<int>(m);
             if (overflow) atomicAdd(&counters[1], 1);
         }
+    }
+    // Zero padding (column 0, value 0) past the token's entries, and over the whole row of a heavy token, as
+    // formats.py lays it out: the state is deterministic without a separate fill of the three arrays.
+    for (int s = is_heavy ? lane : total + lane; s < W; s += 32) {
+        ell_cols[m * W + s] = 0;
+        ell_g[m * W + s] = __float2bfloat16_rn(0.0f);
+        ell_u[m * W + s] = __float2bfloat16_rn(0.0f);
     }
     if (is_heavy) return;
 

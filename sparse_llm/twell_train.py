@@ -30,14 +30,15 @@ Token indices are int32/int64 throughout (no 65536-token limit).
 
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
-forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows, heavy flags and list)  ->
-          train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->  gate_up_down_heavy (the inference
-          direct route's split kernel: each heavy token's y, L1, L0, fired straight from its gate row, the
-          list's length read on the device).
-backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg; light tokens)  ->  train_bwd_dx
-          (dx of light tokens)  ->  a stable sort of the ELL entries by column (the transposed, CSC view;
-          its size is bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad
-          (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed).
+forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows with their zero padding,
+          heavy flags and list)  ->  train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->
+          gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
+          straight from its gate row, the list's length read on the device).
+backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
+          tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column and
+          train_csc_offsets (the transposed, CSC view; its size is bounded by the ELL, so the transpose can
+          never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy
+          tokens' rows (g and u recomputed).
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
@@ -104,6 +105,7 @@ Tensor = torch.Tensor
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 MAX_WIDTH = 4096
 CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradient kernel
+CSC_OFFSETS_THREADS = 1024  # the one block of train_csc_offsets
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
@@ -316,11 +318,11 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
-        # Zero padding (value 0, column 0) as in formats.py, so the state is deterministic and comparable. Three
-        # allocations, not views of one: outputs of a custom op must not alias each other.
-        ell_cols_MW = torch.zeros(m, width, dtype=i32, device=device)
-        ell_g_MW = torch.zeros(m, width, dtype=bf16, device=device)
-        ell_u_MW = torch.zeros(m, width, dtype=bf16, device=device)
+        # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
+        # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
+        ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
+        ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
+        ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)
         ell_count_M = torch.empty(m, dtype=i32, device=device)
         heavy_M = torch.empty(m, dtype=torch.bool, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
@@ -336,8 +338,8 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
             packed_MS = twell_pack(gate_MN)
             blocks = math.ceil(m / WARPS_PER_BLOCK)
             args = (
-                cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M),
-                cuda.ptr(heavy_M), cuda.ptr(heavy_list), cuda.ptr(counters),
+                cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW),
+                cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(heavy_list), cuda.ptr(counters),
                 np.int32(m), np.int32(n // TILE), np.int32(width),
             )  # fmt: skip
             _launch("train_forward.cu", "train_ell_from_twell", blocks, args, device)
@@ -366,19 +368,26 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         )  # fmt: skip
 
 
-def csc_order(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
+def csc_keys(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> Tensor:
+    """int32 [M, W]: each light ELL entry's column, N for unused and heavy-token slots (which so sort last).
 
-    order_E lists positions m * W + s sorted by column (stable: ascending tokens within a column); column n
-    owns order_E[col_start[n] : col_start[n + 1]]. Unused and heavy-token slots sort last (key N). No host
-    sync. torch reference of the transposed view: formats.hybrid_t_matmul's entry list.
+    torch reference of the keys train_bwd_sddmm writes for the transposed (CSC) view.
     """
     width = ell_cols_MW.shape[1]
     used_MW = torch.arange(width, device=ell_cols_MW.device) < ell_count_M[:, None]
     used_MW &= ~heavy_M[:, None]
-    key_E = torch.where(used_MW, ell_cols_MW, n).flatten()
-    sorted_E, order_E = torch.sort(key_E, stable=True)
-    col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=key_E.dtype, device=key_E.device))
+    return torch.where(used_MW, ell_cols_MW, n)
+
+
+def csc_order(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
+
+    order_E lists positions m * W + s sorted by key (stable: ascending tokens within a column); column n
+    owns order_E[col_start[n] : col_start[n + 1]]. torch reference of `csc_index` (and of the transposed
+    view: formats.hybrid_t_matmul's entry list).
+    """
+    sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
+    col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=sorted_E.dtype, device=sorted_E.device))
     return order_E, col_start
 
 
@@ -390,13 +399,29 @@ def csc_chunk_starts(col_start: Tensor) -> Tensor:
     return chunk_start
 
 
+def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(order_E, col_start, chunk_start) of the transposed view from the keys train_bwd_sddmm wrote: a stable
+    sort and one kernel for both offset arrays (int64 [N + 1]). No host sync. torch reference: `csc_order`
+    and `csc_chunk_starts`."""
+    device = key_MW.device
+    sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
+    col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
+    args = (
+        cuda.ptr(sorted_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
+        np.int64(sorted_E.numel()), np.int32(n), np.int32(CSC_CHUNK),
+    )  # fmt: skip
+    kernel = cuda.get_function("train_backward.cu", "train_csc_offsets", device)
+    cuda.launch(kernel, (1,), (CSC_OFFSETS_THREADS,), args, device)
+    return order_E, col_start, chunk_start
+
+
 def _csc_wgrad(
     csc: tuple[Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
     next_item: Tensor, width: int,
 ) -> None:  # fmt: skip
     """Adds to each zeroed fp32 [N, K] out the sums over column n's entries of value * src_MK[token].
 
-    csc = (order_E, col_start, chunk_start) of `csc_order` and `csc_chunk_starts`; one out per value array
+    csc = (order_E, col_start, chunk_start) of `csc_index`; one out per value array
     (1 or 2); next_item is a zeroed int64 [1] work counter.
     """
     device = src_MK.device
@@ -425,6 +450,7 @@ def _cuda_backward(
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
         dx_MK = torch.empty(m, k, dtype=bf16, device=device)
         ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=bf16, device=device).unbind(0)
+        key_MW = torch.empty(m, width, dtype=torch.int32, device=device)  # CSC sort keys, written by sddmm
         kv = _pieces(k)
         if m:
             blocks = math.ceil(m / WARPS_PER_BLOCK)
@@ -432,7 +458,8 @@ def _cuda_backward(
             args = (
                 cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
                 cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
-                cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), np.int32(m), np.int32(k), np.int32(width),
+                cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), cuda.ptr(key_MW),
+                np.int32(m), np.int32(n), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
             _launch("train_backward.cu", f"train_bwd_sddmm<{kv}>", blocks, args, device, smem)
@@ -447,8 +474,7 @@ def _cuda_backward(
         dw_3NK = torch.zeros(3, n, k, dtype=torch.float32, device=device)
         dw_gate_NK, dw_up_NK, dw_down_NK = dw_3NK.unbind(0)
         if m:
-            order_E, col_start = csc_order(ell_cols_MW, ell_count_M, heavy_M, n)
-            csc = (order_E, col_start, csc_chunk_starts(col_start))
+            csc = csc_index(key_MW, n)
             next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
             _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
             _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)

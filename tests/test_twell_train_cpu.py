@@ -26,6 +26,7 @@ from sparse_llm.twell_train import (
     _backup_gate_up,
     check_train_inputs,
     csc_chunk_starts,
+    csc_keys,
     csc_order,
     heavy_rows,
     train_estimated_ms,
@@ -223,7 +224,7 @@ def test_csc_order_lists_light_entries_by_column():
     gen = torch.Generator().manual_seed(3)
     cols = torch.randint(0, n, (m, w), generator=gen, dtype=torch.int32)
     count = torch.randint(0, w + 3, (m,), generator=gen, dtype=torch.int32)  # > w: heavy
-    order, col_start = csc_order(cols, count, count > w, n)
+    order, col_start = csc_order(csc_keys(cols, count, count > w, n), n)
     assert col_start.shape == (n + 1,) and col_start[0] == 0
     expected = [(int(cols[r, s]), r * w + s) for r in range(m) for s in range(w) if s < count[r] <= w]
     expected.sort()  # by column, then position (the sort is stable)

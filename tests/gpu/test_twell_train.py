@@ -28,6 +28,8 @@ if REASON is None:
         STATE_NAMES,
         _csc_wgrad,
         csc_chunk_starts,
+        csc_index,
+        csc_keys,
         csc_order,
         heavy_rows,
         twell_train_ffn,
@@ -204,9 +206,24 @@ def test_saved_state_is_the_hybrid_packing_of_the_gate():
     u = torch.where(used, state["ell_u_MW"][rows].gather(1, order), 0)
     torch.testing.assert_close(u.float(), u_ref.float(), rtol=1e-2, atol=1e-3)
     assert (state["ell_g_MW"][~light] == 0).all() and (state["ell_u_MW"][~light] == 0).all()
+    assert (state["ell_cols_MW"][~light] == 0).all()
+    for padding in (cols, g, state["ell_u_MW"][rows]):  # zero past each light token's entries
+        assert (padding[~used] == 0).all()
     heavy = heavy_rows(state["heavy_M"], state["heavy_counts"])
     assert torch.equal(heavy, (~light).nonzero()[:, 0]) and state["heavy_counts"][0] == heavy.numel()
     assert state["heavy_counts"][1] == int(packed.overflow_M.sum())  # tokens with an overflowed tile
+
+
+@pytest.mark.parametrize("n", [1, 256, 5632, 65536])
+def test_csc_offsets_kernel_matches_the_torch_reference(n):
+    """Column starts and chunk starts of the transposed view, with empty, ordinary and many-chunk columns."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    key_MW = torch.randint(0, n + 1, (3000, 40), device="cuda", generator=gen, dtype=torch.int32)  # n: unused
+    key_MW[:, :5] = min(3, n)  # a hot column: 15000 entries, many chunks
+    order, col_start, chunk_start = csc_index(key_MW, n)
+    ref_order, ref_start = csc_order(key_MW, n)
+    assert torch.equal(order, ref_order) and torch.equal(col_start, ref_start)
+    assert torch.equal(chunk_start, csc_chunk_starts(ref_start))
 
 
 def test_csc_weight_gradient_kernel_with_hot_columns():
@@ -221,12 +238,12 @@ def test_csc_weight_gradient_kernel_with_hot_columns():
     h[::50] = torch.randn(n, device="cuda", generator=gen)  # heavy tokens: excluded from the CSC walk
     packed = pack_hybrid(h.bfloat16(), width=width)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-    order, col_start = csc_order(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n)
+    csc = csc_index(csc_keys(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n), n)
     values = packed.ell_values_MW.contiguous()
     second = (values * 2).contiguous()
     out1, out2 = torch.zeros(2, n, k, device="cuda").unbind(0)
     next_item = torch.zeros(1, dtype=torch.int64, device="cuda")
-    _csc_wgrad((order, col_start, csc_chunk_starts(col_start)), (values, second), x, (out1, out2), next_item, width)
+    _csc_wgrad(csc, (values, second), x, (out1, out2), next_item, width)
     light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
     want = hybrid_t_matmul(light, x.float())
     torch.testing.assert_close(out1, want, atol=1e-3, rtol=1e-4)
