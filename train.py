@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.config import TrainConfig, register_configs  # noqa: E402
+from sparse_llm.preemption import TrainingStopped  # noqa: E402
 from sparse_llm.training import train  # noqa: E402
 
 register_configs()
@@ -40,6 +41,9 @@ def main(cfg: DictConfig) -> None:
         # A problem with the input: the message says what and how to fix it; a traceback adds nothing.
         log.error("%s: %s  (HYDRA_FULL_ERROR=1 shows the traceback)", type(err).__name__, err)
         sys.exit(2)
+    except TrainingStopped as stopped:
+        log.warning("%s", stopped)
+        sys.exit(stopped.exit_code)
     log.info("Final model: %s", final)
 
 

@@ -2,9 +2,10 @@
 # Dense vs sparse quality at one model shape, same seed and data: train.py with l1=0, with each l1 of $L1S, and
 # with l1=$REINIT_L1 plus dead-neuron re-initialisation (paper eq. 6, every $WINDOW steps); eval.py scores the
 # final checkpoints side by side; scripts/compare_runs.py appends the training and quality tables to
-# BENCHMARKS.md (title from $TITLE). Re-running resumes unfinished runs from their last checkpoint and skips
-# finished ones. PARALLEL=1 trains all runs at once (small models leave most of a large GPU idle). TASKS is
-# eval.py's tasks= (none: held-out perplexity and sparsity only, for machines without lm-eval).
+# BENCHMARKS.md (title from $TITLE). A SIGTERM stops every run at a checkpoint; re-running resumes unfinished
+# runs from their last checkpoint and skips finished ones. PARALLEL=1 trains all runs at once (small models leave
+# most of a large GPU idle). TASKS is eval.py's tasks= (none: held-out perplexity and sparsity only, for machines
+# without lm-eval).
 #   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] [TASKS=embedded] \
 #     bash scripts/quality_runs.sh [train.py overrides...]
 # The 91M-parameter runs of BENCHMARKS.md (five runs sharing one H100: about 10 minutes of training; data/docs
@@ -29,26 +30,29 @@ RUNS=("${PREFIX}_dense|l1=0")
 for l1 in $L1S; do RUNS+=("${PREFIX}_l1_${l1}|l1=${l1}"); done
 RUNS+=("${PREFIX}_reinit_${REINIT_L1}|l1=${REINIT_L1} sparsity.reinit_dead=true sparsity.dead_window_steps=${WINDOW}")
 
-train() {  # name, overrides (space-separated); output goes to outputs/<name>.log
-  local name=$1
+train() {  # name, overrides (space-separated); output goes to outputs/<name>.log. Called with & only: exec
+  local name=$1  # makes the background job's pid python's, so that the trap below signals train.py itself.
   # shellcheck disable=SC2086  # the overrides are several words
-  python train.py "${COMMON[@]}" $2 run_name="$name" > "outputs/$name.log" 2>&1
+  exec python train.py "${COMMON[@]}" $2 run_name="$name" > "outputs/$name.log" 2>&1
 }
 
 mkdir -p outputs
+# A SIGTERM to this script (timeout, a scheduler) reaches the runs, which save a checkpoint and stop; running
+# the script again resumes them. Runs go to the background even one at a time: bash defers its traps until a
+# foreground child exits.
 pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+failed=0
 for run in "${RUNS[@]}"; do
   name=${run%%|*}
   [ -d "outputs/$name/final" ] && continue
-  if [ "$PARALLEL" = 1 ]; then
-    train "$name" "${run#*|}" & pids+=($!)
-  else
-    train "$name" "${run#*|}" || { tail -20 "outputs/$name.log"; exit 1; }
+  train "$name" "${run#*|}" & pids+=($!)
+  if [ "$PARALLEL" != 1 ]; then
+    wait "$!" || { tail -20 "outputs/$name.log"; exit 1; }
   fi
 done
-failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-[ "$failed" = 0 ] || { echo "a run failed: see outputs/${PREFIX}_*.log" >&2; exit 1; }
+[ "$failed" = 0 ] || { echo "a run failed or was stopped: see outputs/${PREFIX}_*.log" >&2; exit 1; }
 
 dirs=() finals=()
 for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}") finals+=("outputs/${run%%|*}/final"); done

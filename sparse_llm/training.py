@@ -32,6 +32,7 @@ from sparse_llm.energy import EnergyMeter
 from sparse_llm.loader import TrainLoader, val_batches
 from sparse_llm.model import build_model, count_parameters, sparse_mlps
 from sparse_llm.plots import plot_run
+from sparse_llm.preemption import StopSignals, TrainingStopped
 from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
 from sparse_llm.telemetry import Telemetry
 
@@ -350,34 +351,50 @@ class Trainer:
         self.model.train()
         window = MeasureWindow(self.energy, self.acc.device)
         try:
-            while self.step < t.max_steps:
-                metrics = self._optimizer_step()
-                self.step += 1
-                window.steps += 1
-                telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
-                logging_now = telemetry.should_log(self.step)
-                val_now = self._is_due(t.val_every)
-                save_now = bool(self.cfg.checkpoint.every) and self.step % self.cfg.checkpoint.every == 0
-                if logging_now:
-                    metrics.update(self._window_metrics(window))
-                elif val_now or save_now:
-                    window.pause()
-                if val_now:
-                    val = self.validate()
-                    metrics.update(val)
-                    if not logging_now:
-                        telemetry.log(self.step, val)
-                if logging_now:
-                    telemetry.log(self.step, metrics)
-                if save_now:
-                    self._save()
-                if logging_now:
-                    window.restart()
-                elif val_now or save_now:
-                    window.resume()
+            with StopSignals() as stop:
+                while self.step < t.max_steps:
+                    saved = self._train_step(window, telemetry)
+                    if self.step < t.max_steps and self._stop_agreed(stop.requested):
+                        checkpoint = saved or self._save()
+                        raise TrainingStopped(stop.requested, self.step, str(checkpoint))
         finally:
             telemetry.close()
         return self._finish()
+
+    def _train_step(self, window: MeasureWindow, telemetry: Telemetry) -> Path | None:
+        """One optimizer step with its logging, validation and checkpoint; the checkpoint's path if one was due."""
+        t = self.cfg.trainer
+        metrics = self._optimizer_step()
+        self.step += 1
+        window.steps += 1
+        telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
+        logging_now = telemetry.should_log(self.step)
+        val_now = self._is_due(t.val_every)
+        save_now = bool(self.cfg.checkpoint.every) and self.step % self.cfg.checkpoint.every == 0
+        if logging_now:
+            metrics.update(self._window_metrics(window))
+        elif val_now or save_now:
+            window.pause()
+        if val_now:
+            val = self.validate()
+            metrics.update(val)
+            if not logging_now:
+                telemetry.log(self.step, val)
+        if logging_now:
+            telemetry.log(self.step, metrics)
+        saved = self._save() if save_now else None
+        if logging_now:
+            window.restart()
+        elif val_now or save_now:
+            window.resume()
+        return saved
+
+    def _stop_agreed(self, requested: int | None) -> bool:
+        """Whether to stop now: on several ranks, when any rank got a signal (all must save together)."""
+        if self.acc.num_processes == 1:
+            return requested is not None
+        flag = torch.tensor(float(requested is not None), device=self.acc.device)
+        return bool(self._reduce(flag, "max").item())
 
     def _finish(self) -> Path:
         """Write `final/` atomically (eval.py picks the newest `final/`, never a half-written one)."""

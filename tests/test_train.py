@@ -2,6 +2,9 @@
 
 from pathlib import Path
 
+import os
+import signal
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -10,6 +13,7 @@ from omegaconf import OmegaConf
 from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, register_configs
 from sparse_llm.telemetry import read_metrics
+from sparse_llm.preemption import TrainingStopped
 from sparse_llm.training import NonFiniteLossError, Trainer, cosine_with_warmup, plan_batches, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +62,33 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     train(small_config(*common, "checkpoint.resume=auto"), tmp_path / "cut")
     full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
     assert set(full) == set(resumed) == {2, 4, 6, 8}
+    for step in full:
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkeypatch):
+    common = ["trainer.max_steps=6", "checkpoint.every=0", "trainer.global_batch=8", "trainer.micro_batch=4"]
+    train(small_config(*common), tmp_path / "full")
+    # The signal arrives during step 3 (as from a scheduler); no periodic checkpoint is due before the end.
+    step_fn = Trainer._optimizer_step
+
+    def signalled_step(trainer):
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_fn(trainer)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", signalled_step)
+    with pytest.raises(TrainingStopped, match="SIGTERM after step 3") as stopped:
+        train(small_config(*common), tmp_path / "cut")
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_3"]
+    assert not (tmp_path / "cut" / "final").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
+    monkeypatch.setattr(Trainer, "_optimizer_step", step_fn)
+    train(small_config(*common, "checkpoint.resume=auto"), tmp_path / "cut")
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert set(full) == set(resumed) == {2, 4, 6}
     for step in full:
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
 
