@@ -276,7 +276,8 @@ class Trainer:
         self.tracker.accumulate(results)
         return out.loss.detach(), l1.detach()
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _optimizer_step(self, stop: StopSignals) -> dict[str, Any]:
+        """One update; `stop` in the result: whether any rank has received a stop signal by the end of it."""
         coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
         ce_sum = torch.zeros((), device=self.acc.device)
         l1_sum = torch.zeros((), device=self.acc.device)
@@ -286,10 +287,15 @@ class Trainer:
             ce_sum += ce
             l1_sum += l1
         grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        ce_mean = self._reduce(ce_sum / self.plan.accumulation, "mean")
-        l1_mean = self._reduce(l1_sum / self.plan.accumulation, "mean")
-        # One host transfer per step (not per layer): stop before a bad update reaches the weights.
-        ce, l1, norm = torch.stack([ce_mean, l1_mean, torch.as_tensor(grad_norm, device=ce_mean.device)]).tolist()
+        # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes:
+        # stop before a bad update reaches the weights, and stop every rank at the same step.
+        world = self.acc.num_processes
+        stop_vote = torch.tensor(float(stop.requested is not None), device=self.acc.device)
+        summed = self._reduce(torch.stack([ce_sum / self.plan.accumulation, l1_sum / self.plan.accumulation,
+                                           stop_vote]), "sum")
+        ce_total, l1_total, votes, norm = torch.cat(
+            [summed, torch.as_tensor(grad_norm, device=summed.device, dtype=summed.dtype).reshape(1)]).tolist()
+        ce, l1 = ce_total / world, l1_total / world
         loss = ce + coeff * l1
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise NonFiniteLossError(
@@ -303,7 +309,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         reinit = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
         return {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": coeff, "grad_norm": norm, "lr": lr,
-                "reinit_neurons": reinit}
+                "reinit_neurons": reinit, "stop": votes > 0}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -353,18 +359,23 @@ class Trainer:
         try:
             with StopSignals() as stop:
                 while self.step < t.max_steps:
-                    saved = self._train_step(window, telemetry)
-                    if self.step < t.max_steps and self._stop_agreed(stop.requested):
+                    saved, stop_agreed = self._train_step(window, telemetry, stop)
+                    if stop_agreed and self.step < t.max_steps:
                         checkpoint = saved or self._save()
                         raise TrainingStopped(stop.requested, self.step, str(checkpoint))
         finally:
             telemetry.close()
         return self._finish()
 
-    def _train_step(self, window: MeasureWindow, telemetry: Telemetry) -> Path | None:
-        """One optimizer step with its logging, validation and checkpoint; the checkpoint's path if one was due."""
+    def _train_step(self, window: MeasureWindow, telemetry: Telemetry,
+                    stop: StopSignals) -> tuple[Path | None, bool]:
+        """One optimizer step with its logging, validation and checkpoint.
+
+        Returns the checkpoint's path if one was due, and whether the ranks agreed to stop (see _optimizer_step).
+        """
         t = self.cfg.trainer
-        metrics = self._optimizer_step()
+        metrics = self._optimizer_step(stop)
+        stop_agreed = metrics.pop("stop")
         self.step += 1
         window.steps += 1
         telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
@@ -387,14 +398,7 @@ class Trainer:
             window.restart()
         elif val_now or save_now:
             window.resume()
-        return saved
-
-    def _stop_agreed(self, requested: int | None) -> bool:
-        """Whether to stop now: on several ranks, when any rank got a signal (all must save together)."""
-        if self.acc.num_processes == 1:
-            return requested is not None
-        flag = torch.tensor(float(requested is not None), device=self.acc.device)
-        return bool(self._reduce(flag, "max").item())
+        return saved, stop_agreed
 
     def _finish(self) -> Path:
         """Write `final/` atomically (eval.py picks the newest `final/`, never a half-written one)."""

@@ -73,10 +73,10 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkey
     # The signal arrives during step 3 (as from a scheduler); no periodic checkpoint is due before the end.
     step_fn = Trainer._optimizer_step
 
-    def signalled_step(trainer):
+    def signalled_step(trainer, stop):
         if trainer.step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
-        return step_fn(trainer)
+        return step_fn(trainer, stop)
 
     monkeypatch.setattr(Trainer, "_optimizer_step", signalled_step)
     with pytest.raises(TrainingStopped, match="SIGTERM after step 3") as stopped:
