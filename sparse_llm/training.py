@@ -257,6 +257,9 @@ class Trainer:
             self.tracker.load_state_dict(rank_state["sparsity"])
         self.step = state["step"]
         log.info("Resumed from %s at step %d", path, self.step)
+        if self.step >= self.cfg.trainer.max_steps:
+            log.warning("The checkpoint is at step %d, trainer.max_steps=%d: nothing left to train, writing final/ "
+                        "from it. Raise trainer.max_steps to train on.", self.step, self.cfg.trainer.max_steps)
 
     def _save(self) -> Path:
         return ckpt.save_checkpoint(

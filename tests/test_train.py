@@ -107,6 +107,14 @@ def test_resume_from_a_missing_path_names_it(tmp_path):
         trainer.run()
 
 
+@pytest.mark.slow
+def test_resuming_past_max_steps_says_so_and_writes_final(tmp_path, caplog):
+    train(small_config("trainer.max_steps=4", "checkpoint.every=4"), tmp_path)
+    final = train(small_config("trainer.max_steps=2", "checkpoint.every=4", "checkpoint.resume=auto"), tmp_path)
+    assert "nothing left to train" in caplog.text and "trainer.max_steps=2" in caplog.text
+    assert final.is_dir()
+
+
 def test_global_batch_must_divide_over_ranks():
     cfg = small_config("trainer.global_batch=10", "trainer.micro_batch=4")
     with pytest.raises(ValueError, match="global batch of 10"):
