@@ -2,8 +2,9 @@
 
 Schedulers send SIGTERM before they kill a job (SLURM's `--signal=USR1@<seconds>` sends SIGUSR1), and
 `timeout` sends SIGTERM. Without a handler the process dies mid-step and every step since the last periodic
-checkpoint is lost. The first signal only sets a flag that the training loop reads between optimizer steps; the
-handler then puts the previous handler back, so a second signal stops the process at once as it would have.
+checkpoint is lost. The handler only sets a flag that the training loop reads between optimizer steps. Repeated
+signals change nothing: launchers forward a signal that the whole process group has already received, so a
+process often gets two. SIGINT (Ctrl-C) and SIGKILL still stop at once.
 """
 
 from __future__ import annotations
