@@ -66,11 +66,16 @@ def print_table(title: str, rows: list[tuple[str, float, float]], wall: float) -
 HOST_ITERS = 8  # calls queued behind the GPU's sleep: few enough that the launch queue never fills
 
 
-def issue_ms(forward: Callable[[], object], backward: Callable[[object], object] | None, profiler=None) -> list[float]:
+def issue_ms(
+    forward: Callable[[], object],
+    backward: Callable[[object], object] | None,
+    around: Callable[[str], contextlib.AbstractContextManager] = lambda phase: contextlib.nullcontext(),
+) -> list[float]:
     """Host ms to issue one forward (and one backward), each while the GPU is still busy with earlier work so
     that no call waits for it: the launch cost that bounds a block whose kernels take less. Training issues
     HOST_ITERS forwards, then, once the GPU has run them, their backwards, as a model does (a layer's backward
-    comes long after its forward, whose asynchronous heavy-token count has landed by then)."""
+    comes long after its forward, whose asynchronous heavy-token count has landed by then). `around(phase)`
+    wraps each timed phase ("forward", "backward"), e.g. in a profiler."""
     outs = [forward()]  # warm-up
     if backward is not None:
         backward(outs[0])
@@ -78,26 +83,25 @@ def issue_ms(forward: Callable[[], object], backward: Callable[[object], object]
     for phase in ("forward", "backward") if backward is not None else ("forward",):
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
-        if profiler is not None:
-            profiler.enable()
-        start = time.perf_counter()
-        if phase == "forward":
-            outs = [forward() for _ in range(HOST_ITERS)]
-        else:
-            for out in outs:
-                backward(out)
-        per_phase.append((time.perf_counter() - start) * 1e3 / HOST_ITERS)
-        if profiler is not None:
-            profiler.disable()
+        with around(phase):
+            start = time.perf_counter()
+            if phase == "forward":
+                outs = [forward() for _ in range(HOST_ITERS)]
+            else:
+                for out in outs:
+                    backward(out)
+            per_phase.append((time.perf_counter() - start) * 1e3 / HOST_ITERS)
     torch.cuda.synchronize()
     return per_phase
 
 
 def print_host_profile(title: str, forward: Callable[[], object], backward, top: int = 25) -> None:
-    """Host ms to issue one call, and the Python functions (torch ops included) taking that time."""
+    """Host ms to issue one call; the Python functions (torch ops included) taking that time; and, per phase,
+    the torch ops and autograd nodes by their own host time (torch.profiler, which also sees the autograd
+    engine's C++ work that cProfile attributes to whichever Python frame is below it)."""
     phases = issue_ms(forward, backward)
     profiler = cProfile.Profile()
-    issue_ms(forward, backward, profiler)
+    issue_ms(forward, backward, lambda phase: profiler)
     split = f" (forward {phases[0]:.3f} + backward {phases[1]:.3f})" if len(phases) == 2 else ""
     print(f"\n### host, {title}: {sum(phases):.3f} ms to issue one call{split} (GPU kept busy)\n")
     stats = pstats.Stats(profiler)
@@ -107,6 +111,21 @@ def print_host_profile(title: str, forward: Callable[[], object], backward, top:
     for (file, line, name), (_, calls, own, *_rest) in rows:
         where = f"{pathlib.Path(file).name}:{line}" if line else file
         print(f"| `{name}` ({where}) | {calls / HOST_ITERS:g} | {own * 1e6 / HOST_ITERS:.1f} |")
+    traces = {}
+
+    def traced(phase: str) -> profile:
+        traces[phase] = profile(activities=[ProfilerActivity.CPU])
+        return traces[phase]
+
+    issue_ms(forward, backward, traced)
+    for phase, trace in traces.items():
+        events = sorted(trace.key_averages(), key=lambda e: -e.self_cpu_time_total)[: top // 2]
+        print(f"\n{phase}: torch ops and autograd nodes by own host time (torch.profiler)\n")
+        print("| op | calls | own us per call of the block |")
+        print("|---|---|---|")
+        for event in events:
+            name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
+            print(f"| `{name}` | {event.count / HOST_ITERS:g} | {event.self_cpu_time_total / HOST_ITERS:.1f} |")
 
 
 def print_op_issue(x, wg, wu, wd, dy) -> None:
