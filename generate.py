@@ -1,0 +1,42 @@
+"""Sample text from a trained checkpoint.
+
+    python generate.py                                        # newest outputs/*/final, prompt "The"
+    python generate.py checkpoint=outputs/<run>/final prompts="def main(" max_new_tokens=100
+    python generate.py prompts="[The kernel,A list is]" temperature=0   # two prompts, greedy
+    python generate.py --cfg job                              # print the resolved config
+
+Keys and their meaning: sparse_llm/generation.py (GenerateConfig). Prints each prompt with its continuation,
+then the decoding speed and the FFN path each layer took. Input errors (missing checkpoint, bad option, a
+prompt longer than the context) print one message and exit with code 2.
+"""
+
+import os
+import sys
+
+from sparse_llm import env
+
+env.apply_defaults(sys.argv[1:])  # before transformers is imported: it reads the offline setting at import
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from sparse_llm.generation import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
+
+register_generate_configs()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    typed: GenerateConfig = OmegaConf.to_object(cfg)
+    try:
+        result = generate(typed)
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"generate.py: {error}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(report(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Sample text from a trained checkpoint (generate.py): the quick look at what a run learnt, with the decoding
+speed and the FFN path every layer took.
+
+Each prompt is read as the start of a document: training joins documents with the end-of-document token, so
+the prompt goes after one. Prompts of different lengths are padded on the left and decoded as one batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.core.config_store import ConfigStore
+
+from sparse_llm.evaluation import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
+from sparse_llm.model import load_pretrained, sparse_mlps
+from sparse_llm.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateConfig:
+    """Options of generate.py (configs/generate.yaml).
+
+    Attributes:
+        checkpoint: model directory (a run's ``final/``, a run directory or ``checkpoints/step_N``); "" = the
+            newest ``outputs/*/final``.
+        prompts: one prompt or a list of prompts (``prompts=[a,b]``), decoded together.
+        max_new_tokens: tokens to sample after each prompt (fewer if the model ends the document first).
+        temperature: softmax temperature; 0 decodes greedily (always the most likely token).
+        top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p.
+        seed: random seed of the sampling.
+        kernel: FFN backend: auto | torch | twell.
+        device: auto (cuda if present, else cpu) | cpu | cuda | cuda:N.
+        dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.
+        tokenizer: tokenizer to use ("" = the one saved with the checkpoint).
+    """
+
+    checkpoint: str = ""
+    prompts: Any = "The"
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    kernel: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    tokenizer: str = ""
+
+
+def register_generate_configs() -> None:
+    """Register the schema of configs/generate.yaml; call before ``@hydra.main`` runs."""
+    ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+
+
+@dataclass
+class Generation:
+    """What generate() sampled: one continuation per prompt, and how fast."""
+
+    prompts: list[str]
+    continuations: list[str]
+    new_tokens: int  # summed over the prompts
+    seconds: float
+    ffn_paths: dict[str, int]  # backend of each FFN layer's last call (a decoding step) -> layers
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _prompt_list(prompts: Any) -> list[str]:
+    listed = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not listed or not all(isinstance(p, str) for p in listed):
+        raise ValueError(f"prompts={prompts!r}: pass a string or a list of strings (prompts=[first,second])")
+    return listed
+
+
+def _check_sampling(cfg: GenerateConfig) -> None:
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={cfg.max_new_tokens} must be at least 1")
+    if cfg.temperature < 0:
+        raise ValueError(f"temperature={cfg.temperature} must be >= 0 (0 decodes greedily)")
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"top_p={cfg.top_p} must be in (0, 1]")
+
+
+@torch.no_grad()
+def generate(cfg: GenerateConfig) -> Generation:
+    prompts = _prompt_list(cfg.prompts)
+    _check_sampling(cfg)
+    model_dir = resolve_checkpoint(cfg.checkpoint)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    check_kernel(cfg.kernel, device, dtype)
+    tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
+    model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=dtype, device=str(device)).eval()
+
+    # Left padding keeps every prompt's last token at the end of the row, where decoding continues.
+    ids = [[tokenizer.eos_token_id, *tokenizer(p, add_special_tokens=False)["input_ids"]] for p in prompts]
+    longest = max(len(row) for row in ids)
+    context = model.config.max_position_embeddings
+    if longest + cfg.max_new_tokens > context:
+        raise ValueError(f"the longest prompt has {longest - 1} tokens; with max_new_tokens={cfg.max_new_tokens} "
+                         f"that exceeds the model's context of {context}. Shorten it or lower max_new_tokens.")
+    input_ids = torch.full((len(ids), longest), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(ids):
+        input_ids[row, longest - len(tokens):] = torch.tensor(tokens)
+        attention_mask[row, longest - len(tokens):] = 1
+
+    torch.manual_seed(cfg.seed)
+    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 \
+        else {"do_sample": False}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=cfg.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+    )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+
+    new_ids = out[:, longest:].cpu()
+    # A row that ended its document early is padded after its end token: count only what was sampled.
+    ended = new_ids == tokenizer.eos_token_id
+    first_end = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new_ids.shape[1])
+    continuations = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new_ids, first_end)]
+    paths = collections.Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))
+    return Generation(prompts, continuations, int(first_end.sum()), seconds, dict(paths.most_common()))
+
+
+def report(result: Generation) -> str:
+    """The prompts and their continuations, then one line of speed and FFN paths."""
+    blocks = [f"--- {prompt}\n{prompt}{text}" for prompt, text in zip(result.prompts, result.continuations)]
+    paths = ", ".join(f"{path} x{n}" for path, n in result.ffn_paths.items())
+    together = f"{len(result.prompts)} prompts decoded together" if len(result.prompts) > 1 else "one prompt"
+    blocks.append(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s, "
+                  f"{together}); FFN layers on: {paths}")
+    return "\n\n".join(blocks)
