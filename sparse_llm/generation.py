@@ -89,6 +89,19 @@ def _check_sampling(cfg: GenerateConfig) -> None:
         raise ValueError(f"top_p={cfg.top_p} must be in (0, 1]")
 
 
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both int64 [prompts, longest]: each prompt after an end-of-document token,
+    padded on the left so that every row's last token is where decoding continues."""
+    ids = [[tokenizer.eos_token_id, *tokenizer(p, add_special_tokens=False)["input_ids"]] for p in prompts]
+    longest = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), longest), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(ids):
+        input_ids[row, longest - len(tokens):] = torch.tensor(tokens)
+        attention_mask[row, longest - len(tokens):] = 1
+    return input_ids, attention_mask
+
+
 @torch.no_grad()
 def generate(cfg: GenerateConfig) -> Generation:
     prompts = _prompt_list(cfg.prompts)
@@ -99,19 +112,16 @@ def generate(cfg: GenerateConfig) -> Generation:
     check_kernel(cfg.kernel, device, dtype)
     tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=dtype, device=str(device)).eval()
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
+                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
 
-    # Left padding keeps every prompt's last token at the end of the row, where decoding continues.
-    ids = [[tokenizer.eos_token_id, *tokenizer(p, add_special_tokens=False)["input_ids"]] for p in prompts]
-    longest = max(len(row) for row in ids)
+    input_ids, attention_mask = encode_prompts(tokenizer, prompts)
+    longest = input_ids.shape[1]
     context = model.config.max_position_embeddings
     if longest + cfg.max_new_tokens > context:
         raise ValueError(f"the longest prompt has {longest - 1} tokens; with max_new_tokens={cfg.max_new_tokens} "
                          f"that exceeds the model's context of {context}. Shorten it or lower max_new_tokens.")
-    input_ids = torch.full((len(ids), longest), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(ids):
-        input_ids[row, longest - len(tokens):] = torch.tensor(tokens)
-        attention_mask[row, longest - len(tokens):] = 1
 
     torch.manual_seed(cfg.seed)
     sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 \
