@@ -5,11 +5,12 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.6x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host cannot keep up: at M = 4096 the host needs 3.2 ms to issue one forward + backward
-(about 60 torch ops and CuPy launches, and the autograd around them) for 1.24 ms of kernels, against 1.8 ms
+micro-batches the host cannot keep up: at M = 4096 the host needs 3.1 ms to issue one forward + backward
+(a few dozen torch ops and CuPy launches, and the autograd around them) for 1.24 ms of kernels, against 1.9 ms
 of host and 1.8 ms of kernels for the dense block (scripts/profile_mlp.py --host). The forward reads nothing
-back (see "Host sync"); 2B model at 2 x 2048 tokens per micro-batch: 0.90-0.93x of the dense path end to end.
-A forced `kernel=twell` calls `twell_train_ffn` regardless.
+back (see "Host sync"); 2B model end to end: 0.90-0.93x of the dense path at 2 x 2048 tokens per micro-batch,
+1.17x at 4 x 2048 (where `auto` takes it, TRAIN_EXPOSED_HOST_MS). A forced `kernel=twell` calls
+`twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
