@@ -279,8 +279,8 @@ class Trainer:
         self.tracker.accumulate(results)
         return out.loss.detach(), l1.detach()
 
-    def _optimizer_step(self, stop: StopSignals) -> dict[str, Any]:
-        """One update; `stop` in the result: whether any rank has received a stop signal by the end of it."""
+    def _optimizer_step(self, stop: StopSignals) -> tuple[dict[str, Any], bool]:
+        """One update: its metrics, and whether any rank has received a stop signal by the end of it."""
         coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
         ce_sum = torch.zeros((), device=self.acc.device)
         l1_sum = torch.zeros((), device=self.acc.device)
@@ -311,8 +311,9 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         reinit = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
-        return {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": coeff, "grad_norm": norm, "lr": lr,
-                "reinit_neurons": reinit, "stop": votes > 0}
+        metrics = {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": coeff, "grad_norm": norm, "lr": lr,
+                   "reinit_neurons": reinit}
+        return metrics, votes > 0
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -377,8 +378,7 @@ class Trainer:
         Returns the checkpoint's path if one was due, and whether the ranks agreed to stop (see _optimizer_step).
         """
         t = self.cfg.trainer
-        metrics = self._optimizer_step(stop)
-        stop_agreed = metrics.pop("stop")
+        metrics, stop_agreed = self._optimizer_step(stop)
         self.step += 1
         window.steps += 1
         telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
