@@ -11,11 +11,12 @@ Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-ba
 variant, to see inside the breakdown), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
 --device; `--help` describes each.
 
-What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP on the same weights:
-the plain dense model, no sparsity statistics and no L1 term, i.e. the paper's non-sparse baseline),
-`torch` (our SparseMLP on the dense torch backend, which also computes L0/L1 statistics), `auto` (each
-layer picks by the cost model from the L0 it showed on the `torch` pass) and `twell` (forced; inference
-only, where the TwELL kernels can run). Speeds are given as ratios to both dense paths:
+What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP and LlamaRMSNorm on
+the same weights: the plain dense model, no sparsity statistics and no L1 term, i.e. the paper's
+non-sparse baseline), `torch` (our model on the dense torch backend: SparseMLP, which also computes L0/L1
+statistics, and FusedRMSNorm), `auto` (each layer picks by the cost model from the L0 it showed on the
+`torch` pass) and `twell` (forced; inference only, where the TwELL kernels can run). Speeds are given
+as ratios to both dense paths:
 - forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
   batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
 - train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
@@ -90,7 +91,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from transformers import LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from sparse_llm.backends import get_backend
 from sparse_llm.benchmark import (
@@ -108,7 +109,7 @@ from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import SparseMLP, recording_statistics
-from sparse_llm.model import ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
+from sparse_llm.model import FusedRMSNorm, ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import make_optimizer
@@ -238,12 +239,16 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
     return shifts
 
 
-# The SparseMLP each decoder layer had before `use_stock_mlps`, restored by `set_kernel` (no new weights).
+# The SparseMLP each decoder layer had before `use_stock_modules`, restored by `set_kernel` (no new weights).
 _SPARSE_MLPS: weakref.WeakKeyDictionary[nn.Module, SparseMLP] = weakref.WeakKeyDictionary()
 
 
-def use_stock_mlps(model: LlamaForCausalLM) -> None:
-    """Swap every SparseMLP for transformers' LlamaMLP on the same Linear modules (in place)."""
+def use_stock_modules(model: LlamaForCausalLM) -> None:
+    """Swap every SparseMLP for transformers' LlamaMLP on the same Linear modules, and every FusedRMSNorm
+    back to LlamaRMSNorm (in place): transformers' own model on the same weights."""
+    for module in model.modules():
+        if type(module) is FusedRMSNorm:
+            module.__class__ = LlamaRMSNorm
     for layer in decoder_layers(model):
         old = layer.mlp
         if not isinstance(old, SparseMLP):
@@ -261,7 +266,7 @@ def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] 
     Self-observation is switched off so that no layer changes its mind (or syncs the host) mid-timing.
     """
     if kernel == STOCK:
-        use_stock_mlps(model)
+        use_stock_modules(model)
         return
     for layer in decoder_layers(model):
         if layer in _SPARSE_MLPS:  # it shares its Linear modules (and so any dtype change) with the stock MLP
@@ -401,7 +406,7 @@ class TrainStep:
         self.model, self.ids, self.l1 = model, ids, l1
         cfg = TrainConfig()
         cfg.trainer.lr = lr
-        self.optimizer = make_optimizer(model, cfg)
+        self.optimizer = make_optimizer(model, cfg, ids.device)
         self.mlps = sparse_mlps(model)
         cuda = ids.device.type == "cuda"
         self.autocast: Callable[[], AbstractContextManager] = (

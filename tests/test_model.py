@@ -134,3 +134,58 @@ def test_l1_gradients_survive_gradient_checkpointing():
 
     for plain, checkpointed in zip(grads(False), grads(True), strict=True):
         torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_stock_forward_and_backward(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from sparse_llm.model import FusedRMSNorm
+
+    torch.manual_seed(0)
+    stock = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    fused = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    fused.load_state_dict(stock.state_dict())
+    fused.__class__ = FusedRMSNorm
+    x = (torch.randn(4, 7, 48) * 3).to(dtype)
+    x_stock, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_stock, y_fused = stock(x_stock), fused(x_fused)
+    dy = torch.randn_like(y_stock)
+    (y_stock * dy).sum().backward()
+    (y_fused * dy).sum().backward()
+    # bf16: the fused op scales by the weight before its one rounding, the stock module after a rounding
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    assert y_fused.dtype == dtype
+    torch.testing.assert_close(y_fused, y_stock, **tol)
+    torch.testing.assert_close(x_fused.grad, x_stock.grad, **tol)
+    torch.testing.assert_close(fused.weight.grad, stock.weight.grad, rtol=2**-7 if dtype != torch.float32 else 1e-5,
+                               atol=5e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_fused_rms_norm_keeps_the_stock_cast_order_on_mixed_dtypes():
+    """A bf16 input with an fp32 weight (no autocast) goes through the stock forward: same dtype, same values."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from sparse_llm.model import FusedRMSNorm
+
+    stock = LlamaRMSNorm(32)
+    fused = LlamaRMSNorm(32)
+    fused.__class__ = FusedRMSNorm
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    torch.testing.assert_close(fused(x), stock(x), rtol=0, atol=0)
+
+
+def test_sparsify_swaps_every_norm_and_keeps_the_state_dict():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from sparse_llm.model import FusedRMSNorm, sparsify
+
+    stock = LlamaForCausalLM(llama_config(TINY))
+    keys = list(stock.state_dict())
+    model = sparsify(stock, kernel="torch")
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert len(norms) == 2 * TINY.num_layers + 1
+    assert all(type(m) is FusedRMSNorm for m in norms)
+    assert list(model.state_dict()) == keys
