@@ -11,12 +11,12 @@ Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-ba
 variant, to see inside the breakdown), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
 --device; `--help` describes each.
 
-What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP and LlamaRMSNorm on
-the same weights: the plain dense model, no sparsity statistics and no L1 term, i.e. the paper's
-non-sparse baseline), `torch` (our model on the dense torch backend: SparseMLP, which also computes L0/L1
-statistics, and FusedRMSNorm), `auto` (each layer picks by the cost model from the L0 it showed on the
-`torch` pass) and `twell` (forced; inference only, where the TwELL kernels can run). Speeds are given
-as ratios to both dense paths:
+What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP, LlamaRMSNorm and
+LlamaAttention on the same weights: the plain dense model, no sparsity statistics and no L1 term, i.e.
+the paper's non-sparse baseline), `torch` (our model on the dense torch backend: SparseMLP, which also
+computes L0/L1 statistics, FusedRMSNorm and FusedRopeAttention), `auto` (each layer picks by the cost
+model from the L0 it showed on the `torch` pass) and `twell` (forced; inference only, where the TwELL
+kernels can run). Speeds are given as ratios to both dense paths:
 - forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
   batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
 - train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from transformers import LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from sparse_llm.backends import get_backend
 from sparse_llm.benchmark import (
@@ -109,7 +109,7 @@ from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import SparseMLP, recording_statistics
-from sparse_llm.model import FusedRMSNorm, ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
+from sparse_llm.model import FUSED_CLASSES, ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import make_optimizer
@@ -244,11 +244,11 @@ _SPARSE_MLPS: weakref.WeakKeyDictionary[nn.Module, SparseMLP] = weakref.WeakKeyD
 
 
 def use_stock_modules(model: LlamaForCausalLM) -> None:
-    """Swap every SparseMLP for transformers' LlamaMLP on the same Linear modules, and every FusedRMSNorm
-    back to LlamaRMSNorm (in place): transformers' own model on the same weights."""
+    """Swap every SparseMLP for transformers' LlamaMLP on the same Linear modules, and every fused module
+    back to its stock class (in place): transformers' own model on the same weights."""
+    stock_classes = {fused: stock for stock, fused in FUSED_CLASSES.items()}
     for module in model.modules():
-        if type(module) is FusedRMSNorm:
-            module.__class__ = LlamaRMSNorm
+        module.__class__ = stock_classes.get(type(module), type(module))
     for layer in decoder_layers(model):
         old = layer.mlp
         if not isinstance(old, SparseMLP):

@@ -21,7 +21,7 @@ from sparse_llm.twell_train import _pieces, wgrad_slices
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
 _KV = _pieces(CHECK_K)  # template argument (KV) every launcher uses at that hidden size
 _KW = wgrad_slices(CHECK_K)[0]  # the weight-gradient kernel's slice width (KW) there
-KERNELS = (  # (source file, kernel name): inference kernels, then the training kernels
+KERNELS = (  # (source file, kernel name): inference kernels, then the training kernels, then the rotary one
     ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
     ("twell_pack.cu", "twell_pack_dense"),
     ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
@@ -34,6 +34,7 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},1>"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},2>"),
+    ("rope.cu", "rope_rotate_half<__nv_bfloat16,float>"),
 )
 
 

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import (
+    ALL_ATTENTION_FUNCTIONS,
+    LlamaAttention,
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.mlp import SparseMLP
+from sparse_llm.rope import kernel_applies, rotate_half_qk
 
 
 @dataclass
@@ -83,9 +91,59 @@ class FusedRMSNorm(LlamaRMSNorm):
         return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
 
 
+class FusedRopeAttention(LlamaAttention):
+    """`LlamaAttention` whose rotary embedding of q and k is one CUDA kernel (`sparse_llm.rope`).
+
+    The forward is transformers' (5.x) with the rotation swapped: q and k are rotated in the projections'
+    [B, S, heads, D] layout, then viewed as [B, heads, S, D] for the cache and the attention function. Where
+    the kernel cannot run (CPU, other dtypes) transformers' own `apply_rotary_pos_emb` does it.
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        heads_shape = (*input_shape, -1, self.head_dim)
+        q_BSHD = self.q_proj(hidden_states).view(heads_shape)
+        k_BSHD = self.k_proj(hidden_states).view(heads_shape)
+        v_BHSD = self.v_proj(hidden_states).view(heads_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        if kernel_applies(q_BSHD, cos):
+            q_BSHD, k_BSHD = rotate_half_qk(q_BSHD, k_BSHD, cos, sin)
+            q_BHSD, k_BHSD = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2)
+        else:
+            q_BHSD, k_BHSD = apply_rotary_pos_emb(q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), cos, sin)
+        if past_key_values is not None:
+            k_BHSD, v_BHSD = past_key_values.update(k_BHSD, v_BHSD, self.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out_BSHD, weights = attend(
+            self,
+            q_BHSD,
+            k_BHSD,
+            v_BHSD,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(out_BSHD.reshape(*input_shape, -1).contiguous()), weights
+
+
+# Modules `sparsify` gives a faster forward by a class swap: same attributes, parameters and state-dict keys.
+FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    LlamaRMSNorm: FusedRMSNorm,
+    LlamaAttention: FusedRopeAttention,
+}
+
+
 def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
-    """Swap every `LlamaMLP` of `model` for a `SparseMLP` that reuses the same weight tensors, and every
-    `LlamaRMSNorm` for a `FusedRMSNorm` (in place; parameters and state-dict keys are unchanged)."""
+    """Swap every `LlamaMLP` of `model` for a `SparseMLP` that reuses the same weight tensors, and each
+    module of `FUSED_CLASSES` for its fused twin (in place; parameters and state-dict keys are unchanged)."""
     if model.config.hidden_act != "relu":
         raise ValueError(
             f"The model's hidden_act is {model.config.hidden_act!r}; sparse FFNs need a ReLU gate "
@@ -103,8 +161,9 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
         layer.mlp = new
     for module in model.modules():
-        if type(module) is LlamaRMSNorm:
-            module.__class__ = FusedRMSNorm  # same attributes; only the forward differs
+        fused = FUSED_CLASSES.get(type(module))
+        if fused is not None:
+            module.__class__ = fused  # same attributes; only the forward differs
     return model
 
 

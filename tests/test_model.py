@@ -177,15 +177,23 @@ def test_fused_rms_norm_keeps_the_stock_cast_order_on_mixed_dtypes():
     torch.testing.assert_close(fused(x), stock(x), rtol=0, atol=0)
 
 
-def test_sparsify_swaps_every_norm_and_keeps_the_state_dict():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+def test_sparsify_swaps_norms_and_attention_and_keeps_the_state_dict():
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
 
-    from sparse_llm.model import FusedRMSNorm, sparsify
+    from sparse_llm.model import FusedRMSNorm, FusedRopeAttention, sparsify
 
     stock = LlamaForCausalLM(llama_config(TINY))
     keys = list(stock.state_dict())
     model = sparsify(stock, kernel="torch")
     norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
-    assert len(norms) == 2 * TINY.num_layers + 1
+    attentions = [m for m in model.modules() if isinstance(m, LlamaAttention)]
+    assert len(norms) == 2 * TINY.num_layers + 1 and len(attentions) == TINY.num_layers
     assert all(type(m) is FusedRMSNorm for m in norms)
+    assert all(type(m) is FusedRopeAttention for m in attentions)
     assert list(model.state_dict()) == keys
+
+
+def test_rope_kernel_is_not_used_off_the_gpu():
+    from sparse_llm.rope import kernel_applies
+
+    assert not kernel_applies(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 8))

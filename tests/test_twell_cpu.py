@@ -32,7 +32,7 @@ from sparse_llm.twell_backend import (
     twell_estimated_ms,
 )
 
-KERNEL_FILES = ("twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "transpose.cu")
+KERNEL_FILES = ("twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "transpose.cu", "rope.cu")
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 )
