@@ -49,14 +49,27 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
     pairs = tokens * (q_heads + k_heads) * (width // 2)
     if pairs == 0:
         return q_out, k_out
-    name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]}>"
+    vector = _vector_width(q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
+    name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]},{vector}>"
     kernel = cuda.get_function("rope.cu", name, q_BSHD.device)
-    blocks = min(-(-pairs // _THREADS), 132 * 32)  # grid-stride beyond a few waves
+    blocks = min(-(-pairs // (vector * _THREADS)), 132 * 32)  # grid-stride beyond a few waves
     args = (cuda.ptr(q_BSHD), cuda.ptr(k_BSHD), cuda.ptr(q_out), cuda.ptr(k_out), cuda.ptr(cos_BSD),
             cuda.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
             np.int32(width // 2), np.int64(cos_BSD.stride(0)), np.int64(cos_BSD.stride(1)), np.float32(sign))
     cuda.launch(kernel, (blocks,), (_THREADS,), args, q_BSHD.device)
     return q_out, k_out
+
+
+def _vector_width(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
+                  cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> int:
+    """Elements per access of the kernel: 16-byte loads of q and k (8 bf16 or 4 fp32 values) where the head
+    half-width, the angle strides and every address allow it, else 1."""
+    vector = 16 // q_BSHD.element_size()
+    half = q_BSHD.shape[-1] // 2
+    fits = half % vector == 0 and cos_BSD.stride(0) % vector == 0 and cos_BSD.stride(1) % vector == 0
+    aligned = all(t.data_ptr() % (t.element_size() * vector) == 0
+                  for t in (q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD))
+    return vector if fits and aligned else 1
 
 
 class _RotateHalf(torch.autograd.Function):

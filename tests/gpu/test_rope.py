@@ -51,7 +51,7 @@ def within_budget(got, want, stock):
 
 @pytest.mark.parametrize("q_dtype,angle_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                   (torch.float32, torch.float32)])
-@pytest.mark.parametrize("heads,kv_heads,width", [(8, 8, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,width", [(8, 8, 64), (8, 2, 128), (4, 4, 20)])  # 20: scalar accesses
 @pytest.mark.parametrize("shared", [True, False])
 def test_rotation_and_its_gradient_match_transformers(q_dtype, angle_dtype, heads, kv_heads, width, shared):
     batch, seq_len = 3, 301
