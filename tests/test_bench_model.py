@@ -159,7 +159,7 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     for row in ("| forward | torch | 2 |", "| train | auto | 2 |", "| forward | twell | 2 | skipped:"):
         assert row in text and row in printed
     assert "| layer | forward L0 mean / p99 / max |" in text
-    assert "Forward ceiling: with the FFN past its gate GEMM free" in text
+    assert "Forward ceiling: with the FFN past its gate GEMM free, the `torch` forward" in text
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
     assert len(json.loads((tmp_path / "r.json").read_text())) == 11
@@ -167,10 +167,10 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
 
 
-def test_forward_ceiling_is_the_stock_forward_without_its_sparse_part():
-    stock = {"attention": 37.0, "ffn gate GEMM": 9.25, "ffn rest": 21.75, "other fwd": 12.0, "total": 80.0}
-    line = bench_model.forward_ceiling(stock)
-    assert "take 58.25 of 80.00 ms (1.373x)" in line and "attention 37.00 ms" in line
+def test_forward_ceiling_is_the_dense_forward_without_its_sparse_part():
+    dense = {"attention": 37.0, "ffn gate GEMM": 9.25, "ffn rest": 21.75, "other fwd": 12.0, "total": 80.0}
+    line = bench_model.forward_ceiling("torch", dense)
+    assert "the `torch` forward would take 58.25 of 80.00 ms (1.373x)" in line and "attention 37.00 ms" in line
 
 
 def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
@@ -225,7 +225,9 @@ def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypat
     assert "| train | auto | 4 | skipped: out of memory at micro-batch 4 |" in report
 
     results = bench_model.main(TINY + ["--modes", "train", "--max-train-batch", "8"])
-    assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 4  # batch 4 did not fit: no largest-fit row
+    # batch 4 did not fit: the largest fit of each path that ran is the measured batch 2
+    assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 4 + [("train (largest fit)", 2)] * 3
+    assert [r.kernel for r in results[4:]] == ["stock", "torch", "auto"]
 
 
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
