@@ -197,3 +197,26 @@ def test_rope_kernel_is_not_used_off_the_gpu():
     from sparse_llm.rope import kernel_applies
 
     assert not kernel_applies(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 8))
+
+
+def test_fused_attention_matches_stock_with_padding_and_a_kv_cache():
+    """FusedRopeAttention mirrors transformers' forward; on the CPU (rotation by transformers) it must agree
+    exactly, through a left-padded prefill and a cached decode step."""
+    import copy
+
+    from sparse_llm.model import sparsify
+
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(llama_config(TINY)).eval()
+    ours = sparsify(copy.deepcopy(stock), kernel="torch")
+    ids = torch.randint(0, TINY.vocab_size, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding on the first sequence
+    with torch.no_grad():
+        outs = [m(input_ids=ids, attention_mask=mask, use_cache=True) for m in (stock, ours)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=0, atol=0)
+        step = torch.randint(0, TINY.vocab_size, (2, 1))
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        nexts = [m(input_ids=step, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
+                 for m, o in zip((stock, ours), outs)]
+    torch.testing.assert_close(nexts[1].logits, nexts[0].logits, rtol=0, atol=0)

@@ -106,3 +106,34 @@ def test_fused_attention_matches_stock_attention(dtype, autocast):
     assert rel(outs[1], outs[0]) < 1e-2
     for got, want in zip(grads[1], grads[0]):
         assert rel(got, want) < 2e-2
+
+
+def test_cached_decoding_with_the_kernel_matches_stock():
+    """Prefill with left padding, then decode steps from the KV cache: the kernel rotates one position per
+    sequence at a time there (angles [B, 1, D])."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    from sparse_llm.model import ModelConfig, llama_config, sparsify
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, vocab_size=101,
+                      max_position_embeddings=128)
+    stock = LlamaForCausalLM(llama_config(cfg)).to("cuda", torch.bfloat16).eval()
+    ours = sparsify(copy.deepcopy(stock), kernel="torch")
+    ids = torch.randint(0, 101, (3, 17), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    with torch.no_grad():
+        outs = [m(input_ids=ids, attention_mask=mask, use_cache=True) for m in (stock, ours)]
+        assert rel(outs[1].logits, outs[0].logits) < 2e-2
+        caches = [o.past_key_values for o in outs]
+        for _ in range(3):
+            step = torch.randint(0, 101, (3, 1), device="cuda")
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            nexts = [m(input_ids=step, attention_mask=mask, past_key_values=c, use_cache=True)
+                     for m, c in zip((stock, ours), caches)]
+            assert rel(nexts[1].logits, nexts[0].logits) < 2e-2
+            caches = [n.past_key_values for n in nexts]
