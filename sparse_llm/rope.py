@@ -15,6 +15,7 @@ import torch
 from sparse_llm import cuda
 
 _THREADS = 256
+_MAX_BLOCKS = 132 * 32  # the grid-stride loop takes over past 32 blocks per SM of an H100
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _CUDA_TYPE = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
@@ -52,7 +53,7 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
     vector = _vector_width(q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
     name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]},{vector}>"
     kernel = cuda.get_function("rope.cu", name, q_BSHD.device)
-    blocks = min(-(-pairs // (vector * _THREADS)), 132 * 32)  # grid-stride beyond a few waves
+    blocks = min(-(-pairs // (vector * _THREADS)), _MAX_BLOCKS)
     args = (cuda.ptr(q_BSHD), cuda.ptr(k_BSHD), cuda.ptr(q_out), cuda.ptr(k_out), cuda.ptr(cos_BSD),
             cuda.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
             np.int32(width // 2), np.int64(cos_BSD.stride(0)), np.int64(cos_BSD.stride(1)), np.float32(sign))
@@ -95,4 +96,8 @@ def rotate_half_qk(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Te
     if cos_BSD.shape != sin_BSD.shape or cos_BSD.dtype != sin_BSD.dtype:
         raise ValueError(f"cos {tuple(cos_BSD.shape)} {cos_BSD.dtype} and sin {tuple(sin_BSD.shape)} "
                          f"{sin_BSD.dtype} must match.")
+    batch, seq_len, _, width = q_BSHD.shape
+    if cos_BSD.dim() != 3 or cos_BSD.shape[0] not in (1, batch) or cos_BSD.shape[1:] != (seq_len, width):
+        raise ValueError(f"cos/sin {tuple(cos_BSD.shape)} must be [1 or {batch}, {seq_len}, {width}] for q "
+                         f"{tuple(q_BSHD.shape)} ([batch, positions, head width]).")
     return _RotateHalf.apply(q_BSHD, k_BSHD, cos_BSD.detach(), sin_BSD.detach())

@@ -220,3 +220,13 @@ def test_fused_attention_matches_stock_with_padding_and_a_kv_cache():
         nexts = [m(input_ids=step, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
                  for m, o in zip((stock, ours), outs)]
     torch.testing.assert_close(nexts[1].logits, nexts[0].logits, rtol=0, atol=0)
+
+
+def test_rope_op_names_mismatched_shapes():
+    from sparse_llm.rope import rotate_half_qk
+
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    with pytest.raises(ValueError, match=r"must be \[1 or 2, 5, 8\]"):
+        rotate_half_qk(q, k, torch.randn(2, 6, 8), torch.randn(2, 6, 8))
+    with pytest.raises(ValueError, match="must share dtype"):
+        rotate_half_qk(q, k.double(), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
