@@ -14,6 +14,9 @@
 #     model.hidden_size=768 model.intermediate_size=2048 model.num_layers=12 model.num_heads=12 \
 #     model.max_position_embeddings=512 trainer.global_batch=64 trainer.micro_batch=32 trainer.lr=1e-3 \
 #     trainer.warmup_steps=100 checkpoint.every=0
+# and at 99.6-99.7% sparsity with the L1 coefficient ramped in over the first 20% of the steps:
+#   STEPS=600 L1S="2.5e-3 3e-3 4e-3" REINIT_L1=3e-3 PARALLEL=1 PREFIX=q91w bash scripts/quality_runs.sh <the same \
+#     overrides> sparsity.l1_warmup_steps=120
 set -euo pipefail
 STEPS=${STEPS:-2000}
 L1S=${L1S:-2e-5}
