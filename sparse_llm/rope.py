@@ -15,7 +15,7 @@ import torch
 from sparse_llm import cuda
 
 _THREADS = 256
-_MAX_BLOCKS = 132 * 32  # the grid-stride loop takes over past 32 blocks per SM of an H100
+_BLOCKS_PER_SM = 32  # the grid-stride loop takes over past this many blocks per SM
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _CUDA_TYPE = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
@@ -53,7 +53,8 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
     vector = _vector_width(q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
     name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]},{vector}>"
     kernel = cuda.get_function("rope.cu", name, q_BSHD.device)
-    blocks = min(-(-pairs // (vector * _THREADS)), _MAX_BLOCKS)
+    sms = torch.cuda.get_device_properties(q_BSHD.device).multi_processor_count
+    blocks = min(-(-pairs // (vector * _THREADS)), sms * _BLOCKS_PER_SM)
     args = (cuda.ptr(q_BSHD), cuda.ptr(k_BSHD), cuda.ptr(q_out), cuda.ptr(k_out), cuda.ptr(cos_BSD),
             cuda.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
             np.int32(width // 2), np.int64(cos_BSD.stride(0)), np.int64(cos_BSD.stride(1)), np.float32(sign))
