@@ -20,18 +20,12 @@
 // kernels; fired[n] (zeroed by the caller) is set to 1 where h != 0. torch reference: formats.gated_mlp_ref.
 #include "up_down_common.cuh"
 
-constexpr int GATE_BATCH = 8;    // 256-column chunks of a gate row whose loads one warp issues together
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
 // Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
 // more registers per thread, so 8.
 template <int KV>
 __host__ __device__ constexpr int heavy_warps() {
     return KV <= 8 ? 16 : 8;
-}
-
-// 16 bytes of a gate row: this lane's 8 columns of chunk c (streaming: each row is read once).
-__device__ __forceinline__ uint4 gate_piece(const __nv_bfloat16 *__restrict__ row, int c, int lane) {
-    return __ldcs(reinterpret_cast<const uint4 *>(row + c * 256 + lane * 8));
 }
 
 // Up to K = 2048, 4 blocks per SM (128 registers): 16 warps, as many weight rows in flight as the register
@@ -56,17 +50,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     extern __shared__ uint4 smem[];
     uint4 *x_smem = smem + warp * KV * 32;
     uint32_t *list = reinterpret_cast<uint32_t *>(smem + 4 * KV * 32) + warp * LIST_CAP;
-    const __nv_bfloat16 *row = gate + m * N;
-    const int chunks = N / 256;
-
-    int total = 0;
-    for (int c0 = 0; c0 < chunks; c0 += GATE_BATCH) {
-        uint4 raw[GATE_BATCH];
-#pragma unroll
-        for (int b = 0; b < GATE_BATCH; ++b) raw[b] = c0 + b < chunks ? gate_piece(row, c0 + b, lane) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int b = 0; b < GATE_BATCH; ++b) total += list_positives(raw[b], (c0 + b) * 256 + lane * 8, list, total, LIST_CAP, lane);
-    }
+    const int total = list_gate_row(gate + m * N, N / 256, list, LIST_CAP, lane);
     if (total > split_nnz) {
         if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
         return;

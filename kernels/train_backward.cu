@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
             ell_dg[at] = __float2bfloat16_rn(my_dg);
         }
     };
-    walk_entries<KV, 1>(ell_cols + row0, ell_count[m], down, lane, K, begin, step, finish);
+    walk_entries<KV, 1>(EllColumn{ell_cols + row0}, ell_count[m], down, lane, K, begin, step, finish);
 }
 
 // Offsets of the transposed view, in one block (replaces about a dozen small torch ops per backward). Given
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
         }
     };
     auto finish = [](int, int) {};
-    walk_entries<KV, R>(ell_cols + row0, ell_count[m], mats, lane, K, begin, step, finish);
+    walk_entries<KV, R>(EllColumn{ell_cols + row0}, ell_count[m], mats, lane, K, begin, step, finish);
     store_row_bf16<KV>(dx + m * K, acc, lane, K);
 }
 

@@ -17,19 +17,19 @@ __device__ __forceinline__ int warp_sum_int(int v) {
     return v;
 }
 
-// Walks one token's ELL entries (columns cols[0 .. count)) 32 at a time. begin(base, here) lets lane j load
-// what it needs of entry base + j; then for each entry j of the batch the R weight rows of its column n
-// (row n of mats[0 .. R), evict_last in L2) are requested together and step(j, n, rows) runs on the whole
-// warp; finish(base, here) lets lane j store its results. Rows in flight come from many resident warps
-// rather than from prefetching within one: a second set of rows in registers costs more warps than it adds.
-template <int KV, int R, typename Begin, typename Step, typename Finish>
-__device__ __forceinline__ void walk_entries(const int *__restrict__ cols, int count,
-                                             const __nv_bfloat16 *const (&mats)[R], int lane, int K, Begin &&begin,
-                                             Step &&step, Finish &&finish) {
+// Walks one token's ELL entries (count of them; col_at(s) is the column of entry s) 32 at a time.
+// begin(base, here) lets lane j load what it needs of entry base + j; then for each entry j of the batch the
+// R weight rows of its column n (row n of mats[0 .. R), evict_last in L2) are requested together and
+// step(j, n, rows) runs on the whole warp; finish(base, here) lets lane j store its results. Rows in flight
+// come from many resident warps rather than from prefetching within one: a second set of rows in registers
+// costs more warps than it adds.
+template <int KV, int R, typename ColAt, typename Begin, typename Step, typename Finish>
+__device__ __forceinline__ void walk_entries(ColAt &&col_at, int count, const __nv_bfloat16 *const (&mats)[R],
+                                             int lane, int K, Begin &&begin, Step &&step, Finish &&finish) {
     const uint64_t keep = l2_keep_policy();
     for (int base = 0; base < count; base += 32) {
         const int here = min(32, count - base);
-        const int my_col = lane < here ? __ldcs(cols + base + lane) : 0;
+        const int my_col = lane < here ? col_at(base + lane) : 0;
         begin(base, here);
         for (int j = 0; j < here; ++j) {
             const long long n = __shfl_sync(FULL_MASK, my_col, j);
@@ -41,5 +41,11 @@ __device__ __forceinline__ void walk_entries(const int *__restrict__ cols, int c
         finish(base, here);
     }
 }
+
+// Column s of a token's ELL row (streaming load: each entry is read once per kernel).
+struct EllColumn {
+    const int *__restrict__ cols;
+    __device__ __forceinline__ int operator()(int s) const { return __ldcs(cols + s); }
+};
 
 #endif  // TRAIN_COMMON_CUH

@@ -106,6 +106,29 @@ __device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32
     return __shfl_sync(FULL_MASK, incl, 31);
 }
 
+// 16 bytes of a bf16 gate row: this lane's 8 columns of 256-column chunk c (streaming: each row is read once).
+__device__ __forceinline__ uint4 gate_piece(const __nv_bfloat16 *__restrict__ row, int c, int lane) {
+    return __ldcs(reinterpret_cast<const uint4 *>(row + c * 256 + lane * 8));
+}
+
+[[maybe_unused]] constexpr int GATE_BATCH = 8;  // 256-column chunks of a gate row whose loads one warp issues together
+
+// One warp lists the positives of a bf16 gate row of `chunks` * 256 columns as entries (list_positives) in
+// ascending column order in `list` (slots >= cap are counted, not stored). Returns the row's positive count
+// (same on all lanes). The list is written by all lanes: __syncwarp() before reading another lane's slots.
+__device__ __forceinline__ int list_gate_row(const __nv_bfloat16 *__restrict__ row, int chunks, uint32_t *list,
+                                             int cap, int lane) {
+    int total = 0;
+    for (int c0 = 0; c0 < chunks; c0 += GATE_BATCH) {
+        uint4 raw[GATE_BATCH];
+#pragma unroll
+        for (int b = 0; b < GATE_BATCH; ++b) raw[b] = c0 + b < chunks ? gate_piece(row, c0 + b, lane) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int b = 0; b < GATE_BATCH; ++b) total += list_positives(raw[b], (c0 + b) * 256 + lane * 8, list, total, cap, lane);
+    }
+    return total;
+}
+
 // ---- Warp-row helpers. One warp works on one K-wide bf16 row (a token's x or dy, or a weight row): lane l
 // owns the 8 columns v * 256 + 8l .. + 7 of piece v < KV, so K <= 256 * KV; columns >= K are masked (K is a
 // multiple of 64, so a lane's 8 columns are either all valid or all masked).

@@ -503,7 +503,7 @@ def write_profile(fn: Callable[[], object], result: VariantResult, args: argpars
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{result.mode}_{result.kernel}"
     with torch.inference_mode() if result.mode == "forward" else nullcontext():
-        table = profile_once(fn, stem.with_suffix(".json"), args.device)
+        table = profile_once(fn, stem.with_suffix(".json"), args.device, row_limit=45)
     stem.with_suffix(".txt").write_text(table)
     print(f"profile: {stem}.json / .txt", flush=True)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.twell_backend import synthetic_block, transposed_bf16, twell_gated_mlp
+from sparse_llm.twell_backend import synthetic_block, transposed_copy, twell_gated_mlp
 from sparse_llm.twell_train import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
@@ -33,7 +33,12 @@ def main() -> None:
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
             (result.y_MK.float().sum() + result.l1_sum).backward()
-        transposed_bf16(torch.randn(k, n, device="cuda"))
+        masters = [x.clone().requires_grad_(), *(w.float().requires_grad_() for w in (wg, wu, wd))]
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 master weights: casts and fp32 gradients
+            result = twell_train_ffn(*masters, width=4)
+        (result.y_MK.float().sum() + result.l1_sum).backward()
+        for dtype in (torch.bfloat16, torch.float32):
+            transposed_copy(torch.randn(k, n, device="cuda"), dtype)
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {len(SHAPES)} shapes done")
 

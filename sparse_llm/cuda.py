@@ -196,7 +196,8 @@ def launch(
     CuPy raises if the launch itself is rejected; errors inside the kernel surface at the next sync.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _cupy_stream(index, torch.cuda.current_stream(device).cuda_stream)
+    # The raw pointer of torch's current stream, without building a torch.cuda.Stream object per launch.
+    stream = _cupy_stream(index, torch._C._cuda_getCurrentRawStream(index))
     if index == torch.cuda.current_device():  # torch and CuPy share the runtime's current device
         with stream:
             kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)

@@ -149,13 +149,14 @@ def shape_unsupported_reason(k: int, n: int) -> str | None:
     return None
 
 
-def _check_tensor(t: object, name: str, shape: tuple[int, int], layout: str) -> None:
+def _check_tensor(
+    t: object, name: str, shape: tuple[int, int], layout: str, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(
-            f"{name} has dtype {t.dtype}; the twell kernels take bfloat16, e.g. {name}.to(torch.bfloat16)"
-        )
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; the twell kernels take {allowed}, e.g. {name}.to(torch.bfloat16)")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)} ({layout})")
     if not t.is_contiguous():
@@ -168,12 +169,18 @@ def _check_2d(t: object, name: str, expected: str) -> None:
         raise ValueError(f"{name} must be a 2-D tensor {expected}, got {got}")
 
 
-def _check_operands(x_MK: torch.Tensor, n: int, operands: list[tuple[str, object, tuple[int, int], str]]) -> None:
-    """x_MK and each (name, tensor, expected shape, layout) must be bf16, shaped, contiguous, on one CUDA device."""
+def _check_operands(
+    x_MK: torch.Tensor,
+    n: int,
+    operands: list[tuple[str, object, tuple[int, int], str]],
+    weight_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+) -> None:
+    """x_MK (bf16) and each (name, tensor, expected shape, layout) (one of weight_dtypes) must be shaped,
+    contiguous, on one CUDA device."""
     m, k = x_MK.shape
     _check_tensor(x_MK, "x_MK", (m, k), "tokens x hidden")
     for name, t, shape, layout in operands:
-        _check_tensor(t, name, shape, layout)
+        _check_tensor(t, name, shape, layout, weight_dtypes)
     reason = shape_unsupported_reason(k, n)
     if reason is not None:
         raise ValueError(
@@ -189,9 +196,14 @@ def _check_operands(x_MK: torch.Tensor, n: int, operands: list[tuple[str, object
 
 
 def check_inputs(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    weight_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
 ) -> None:
-    """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands."""
+    """Raise a ValueError/TypeError naming the bad argument unless the kernels can take these operands (x_MK
+    bf16, the weights of one of `weight_dtypes`: the training op also takes float32 master weights)."""
     _check_2d(x_MK, "x_MK", "[M, K]; flatten leading dims with x.reshape(-1, K)")
     _check_2d(w_gate_NK, "w_gate_NK", "[N, K] (gate_proj.weight)")
     m, k = x_MK.shape
@@ -200,7 +212,7 @@ def check_inputs(
         ("w_gate_NK", w_gate_NK, (n, k), "gate_proj.weight in nn.Linear layout [N, K]"),
         ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
         ("w_down_KN", w_down_KN, (k, n), "down_proj.weight in nn.Linear layout [K, N]"),
-    ])  # fmt: skip
+    ], weight_dtypes)  # fmt: skip
 
 
 def _check_gate_route(route: str, allowed: tuple[str, ...] = GATE_ROUTES) -> None:
@@ -220,26 +232,36 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def transposed_bf16(w_RC: torch.Tensor) -> torch.Tensor:
-    """Contiguous bf16 copy of w_RC^T [C, R] for a 2-D bf16 or fp32 tensor.
+_KERNEL_TYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+
+
+def transposed_copy(
+    w_RC: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Contiguous copy of w_RC^T [C, R] in `dtype`, for a 2-D bf16 or fp32 tensor and a bf16 or fp32 `dtype`,
+    written to `out` (a contiguous [C, R] tensor of `dtype`) when given.
 
     On a GPU where the kernels run, with R and C multiples of 32, a tiled transpose kernel
-    (kernels/transpose.cu) does it in one coalesced pass; elsewhere torch's strided copy.
+    (kernels/transpose.cu) casts and transposes in one coalesced pass; elsewhere torch's strided copy.
     """
     rows, cols = w_RC.shape
     fast = (
         w_RC.is_cuda
-        and w_RC.dtype in (torch.bfloat16, torch.float32)
+        and w_RC.dtype in _KERNEL_TYPES
+        and dtype in _KERNEL_TYPES
         and rows % 32 == 0
         and cols % 32 == 0
         and cuda.unavailable_reason(w_RC.device) is None
     )
+    if out is None:
+        out = torch.empty(cols, rows, dtype=dtype, device=w_RC.device)
+    elif out.shape != (cols, rows) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {[cols, rows]}")
     if not fast:
-        return w_RC.detach().t().to(torch.bfloat16).contiguous()
+        return out.copy_(w_RC.detach().t())
     src = w_RC.detach().contiguous()
-    out = torch.empty(cols, rows, dtype=torch.bfloat16, device=w_RC.device)
     if src.numel():
-        name = "transpose_to_bf16<float>" if src.dtype == torch.float32 else "transpose_to_bf16<__nv_bfloat16>"
+        name = f"transpose_cast<{_KERNEL_TYPES[src.dtype]},{_KERNEL_TYPES[dtype]}>"
         kernel = cuda.get_function("transpose.cu", name, src.device)
         args = (cuda.ptr(src), cuda.ptr(out), _i32(rows), _i32(cols))
         cuda.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
@@ -262,7 +284,7 @@ class TransposeCache:
             and entry[2] == w_KN.data_ptr()
         ):
             return entry[3]
-        w_t_NK = transposed_bf16(w_KN) if w_KN.dtype == torch.bfloat16 else w_KN.detach().t().contiguous()
+        w_t_NK = transposed_copy(w_KN) if w_KN.dtype == torch.bfloat16 else w_KN.detach().t().contiguous()
         ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
         self._entries[key] = (ref, _version(w_KN), w_KN.data_ptr(), w_t_NK)
         return w_t_NK

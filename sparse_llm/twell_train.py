@@ -24,15 +24,21 @@ Format and saved state (sparse only: no dense [M, N] or [R, N] activation is kep
 A token with at most ``width`` gate non-zeros is *light*: its entries live in an ELL row (column
 ``ell_cols_MW``, gate value ``ell_g_MW``, up value ``ell_u_MW``; slots past ``ell_count_M`` are unused;
 ``heavy_M`` is False). Any other token is *heavy* (``heavy_M`` True); R = ``heavy_counts[0]`` of them (a pinned
-CPU int32 [2]: heavy tokens, tokens with an overflowed TwELL tile). On the GPU a token whose TwELL tile
-overflowed (more than 31 positives in 256 columns) is also heavy, since its packed words are incomplete. Nothing is ever dropped: there is no capacity to run out of. h is recomputed from
-g * u in the backward, and the heavy tokens' dense g and u rows are recomputed there by cuBLAS from x.
-Token indices are int32/int64 throughout (no 65536-token limit).
+CPU int32 [1]). Nothing is ever dropped: there is no capacity to run out of. h is recomputed from g * u in the
+backward, and the heavy tokens' dense g and u rows are recomputed there by cuBLAS from x. Token indices are
+int32/int64 throughout (no 65536-token limit). ``w_compute_RK`` holds the weights as the kernels read them
+(`compute_weights`): w_down^T in bf16, and with float32 master weights (autocast) also the bf16 copies of
+w_gate and w_up, so the backward neither transposes nor casts them again.
+
+Master weights: under autocast the weights reach the op in float32 (no separate cast before it). The forward
+casts them itself (w_down cast and transposed in one pass) and the backward returns float32 weight gradients
+straight from its float32 accumulators: the bf16 rounding and the two casts per weight that a bf16 gradient
+costs on its way to a float32 parameter are skipped.
 
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
-forward:  cuBLAS gate GEMM  ->  twell_pack  ->  train_ell_from_twell (ELL rows with their zero padding,
-          heavy flags and list)  ->  train_fwd_light (u, h, y, L1, L0, fired for light tokens)  ->
+forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed from its bf16 gate row: ELL
+          rows with their zero padding, heavy flags and list; u, h, y, L1, L0, fired for light tokens)  ->
           gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
           straight from its gate row, the list's length read on the device).
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
@@ -97,8 +103,7 @@ from sparse_llm.twell_backend import (
     dense_row_split,
     shape_unsupported_reason,
     split_token_up_down,
-    transposed_bf16,
-    twell_pack,
+    transposed_copy,
 )
 
 Tensor = torch.Tensor
@@ -109,6 +114,7 @@ CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradie
 CSC_OFFSETS_THREADS = 1024  # the one block of train_csc_offsets
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
+DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without raising the kernel's limit
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
@@ -133,8 +139,9 @@ STATE_NAMES = (
     "ell_g_MW",
     "ell_u_MW",
     "heavy_counts",
+    "w_compute_RK",
 )
-_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,7 +189,8 @@ def check_train_inputs(
     """Raise TypeError/ValueError naming the bad argument; returns (M, K, N).
 
     Any float dtype on CPU (the torch reference); on CUDA the kernels' rules (bf16, contiguous, K % 64,
-    N % 256, K <= 4096, N <= 65536, sm_90a) apply.
+    N % 256, K <= 4096, N <= 65536, sm_90a) apply. The weights share one dtype: x_MK's, or float32 (master
+    weights under autocast: the op computes with copies in x_MK's dtype and returns float32 gradients).
     """
     if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"width={width!r} must be an int in [1, {MAX_WIDTH}] (the ELL row width, default 128)")
@@ -194,10 +202,16 @@ def check_train_inputs(
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}; flatten tokens with x.reshape(-1, K)")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; pass floating tensors (bf16 on the GPU)")
-        if t.dtype != x_MK.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but x_MK has {x_MK.dtype}; cast them to one dtype")
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
+    for name, t in named[2:]:
+        if t.dtype != w_gate_NK.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but w_gate_NK has {w_gate_NK.dtype}; pass the weights in one dtype")
+    if w_gate_NK.dtype not in (x_MK.dtype, torch.float32):
+        raise TypeError(
+            f"w_gate_NK has dtype {w_gate_NK.dtype} but x_MK has {x_MK.dtype}; pass the weights in x_MK's dtype "
+            "or as float32 master weights"
+        )
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     expected = {"w_gate_NK": (n, k), "w_up_NK": (n, k), "w_down_KN": (k, n)}
@@ -211,7 +225,7 @@ def check_train_inputs(
     if n > 1 << 16:
         raise ValueError(f"w_gate_NK has N={n} rows; the formats store 16-bit columns, so N must be <= 65536")
     if x_MK.is_cuda:
-        check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+        check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN, weight_dtypes=(torch.bfloat16, torch.float32))
         for name, t in named:
             if t.data_ptr() % 16:
                 raise ValueError(f"{name} is not 16-byte aligned (a view at an odd offset); pass {name}.clone()")
@@ -227,7 +241,31 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def compute_weights(w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weights as the kernels read them, saved for the backward: w_down^T [N, K] in `dtype`, preceded by
+    w_gate and w_up in `dtype` ([3N, K] in all) when the weights are held in another dtype (float32 master
+    weights). A new tensor either way (outputs of a custom op must not alias its inputs)."""
+    n, k = w_gate_NK.shape
+    if w_gate_NK.dtype == dtype:
+        return transposed_copy(w_down_KN, dtype)
+    w_RK = torch.empty(3 * n, k, dtype=dtype, device=w_gate_NK.device)
+    w_RK[:n].copy_(w_gate_NK)
+    w_RK[n : 2 * n].copy_(w_up_NK)
+    transposed_copy(w_down_KN, dtype, out=w_RK[2 * n :])
+    return w_RK
+
+
+def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(w_gate, w_up, w_down^T) in the compute dtype from `compute_weights`' output (and the op's inputs)."""
+    n = w_gate_NK.shape[0]
+    if w_RK.shape[0] == 3 * n:
+        return w_RK[:n], w_RK[n : 2 * n], w_RK[2 * n :]
+    return w_gate_NK, w_up_NK, w_RK
+
+
 def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+    w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
+    w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
     g, u = fwd.saved.g, fwd.saved.u
     h = hybrid_mul(g, u)
@@ -239,17 +277,19 @@ def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_
     fired_N = torch.zeros(n, dtype=torch.bool, device=x_MK.device)
     fired_N[g.ell_cols_MW[nonzero_MW].long()] = True
     fired_N |= nonzero_RN.any(dim=0)
-    heavy_counts = torch.tensor([g.backup_rows_R.numel(), 0], dtype=torch.int32)
+    heavy_counts = torch.tensor([g.backup_rows_R.numel()], dtype=torch.int32)
     return (
         fwd.y_MK, fwd.l1_sum, l0_M, fired_N,
-        g.ell_cols_MW, g.ell_count_M, g.heavy_M, g.ell_values_MW, u.ell_values_MW, heavy_counts,
+        g.ell_cols_MW, g.ell_count_M, g.heavy_M, g.ell_values_MW, u.ell_values_MW, heavy_counts, w_compute_RK,
     )  # fmt: skip
 
 
 def _reference_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    dy_MK, dl1,
+    w_compute_RK, dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    weight_dtype = w_gate_NK.dtype
+    w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     rows_R = heavy_rows(heavy_M, heavy_counts)
     backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
     g = HybridPacked(
@@ -265,7 +305,8 @@ def _reference_backward(
     )
     saved = HybridSaved(g=g, u=g.with_values(ell_u_MW, backup_u_RN))
     grads = hybrid_gated_mlp_backward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, saved, dy_MK, dl1)
-    return grads.dx_MK, grads.dw_gate_NK, grads.dw_up_NK, grads.dw_down_KN
+    dw = (grads.dw_gate_NK, grads.dw_up_NK, grads.dw_down_KN)
+    return (grads.dx_MK, *(t.to(weight_dtype) for t in dw))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -275,6 +316,8 @@ def _reference_backward(
 
 def _launch(filename: str, name: str, grid: int, args: tuple, device: torch.device, smem: int = 0) -> None:
     kernel = cuda.get_function(filename, name, device)
+    if smem > DEFAULT_SMEM_LIMIT:
+        cuda.set_dynamic_smem(kernel, smem)
     cuda.launch(kernel, (grid,), (32 * WARPS_PER_BLOCK,), args, device, shared_mem=smem)
 
 
@@ -324,6 +367,8 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
+        w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, bf16)
+        w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
         # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
         # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
         ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
@@ -334,43 +379,33 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         l0_M = torch.empty(m, dtype=i32, device=device)
         l1_M = torch.empty(m, dtype=torch.float32, device=device)
         heavy_list = torch.empty(m, dtype=i32, device=device)  # the kernel's order: not an output
-        zeroed_i32 = torch.zeros(2 + n, dtype=i32, device=device)
-        counters, fired_N = zeroed_i32[:2], zeroed_i32[2:]  # counters: heavy tokens, tokens with an overflowed tile
+        zeroed_i32 = torch.zeros(1 + n, dtype=i32, device=device)
+        heavy_count, fired_N = zeroed_i32[:1], zeroed_i32[1:]
         y_MK = torch.empty(m, k, dtype=bf16, device=device)
-        # The counters reach the host asynchronously; -1 marks "not landed" (backends.landed).
-        heavy_counts = torch.full((2,), -1, dtype=i32, pin_memory=True)
+        # The count reaches the host asynchronously; -1 marks "not landed" (backends.landed).
+        heavy_counts = torch.full((1,), -1, dtype=i32, pin_memory=True)
         if m:
             gate_MN = F.linear(x_MK, w_gate_NK)
-            packed_MS = twell_pack(gate_MN)
-            blocks = math.ceil(m / WARPS_PER_BLOCK)
-            args = (
-                cuda.ptr(packed_MS), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW),
-                cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(heavy_list), cuda.ptr(counters),
-                np.int32(m), np.int32(n // TILE), np.int32(width),
-            )  # fmt: skip
-            _launch("train_forward.cu", "train_ell_from_twell", blocks, args, device)
-            del packed_MS
-            heavy_counts.copy_(counters, non_blocking=True)
-            w_down_t_NK = transposed_bf16(w_down_KN)
             kv = _pieces(k)
             args = (
-                cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
-                cuda.ptr(ell_g_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(ell_u_MW),
-                cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N),
-                np.int32(m), np.int32(k), np.int32(width),
+                cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
+                cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M),
+                cuda.ptr(heavy_list), cuda.ptr(heavy_count), cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M),
+                cuda.ptr(fired_N), np.int32(m), np.int32(k), np.int32(n), np.int32(width),
             )  # fmt: skip
-            smem = WARPS_PER_BLOCK * kv * 32 * 16
-            _launch("train_forward.cu", f"train_fwd_light<{kv}>", blocks, args, device, smem)
+            smem = WARPS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
+            _launch("train_forward.cu", f"train_fwd_gate<{kv}>", math.ceil(m / WARPS_PER_BLOCK), args, device, smem)
+            heavy_counts.copy_(heavy_count, non_blocking=True)
             # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
             # read on the device, so the host goes on without waiting.
             split_token_up_down(
-                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, counters[:1], (y_MK, l1_M, l0_M, fired_N)
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, heavy_count, (y_MK, l1_M, l0_M, fired_N)
             )
         else:
             heavy_counts.zero_()
         return (
             y_MK, l1_M.sum(), l0_M, fired_N.bool(),
-            ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
+            ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts, w_compute_RK,
         )  # fmt: skip
 
 
@@ -444,13 +479,15 @@ def _csc_wgrad(
 
 def _cuda_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    dy_MK, dl1,
+    w_compute_RK, dy_MK, dl1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     device = x_MK.device
     _require_kernels(device)
     m, k = x_MK.shape
     n, width = w_gate_NK.shape[0], ell_cols_MW.shape[1]
-    bf16 = torch.bfloat16
+    bf16, fp32 = torch.bfloat16, torch.float32
+    weight_dtype = w_gate_NK.dtype  # bf16, or fp32 master weights: their gradients skip the bf16 round trip
+    w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
     with torch.cuda.device(device):
         dy_MK = dy_MK.to(bf16).contiguous()
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
@@ -460,7 +497,6 @@ def _cuda_backward(
         kv = _pieces(k)
         if m:
             blocks = math.ceil(m / WARPS_PER_BLOCK)
-            w_down_t_NK = transposed_bf16(w_down_KN)
             args = (
                 cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
                 cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
@@ -469,16 +505,15 @@ def _cuda_backward(
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
             _launch("train_backward.cu", f"train_bwd_sddmm<{kv}>", blocks, args, device, smem)
-            del w_down_t_NK
             args = (
                 cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
                 cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
                 np.int32(m), np.int32(k), np.int32(width),
             )  # fmt: skip
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
-        # fp32 sums of dW_gate, dW_up and dW_down^T in one zeroed buffer (one fill).
-        dw_3NK = torch.zeros(3, n, k, dtype=torch.float32, device=device)
-        dw_gate_NK, dw_up_NK, dw_down_NK = dw_3NK.unbind(0)
+        # fp32 sums of dW_gate, dW_up and dW_down^T, each its own buffer: fp32 master weights take the first two
+        # as their gradients (outputs of a custom op must not alias each other).
+        dw_gate_NK, dw_up_NK, dw_down_NK = (torch.zeros(n, k, dtype=fp32, device=device) for _ in range(3))
         if m:
             csc = csc_index(key_MW, n)
             next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
@@ -488,10 +523,12 @@ def _cuda_backward(
         if rows_R.numel():
             backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
+                x_MK, w_gate_NK, w_up_NK, w_down_t_NK.t(), rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
                 dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
             )  # fmt: skip
-        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), transposed_bf16(dw_down_NK)
+        if weight_dtype == fp32:
+            return dx_MK, dw_gate_NK, dw_up_NK, transposed_copy(dw_down_NK, fp32)
+        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), transposed_copy(dw_down_NK)
 
 
 def _backup_backward(
@@ -519,7 +556,8 @@ def _backup_backward(
 
 @torch.library.custom_op("sparsellm::twell_train_forward", mutates_args=())
 def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
-    """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES.
+    """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES
+    (heavy_counts: a pinned CPU int32 [1]; w_compute_RK: `compute_weights`).
 
     Inputs are validated by `twell_train_ffn`; call that instead. This default implementation is the
     torch reference (any device); CUDA tensors take the kernels.
@@ -531,12 +569,13 @@ def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_d
 def twell_train_backward_op(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor,
     ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
-    heavy_counts: Tensor, dy_MK: Tensor, dl1: Tensor,
+    heavy_counts: Tensor, w_compute_RK: Tensor, dy_MK: Tensor, dl1: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor)."""
+    """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor); the
+    weight gradients in the weights' dtype."""
     return _reference_backward(
         x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-        dy_MK, dl1,
+        w_compute_RK, dy_MK, dl1,
     )  # fmt: skip
 
 
@@ -553,7 +592,8 @@ def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
         x_MK.new_empty(m, k), x_MK.new_empty((), dtype=_acc_dtype(x_MK.dtype)),
         x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
         x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=torch.bool),
-        x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(2, dtype=i32, device="cpu"),
+        x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(1, dtype=i32, device="cpu"),
+        x_MK.new_empty(n if w_gate_NK.dtype == x_MK.dtype else 3 * n, k),
     )  # fmt: skip
 
 
@@ -588,7 +628,9 @@ def twell_train_ffn(
 
     Args:
         x_MK: tokens [M, K]. w_gate_NK, w_up_NK: [N, K]; w_down_KN: [K, N] (nn.Linear layouts).
-            Under autocast all four are cast to the autocast dtype first (gradients reach the originals).
+            Under autocast x is cast to the autocast dtype; float32 weights (master weights) go in as they
+            are, the op computes with its own copies in that dtype and returns float32 weight gradients with no
+            rounding to bf16 on the way; weights in another dtype are cast first.
         width: ELL width W; tokens with more gate non-zeros are heavy: the forward splits each over a block
             of warps, the backward computes their gradients with cuBLAS on their rows.
 
@@ -601,7 +643,7 @@ def twell_train_ffn(
     tensors = (x_MK, w_gate_NK, w_up_NK, w_down_KN)
     if torch.is_autocast_enabled(device_type) and all(isinstance(t, torch.Tensor) for t in tensors):
         dtype = torch.get_autocast_dtype(device_type)
-        tensors = tuple(t.to(dtype) for t in tensors)
+        tensors = (tensors[0].to(dtype), *(w if w.dtype == torch.float32 else w.to(dtype) for w in tensors[1:]))
     tensors = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors)
     check_train_inputs(*tensors, width)
     with torch.autocast(device_type, enabled=False):

@@ -35,7 +35,7 @@ if REASON is None:
         TransposeCache,
         direct_up_down,
         synthetic_block,
-        transposed_bf16,
+        transposed_copy,
         twell_gate,
         twell_gated_mlp,
         twell_pack,
@@ -251,15 +251,16 @@ def test_transpose_cache_follows_weight_updates():
     assert len(cache) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                              (torch.float32, torch.float32)])  # fmt: skip
 @pytest.mark.parametrize("rows,cols", [(32, 32), (64, 256), (2048, 5632), (96, 4096)])
-def test_transpose_kernel_is_exact(rows, cols, dtype):
+def test_transpose_kernel_is_exact(rows, cols, dtype, out_dtype):
     src = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    got = transposed_bf16(src)
-    assert got.shape == (cols, rows) and got.dtype == torch.bfloat16 and got.is_contiguous()
-    assert torch.equal(got, src.t().to(torch.bfloat16))
-    view = transposed_bf16(src[:, : cols // 2])  # a non-contiguous input is copied first
-    assert torch.equal(view, src[:, : cols // 2].t().to(torch.bfloat16))
+    got = transposed_copy(src, out_dtype)
+    assert got.shape == (cols, rows) and got.dtype == out_dtype and got.is_contiguous()
+    assert torch.equal(got, src.t().to(out_dtype))
+    view = transposed_copy(src[:, : cols // 2], out_dtype)  # a non-contiguous input is copied first
+    assert torch.equal(view, src[:, : cols // 2].t().to(out_dtype))
 
 
 def test_empty_batch():
