@@ -11,7 +11,8 @@
 //                     shift, hybrid_mul, hybrid_matmul). Two kernels rather than one so that each streams
 //                     only the weight rows it needs: w_down (N x K) then w_up and w_gate (2 x N x K), working
 //                     sets that stay in L2 where all three together (69 MB at K = 2048, N = 5632) do not.
-//   train_csc_offsets : column and chunk offsets of the transposed view from the sorted keys sddmm wrote.
+//   train_csc_columns, train_csc_chunks : column starts, chunk starts and the chunks' columns of the
+//                     transposed view from the sorted keys sddmm wrote.
 //   train_csc_wgrad : weight gradients out[n] += sum over the entries e of column n of value(e) * src[row(e)],
 //                     e.g. dW_gate = dg^T x, dW_up = du^T x (NV = 2, one gather of x for both) and
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
@@ -76,34 +77,38 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     walk_entries<KV, 1>(EllColumn{ell_cols + row0}, ell_count[m], down, lane, K, begin, step, finish);
 }
 
-// Offsets of the transposed view, in one block (replaces about a dozen small torch ops per backward). Given
-// the E sort keys in ascending order (a column per light entry, N for the rest): col_start[c] = the first e
-// with key[e] >= c, for c = 0..N, and chunk_start = the exclusive prefix sum over columns of
-// ceil(entries / chunk), with chunk_start[N] the number of chunks. Each thread finds the starts of a run of
-// consecutive columns by binary search, the block scans the runs' chunk totals. Launch with 1024 threads.
-// torch reference: the searchsorted of csc_order and csc_chunk_starts in sparse_llm/twell_train.py.
-extern "C" __global__ void __launch_bounds__(1024) train_csc_offsets(
-    const int *__restrict__ sorted_key,  // [E] ascending
-    long long *col_start,                // [N + 1] out (read back after the barrier: not __restrict__)
-    long long *__restrict__ chunk_start,  // [N + 1] out
-    long long E, int N, int chunk) {
+// Column starts of the transposed view from the E sort keys in ascending order (a column per light entry, N
+// for the rest): col_start[c] = the first e with key[e] >= c, for c = 0..N. Every e in [0, E] owns the
+// columns between the key before it and its own key, so each start is written once, by one thread, with no
+// search. torch reference: the searchsorted of csc_order in sparse_llm/twell_train.py.
+extern "C" __global__ void __launch_bounds__(256) train_csc_columns(
+    const int *__restrict__ sorted_key,    // [E] ascending, values in [0, N]
+    long long *__restrict__ col_start,     // [N + 1] out
+    long long E, int N) {
+    for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e <= E;
+         e += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int lo = e == 0 ? 0 : sorted_key[e - 1] + 1;
+        const int hi = e == E ? N : min(sorted_key[e], N);
+        for (int c = lo; c <= hi; ++c) col_start[c] = e;
+    }
+}
+
+// Work chunks of the transposed view, in one block: chunk_start = the exclusive prefix sum over columns of
+// ceil(entries / chunk) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
+// the weight-gradient kernel finds an item's column with one load. Each thread takes a run of consecutive
+// columns; the block scans the runs' chunk totals. Launch with 1024 threads. torch reference:
+// csc_chunk_starts and csc_chunk_columns in sparse_llm/twell_train.py.
+extern "C" __global__ void __launch_bounds__(1024) train_csc_chunks(
+    const long long *__restrict__ col_start,  // [N + 1] from train_csc_columns
+    long long *__restrict__ chunk_start,      // [N + 1] out
+    int *__restrict__ chunk_col,              // [>= chunk_start[N]] out
+    int N, int chunk) {
     __shared__ long long warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t / 32;
-    const int per = (N + 1 + blockDim.x - 1) / blockDim.x;  // columns 0..N, N's start included
-    const int c0 = min(N + 1, t * per), c1 = min(N + 1, c0 + per);
-    for (int c = c0; c < c1; ++c) {
-        long long lo = 0, hi = E;  // first e with key[e] >= c
-        while (lo < hi) {
-            const long long mid = (lo + hi) / 2;
-            if (sorted_key[mid] < c) lo = mid + 1;
-            else hi = mid;
-        }
-        col_start[c] = lo;
-    }
-    __syncthreads();  // every start is written (and visible to the block)
-    const int last = min(c1, N);  // chunks belong to columns 0..N-1
+    const int per = (N + blockDim.x - 1) / blockDim.x;
+    const int c0 = min(N, t * per), c1 = min(N, c0 + per);
     long long mine = 0;
-    for (int c = c0; c < last; ++c) mine += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+    for (int c = c0; c < c1; ++c) mine += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
     // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
     long long inclusive = mine;
     for (int d = 1; d < 32; d *= 2) {
@@ -122,9 +127,11 @@ extern "C" __global__ void __launch_bounds__(1024) train_csc_offsets(
     }
     __syncthreads();
     long long chunks = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
-    for (int c = c0; c < last; ++c) {
+    for (int c = c0; c < c1; ++c) {
         chunk_start[c] = chunks;
-        chunks += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+        const long long here = (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+        for (long long j = 0; j < here; ++j) chunk_col[chunks + j] = c;
+        chunks += here;
     }
     if (t == 0) chunk_start[N] = warp_total[blockDim.x / 32 - 1];
 }
@@ -179,8 +186,8 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 // Column-major (CSC) walk of the ELL entries: `order` lists the positions m * W + s of all light entries
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
 // Columns are cut into chunks of `chunk` entries so a hot neuron (firing for most tokens) is spread over
-// many warps; chunk_start[n] is the first chunk of column n and chunk_start[N] the total, read on the device
-// (the host never learns it). K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces
+// many warps; chunk_start[n] is the first chunk of column n, chunk_start[N] the total, read on the device
+// (the host never learns it), and chunk_col[c] the column of chunk c. K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces
 // per row and its accumulators (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a
 // (chunk, slice) pair; warps take items from the counter `next_item` (zeroed by the caller), so the grid
 // can be sized to the GPU without knowing the occupancy, and a slow column does not hold up a fixed share
@@ -188,11 +195,14 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 // usually hits L2. Each item accumulates in fp32 registers and adds its sums to the fp32 output with
 // vector atomics, so the order of the additions (not their set) varies run to run for columns with more
 // than one chunk.
+constexpr int WGRAD_AHEAD = 2;  // entries between a row's request and its use in train_csc_wgrad
+
 template <int KW, int NV>
 __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     const long long *__restrict__ order,        // [M * W] entry positions sorted by column
     const long long *__restrict__ col_start,    // [N + 1]
     const long long *__restrict__ chunk_start,  // [N + 1]
+    const int *__restrict__ chunk_col,          // [chunk_start[N]] column of each chunk
     const __nv_bfloat16 *__restrict__ value0,   // [M, W] values at the entries
     const __nv_bfloat16 *__restrict__ value1,   // [M, W] (NV == 2) second value array
     const __nv_bfloat16 *__restrict__ src,      // [M, K] rows gathered per entry (x or dy)
@@ -209,19 +219,13 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
         if (item >= total) break;
         const long long c = item / parts;
         const int col0 = static_cast<int>(item - c * parts) * KW * 256 + lane * 8;  // this lane's first column
-        // Column of chunk c: the last n with chunk_start[n] <= c (columns without entries have no chunks).
-        int lo = 0, hi = N;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (chunk_start[mid] <= c) lo = mid;
-            else hi = mid;
-        }
-        const long long n = lo;
+        const long long n = chunk_col[c];
         const long long e0 = col_start[n] + (c - chunk_start[n]) * chunk;
         const long long e1 = min(e0 + chunk, col_start[n + 1]);
 
-        // This lane's KW pieces of src row `token` (zeros past K); the next entry's row is requested before
-        // the current one is accumulated, so two gathers are in flight per warp.
+        // This lane's KW pieces of src row `token` (zeros past K). Rows are requested WGRAD_AHEAD entries before
+        // they are accumulated, so WGRAD_AHEAD + 1 gathers are in flight per warp: the kernel is bound by how many
+        // gathers are in flight, and registers allow three rows per warp at the residency the bounds ask for.
         auto load = [&](uint4 (&dst)[KW], long long token) {
 #pragma unroll
             for (int v = 0; v < KW; ++v) {
@@ -238,15 +242,23 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
             const float my_v0 = e < e1 ? bf16_load(value0 + my_pos) : 0.0f;
             const float my_v1 = (NV == 2 && e < e1) ? bf16_load(value1 + my_pos) : 0.0f;
             const int here = static_cast<int>(min(32LL, e1 - base));
-            uint4 row[KW], next[KW];
-            load(row, __shfl_sync(FULL_MASK, my_pos, 0) / W);
-            for (int j = 0; j < here; ++j) {
-                const long long pos_next = __shfl_sync(FULL_MASK, my_pos, min(j + 1, here - 1));
-                if (j + 1 < here) load(next, pos_next / W);
-                axpy<KW>(acc[0], __shfl_sync(FULL_MASK, my_v0, j), row);
-                if constexpr (NV == 2) axpy<KW>(acc[NV - 1], __shfl_sync(FULL_MASK, my_v1, j), row);
+            uint4 rows[WGRAD_AHEAD + 1][KW];  // rows[0] is entry j's, rows[d] entry j + d's (compile-time indices)
 #pragma unroll
-                for (int v = 0; v < KW; ++v) row[v] = next[v];
+            for (int d = 0; d < WGRAD_AHEAD; ++d) {
+                const long long pos = __shfl_sync(FULL_MASK, my_pos, min(d, here - 1));
+                if (d < here) load(rows[d], pos / W);
+            }
+            for (int j = 0; j < here; ++j) {
+                const int ahead = j + WGRAD_AHEAD;
+                const long long pos_ahead = __shfl_sync(FULL_MASK, my_pos, min(ahead, here - 1));
+                if (ahead < here) load(rows[WGRAD_AHEAD], pos_ahead / W);
+                axpy<KW>(acc[0], __shfl_sync(FULL_MASK, my_v0, j), rows[0]);
+                if constexpr (NV == 2) axpy<KW>(acc[NV - 1], __shfl_sync(FULL_MASK, my_v1, j), rows[0]);
+#pragma unroll
+                for (int d = 0; d < WGRAD_AHEAD; ++d) {
+#pragma unroll
+                    for (int v = 0; v < KW; ++v) rows[d][v] = rows[d + 1][v];
+                }
             }
         }
 #pragma unroll
@@ -276,7 +288,7 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
                                               const bool *, __nv_bfloat16 *, int, int, int);
 #define TRAIN_CSC_WGRAD(KW, NV)                                                                                  \
     template __global__ void train_csc_wgrad<KW, NV>(const long long *, const long long *, const long long *, \
-                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,            \
+                                                     const int *, const __nv_bfloat16 *, const __nv_bfloat16 *, \
                                                      const __nv_bfloat16 *, float *, float *,                 \
                                                      unsigned long long *, int, int, int, int, int);
 TRAIN_BWD_TOKEN_KERNELS(1)

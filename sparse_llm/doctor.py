@@ -32,6 +32,8 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("train_forward.cu", f"train_fwd_gate<{_KV}>"),
     ("train_backward.cu", f"train_bwd_sddmm<{_KV}>"),
     ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
+    ("train_backward.cu", "train_csc_columns"),
+    ("train_backward.cu", "train_csc_chunks"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},1>"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},2>"),
     ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),

@@ -42,9 +42,9 @@ forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed fr
           gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
           straight from its gate row, the list's length read on the device).
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
-          tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column and
-          train_csc_offsets (the transposed, CSC view; its size is bounded by the ELL, so the transpose can
-          never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy
+          tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column,
+          train_csc_columns and train_csc_chunks (the transposed, CSC view and its work chunks; its size is
+          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy
           tokens' rows (g and u recomputed).
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
@@ -111,7 +111,9 @@ Tensor = torch.Tensor
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 MAX_WIDTH = 4096
 CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradient kernel
-CSC_OFFSETS_THREADS = 1024  # the one block of train_csc_offsets
+CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
+CSC_COLUMNS_MAX_BLOCKS = 4096
+CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
 DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without raising the kernel's limit
@@ -378,9 +380,10 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         heavy_M = torch.empty(m, dtype=torch.bool, device=device)
         l0_M = torch.empty(m, dtype=i32, device=device)
         l1_M = torch.empty(m, dtype=torch.float32, device=device)
-        heavy_list = torch.empty(m, dtype=i32, device=device)  # the kernel's order: not an output
-        zeroed_i32 = torch.zeros(1 + n, dtype=i32, device=device)
-        heavy_count, fired_N = zeroed_i32[:1], zeroed_i32[1:]
+        # One fill for the heavy-token counter and the fired flags, and room for the heavy-token list (in the
+        # kernel's order of arrival: not an output, so a view is fine).
+        zeroed_i32 = torch.zeros(1 + n + m, dtype=i32, device=device)
+        heavy_count, fired_N, heavy_list = zeroed_i32.split((1, n, m))
         y_MK = torch.empty(m, k, dtype=bf16, device=device)
         # The count reaches the host asynchronously; -1 marks "not landed" (backends.landed).
         heavy_counts = torch.full((1,), -1, dtype=i32, pin_memory=True)
@@ -440,29 +443,40 @@ def csc_chunk_starts(col_start: Tensor) -> Tensor:
     return chunk_start
 
 
-def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(order_E, col_start, chunk_start) of the transposed view from the keys train_bwd_sddmm wrote: a stable
-    sort and one kernel for both offset arrays (int64 [N + 1]). No host sync. torch reference: `csc_order`
-    and `csc_chunk_starts`."""
+def csc_chunk_columns(chunk_start: Tensor) -> Tensor:
+    """int32 [chunk_start[N]]: the column of each work chunk. torch reference of train_csc_chunks' map."""
+    n = chunk_start.numel() - 1
+    columns = torch.arange(n, dtype=torch.int32, device=chunk_start.device)
+    return torch.repeat_interleave(columns, chunk_start.diff())
+
+
+def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order_E, col_start, chunk_start, chunk_col) of the transposed view from the keys train_bwd_sddmm wrote: a
+    stable sort, then column starts by one thread per entry and the chunks' starts and columns by one block
+    (int64 [N + 1] offsets; chunk_col int32, valid up to chunk_start[N]). No host sync. torch reference:
+    `csc_order`, `csc_chunk_starts` and `csc_chunk_columns`."""
     device = key_MW.device
     sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
+    entries = sorted_E.numel()
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
-    args = (
-        cuda.ptr(sorted_E), cuda.ptr(col_start), cuda.ptr(chunk_start),
-        np.int64(sorted_E.numel()), np.int32(n), np.int32(CSC_CHUNK),
-    )  # fmt: skip
-    kernel = cuda.get_function("train_backward.cu", "train_csc_offsets", device)
-    cuda.launch(kernel, (1,), (CSC_OFFSETS_THREADS,), args, device)
-    return order_E, col_start, chunk_start
+    chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # bounds the chunks
+    columns = cuda.get_function("train_backward.cu", "train_csc_columns", device)
+    blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
+    args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
+    cuda.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
+    chunks = cuda.get_function("train_backward.cu", "train_csc_chunks", device)
+    args = (cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), np.int32(n), np.int32(CSC_CHUNK))
+    cuda.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
+    return order_E, col_start, chunk_start, chunk_col
 
 
 def _csc_wgrad(
-    csc: tuple[Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
+    csc: tuple[Tensor, Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
     next_item: Tensor, width: int,
 ) -> None:  # fmt: skip
     """Adds to each zeroed fp32 [N, K] out the sums over column n's entries of value * src_MK[token].
 
-    csc = (order_E, col_start, chunk_start) of `csc_index`; one out per value array
+    csc = (order_E, col_start, chunk_start, chunk_col) of `csc_index`; one out per value array
     (1 or 2); next_item is a zeroed int64 [1] work counter.
     """
     device = src_MK.device

@@ -27,6 +27,7 @@ if REASON is None:
     from sparse_llm.twell_train import (
         STATE_NAMES,
         _csc_wgrad,
+        csc_chunk_columns,
         csc_chunk_starts,
         csc_index,
         csc_keys,
@@ -220,15 +221,18 @@ def test_saved_state_is_the_hybrid_packing_of_the_gate():
 
 
 @pytest.mark.parametrize("n", [1, 256, 5632, 65536])
-def test_csc_offsets_kernel_matches_the_torch_reference(n):
-    """Column starts and chunk starts of the transposed view, with empty, ordinary and many-chunk columns."""
+def test_csc_offsets_kernels_match_the_torch_reference(n):
+    """Column starts, chunk starts and chunk columns of the transposed view, with empty, ordinary and many-chunk
+    columns, and with no entry at all."""
     gen = torch.Generator(device="cuda").manual_seed(n)
     key_MW = torch.randint(0, n + 1, (3000, 40), device="cuda", generator=gen, dtype=torch.int32)  # n: unused
     key_MW[:, :5] = min(3, n)  # a hot column: 15000 entries, many chunks
-    order, col_start, chunk_start = csc_index(key_MW, n)
-    ref_order, ref_start = csc_order(key_MW, n)
-    assert torch.equal(order, ref_order) and torch.equal(col_start, ref_start)
-    assert torch.equal(chunk_start, csc_chunk_starts(ref_start))
+    for keys in (key_MW, torch.full_like(key_MW, n)):
+        order, col_start, chunk_start, chunk_col = csc_index(keys, n)
+        ref_order, ref_start = csc_order(keys, n)
+        assert torch.equal(order, ref_order) and torch.equal(col_start, ref_start)
+        assert torch.equal(chunk_start, csc_chunk_starts(ref_start))
+        assert torch.equal(chunk_col[: chunk_start[-1]], csc_chunk_columns(chunk_start))
 
 
 def test_csc_weight_gradient_kernel_with_hot_columns():
