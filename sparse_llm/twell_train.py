@@ -5,12 +5,13 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.6x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host cannot keep up: at M = 4096 the host needs 3.1 ms to issue one forward + backward
-(a few dozen torch ops and CuPy launches, and the autograd around them) for 1.24 ms of kernels, against 1.9 ms
-of host and 1.8 ms of kernels for the dense block (scripts/profile_mlp.py --host). The forward reads nothing
-back (see "Host sync"); 2B model end to end: 0.90-0.93x of the dense path at 2 x 2048 tokens per micro-batch,
-1.17x at 4 x 2048 (where `auto` takes it, TRAIN_EXPOSED_HOST_MS). A forced `kernel=twell` calls
-`twell_train_ffn` regardless.
+micro-batches the host cannot keep up. At M = 8192 the host needs 1.8 ms to issue one forward + backward with
+the loss (the op alone: 0.34 + 0.72 ms; a few dozen torch ops and CuPy launches, and the autograd around them)
+for 1.9 ms of kernels, against 2.2 ms of host and 3.5 ms of kernels for the dense block (scripts/profile_mlp.py
+--host; 3.0 ms of host before the forward read the gate row directly). The forward reads nothing back (see
+"Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch: 1.34x less device time than the dense
+path, 1.01-1.32x less wall-clock time depending on the host (BENCHMARKS.md, 2026-11-25). A forced
+`kernel=twell` calls `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
@@ -121,12 +122,13 @@ WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the 
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
 # The host's time per layer call that a model step sees. Issuing one forward + backward with the L1 loss term (a few
-# dozen torch ops and CuPy launches, and the autograd around them) takes 3.1-3.2 ms, measured with the GPU kept busy
+# dozen torch ops and CuPy launches, and the autograd around them) took 3.1-3.2 ms, measured with the GPU kept busy
 # (`scripts/profile_mlp.py --mode train --m 4096 --host`, H100 machine). In a model the host issues one layer while
 # the GPU still runs attention and earlier layers, so only part of it shows: on the 2B shape at 24 non-zeros per
 # token, forcing the kernels made the whole training step 0.93x the torch path's at 4096 tokens per micro-batch
 # and 1.16x at 8192 (scripts/bench_model.py, BENCHMARKS.md). 2.4 ms puts the switch between the two, at about
-# 6400 tokens; below the floor the GPU would wait for the host.
+# 6400 tokens; below the floor the GPU would wait for the host. Since 2026-11-25 the step issues in about 1.8 ms;
+# the floor is kept (not re-measured in a model at 4096 tokens), which errs towards the dense path.
 TRAIN_EXPOSED_HOST_MS = 2.4
 # Backup rows cost their nine GEMMs twice over: gathers, masks, casts and scatters around them (all tokens
 # heavy, u279: 12.1 ms measured against 5.1 ms of GEMMs).
