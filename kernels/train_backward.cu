@@ -187,14 +187,14 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
 // Columns are cut into chunks of `chunk` entries so a hot neuron (firing for most tokens) is spread over
 // many warps; chunk_start[n] is the first chunk of column n, chunk_start[N] the total, read on the device
-// (the host never learns it), and chunk_col[c] the column of chunk c. K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces
-// per row and its accumulators (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a
-// (chunk, slice) pair; warps take items from the counter `next_item` (zeroed by the caller), so the grid
-// can be sized to the GPU without knowing the occupancy, and a slow column does not hold up a fixed share
-// of the work. The two slices of a chunk are consecutive items, so the second gather of a src row
-// usually hits L2. Each item accumulates in fp32 registers and adds its sums to the fp32 output with
-// vector atomics, so the order of the additions (not their set) varies run to run for columns with more
-// than one chunk.
+// (the host never learns it), and chunk_col[c] the column of chunk c. K is cut into `parts` slices of
+// KW * 256 columns, so a warp holds KW pieces per row and its accumulators (NV * KW * 8 floats per lane) stay
+// in registers at any K. A work item is a (chunk, slice) pair; warps take items from the counter `next_item`
+// (zeroed by the caller), so the grid can be sized to the GPU without knowing the occupancy, and a slow
+// column does not hold up a fixed share of the work. The two slices of a chunk are consecutive items, so the
+// second gather of a src row usually hits L2. Each item accumulates in fp32 registers and adds its sums to
+// the fp32 output with vector atomics, so the order of the additions (not their set) varies run to run for
+// columns with more than one chunk.
 constexpr int WGRAD_AHEAD = 2;  // entries between a row's request and its use in train_csc_wgrad
 
 template <int KW, int NV>

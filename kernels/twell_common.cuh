@@ -122,9 +122,13 @@ __device__ __forceinline__ int list_gate_row(const __nv_bfloat16 *__restrict__ r
     for (int c0 = 0; c0 < chunks; c0 += GATE_BATCH) {
         uint4 raw[GATE_BATCH];
 #pragma unroll
-        for (int b = 0; b < GATE_BATCH; ++b) raw[b] = c0 + b < chunks ? gate_piece(row, c0 + b, lane) : make_uint4(0, 0, 0, 0);
+        for (int b = 0; b < GATE_BATCH; ++b) {
+            raw[b] = c0 + b < chunks ? gate_piece(row, c0 + b, lane) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-        for (int b = 0; b < GATE_BATCH; ++b) total += list_positives(raw[b], (c0 + b) * 256 + lane * 8, list, total, cap, lane);
+        for (int b = 0; b < GATE_BATCH; ++b) {
+            total += list_positives(raw[b], (c0 + b) * 256 + lane * 8, list, total, cap, lane);
+        }
     }
     return total;
 }

@@ -45,8 +45,8 @@ forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed fr
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
           tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column,
           train_csc_columns and train_csc_chunks (the transposed, CSC view and its work chunks; its size is
-          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down)  ->  cuBLAS on the heavy
-          tokens' rows (g and u recomputed).
+          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused;
+          dW_down)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed).
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
@@ -210,7 +210,9 @@ def check_train_inputs(
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
     for name, t in named[2:]:
         if t.dtype != w_gate_NK.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but w_gate_NK has {w_gate_NK.dtype}; pass the weights in one dtype")
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but w_gate_NK has {w_gate_NK.dtype}; pass the weights in one dtype"
+            )
     if w_gate_NK.dtype not in (x_MK.dtype, torch.float32):
         raise TypeError(
             f"w_gate_NK has dtype {w_gate_NK.dtype} but x_MK has {x_MK.dtype}; pass the weights in x_MK's dtype "
