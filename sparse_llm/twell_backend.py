@@ -284,7 +284,7 @@ class TransposeCache:
             and entry[2] == w_KN.data_ptr()
         ):
             return entry[3]
-        w_t_NK = transposed_copy(w_KN) if w_KN.dtype == torch.bfloat16 else w_KN.detach().t().contiguous()
+        w_t_NK = transposed_copy(w_KN, w_KN.dtype)
         ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
         self._entries[key] = (ref, _version(w_KN), w_KN.data_ptr(), w_t_NK)
         return w_t_NK
