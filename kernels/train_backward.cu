@@ -93,12 +93,18 @@ extern "C" __global__ void __launch_bounds__(256) train_csc_columns(
     }
 }
 
+// Work chunks of a column with `entries` entries: at least one, so that every column's rows of the weight
+// gradients are written by some item (an empty column's item writes zeros).
+__device__ __forceinline__ long long column_chunks(long long entries, int chunk) {
+    return entries > chunk ? (entries + chunk - 1) / chunk : 1;
+}
+
 // Work chunks of the transposed view, in one block: chunk_start = the exclusive prefix sum over columns of
-// ceil(entries / chunk) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
+// column_chunks(entries) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
 // the weight-gradient kernel finds an item's column with one load. Each thread takes a run of consecutive
 // columns; the block scans the runs' chunk totals. Launch with 1024 threads. torch reference:
 // csc_chunk_starts and csc_chunk_columns in sparse_llm/twell_train.py.
-extern "C" __global__ void __launch_bounds__(1024) train_csc_chunks(
+extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     const long long *__restrict__ col_start,  // [N + 1] from train_csc_columns
     long long *__restrict__ chunk_start,      // [N + 1] out
     int *__restrict__ chunk_col,              // [>= chunk_start[N]] out
@@ -108,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(1024) train_csc_chunks(
     const int per = (N + blockDim.x - 1) / blockDim.x;
     const int c0 = min(N, t * per), c1 = min(N, c0 + per);
     long long mine = 0;
-    for (int c = c0; c < c1; ++c) mine += (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+    for (int c = c0; c < c1; ++c) mine += column_chunks(col_start[c + 1] - col_start[c], chunk);
     // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
     long long inclusive = mine;
     for (int d = 1; d < 32; d *= 2) {
@@ -129,13 +135,35 @@ extern "C" __global__ void __launch_bounds__(1024) train_csc_chunks(
     long long chunks = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
     for (int c = c0; c < c1; ++c) {
         chunk_start[c] = chunks;
-        const long long here = (col_start[c + 1] - col_start[c] + chunk - 1) / chunk;
+        const long long here = column_chunks(col_start[c + 1] - col_start[c], chunk);
         for (long long j = 0; j < here; ++j) chunk_col[chunks + j] = c;
         chunks += here;
     }
     if (t == 0) chunk_start[N] = warp_total[blockDim.x / 32 - 1];
 }
 
+
+// Zeroes the rows out[n, :] (of each non-null out) of every column n with more than one chunk: those chunks add
+// their sums with atomics. A single-chunk column's row is stored whole by its one item, so the rest of the
+// weight-gradient buffers needs no fill. One warp per column, grid-stride.
+extern "C" __global__ void __launch_bounds__(256) train_csc_zero_shared(
+    const long long *__restrict__ chunk_start,  // [N + 1] from train_csc_chunks
+    float *__restrict__ out0, float *__restrict__ out1, float *__restrict__ out2,  // [N, K] fp32 each, or null
+    int N, int K) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x / 32;
+    float *const outs[3] = {out0, out1, out2};
+    for (long long n = static_cast<long long>(blockIdx.x) * warps + threadIdx.x / 32; n < N;
+         n += static_cast<long long>(gridDim.x) * warps) {
+        if (chunk_start[n + 1] - chunk_start[n] <= 1) continue;  // whole warp
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            if (outs[i] == nullptr) continue;
+            for (int col = lane * 4; col < K; col += 128)
+                *reinterpret_cast<float4 *>(outs[i] + n * K + col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+}
 
 template <int KV>
 __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
@@ -187,14 +215,15 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
 // Columns are cut into chunks of `chunk` entries so a hot neuron (firing for most tokens) is spread over
 // many warps; chunk_start[n] is the first chunk of column n, chunk_start[N] the total, read on the device
-// (the host never learns it), and chunk_col[c] the column of chunk c. K is cut into `parts` slices of
-// KW * 256 columns, so a warp holds KW pieces per row and its accumulators (NV * KW * 8 floats per lane) stay
-// in registers at any K. A work item is a (chunk, slice) pair; warps take items from the counter `next_item`
-// (zeroed by the caller), so the grid can be sized to the GPU without knowing the occupancy, and a slow
-// column does not hold up a fixed share of the work. The two slices of a chunk are consecutive items, so the
-// second gather of a src row usually hits L2. Each item accumulates in fp32 registers and adds its sums to
-// the fp32 output with vector atomics, so the order of the additions (not their set) varies run to run for
-// columns with more than one chunk.
+// (the host never learns it), and chunk_col[c] the column of chunk c; every column has at least one chunk.
+// K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces per row and its accumulators
+// (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a (chunk, slice) pair; warps take
+// items from the counter `next_item` (zeroed by the caller), so the grid can be sized to the GPU without
+// knowing the occupancy, and a slow column does not hold up a fixed share of the work. The two slices of a
+// chunk are consecutive items, so the second gather of a src row usually hits L2. Each item accumulates in
+// fp32 registers. The item of a single-chunk column (most columns, and every empty one, whose item writes
+// zeros) stores its sums; the items of a many-chunk column add theirs with vector atomics to a row zeroed by
+// train_csc_zero_shared, so the order of those additions (not their set) varies run to run.
 constexpr int WGRAD_AHEAD = 2;  // entries between a row's request and its use in train_csc_wgrad
 
 template <int KW, int NV>
@@ -206,8 +235,8 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     const __nv_bfloat16 *__restrict__ value0,   // [M, W] values at the entries
     const __nv_bfloat16 *__restrict__ value1,   // [M, W] (NV == 2) second value array
     const __nv_bfloat16 *__restrict__ src,      // [M, K] rows gathered per entry (x or dy)
-    float *__restrict__ out0,                   // [N, K] fp32, accumulated
-    float *__restrict__ out1,                   // [N, K] fp32, accumulated (NV == 2)
+    float *__restrict__ out0,                   // [N, K] fp32: stored, or accumulated on zeros (many-chunk columns)
+    float *__restrict__ out1,                   // [N, K] fp32, likewise (NV == 2)
     unsigned long long *__restrict__ next_item,  // [1] zeroed work counter
     int N, int K, int W, int chunk, int parts) {
     const int lane = threadIdx.x & 31;
@@ -261,6 +290,7 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
                 }
             }
         }
+        const bool alone = chunk_start[n + 1] - chunk_start[n] == 1;  // this item owns the column's row
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             float *out = (i == 0 ? out0 : out1) + n * K;
@@ -268,10 +298,15 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
             for (int v = 0; v < KW; ++v) {
                 const int col = col0 + v * 256;
                 if (col >= K) continue;
-                atomicAdd(reinterpret_cast<float4 *>(out + col),
-                          make_float4(acc[i][v][0], acc[i][v][1], acc[i][v][2], acc[i][v][3]));
-                atomicAdd(reinterpret_cast<float4 *>(out + col + 4),
-                          make_float4(acc[i][v][4], acc[i][v][5], acc[i][v][6], acc[i][v][7]));
+                const float4 lo = make_float4(acc[i][v][0], acc[i][v][1], acc[i][v][2], acc[i][v][3]);
+                const float4 hi = make_float4(acc[i][v][4], acc[i][v][5], acc[i][v][6], acc[i][v][7]);
+                if (alone) {
+                    reinterpret_cast<float4 *>(out + col)[0] = lo;
+                    reinterpret_cast<float4 *>(out + col)[1] = hi;
+                } else {
+                    atomicAdd(reinterpret_cast<float4 *>(out + col), lo);
+                    atomicAdd(reinterpret_cast<float4 *>(out + col + 4), hi);
+                }
             }
         }
     }

@@ -34,6 +34,7 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
     ("train_backward.cu", "train_csc_columns"),
     ("train_backward.cu", "train_csc_chunks"),
+    ("train_backward.cu", "train_csc_zero_shared"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},1>"),
     ("train_backward.cu", f"train_csc_wgrad<{_KW},2>"),
     ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),

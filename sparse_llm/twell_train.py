@@ -111,10 +111,14 @@ Tensor = torch.Tensor
 
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 MAX_WIDTH = 4096
-CSC_CHUNK = 64  # entries of one column handled by one warp in the weight-gradient kernel
+# Entries of one column handled by one warp in the weight-gradient kernel. Above the typical column (M * L0 / N: 81
+# at 16384 tokens and 28 non-zeros of 5632), so most columns are one chunk whose item stores its row (no zero fill,
+# no atomics); a hot neuron is still spread over many warps.
+CSC_CHUNK = 256
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
 CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
+ZERO_THREADS = 256  # train_csc_zero_shared: a warp per column
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
 DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without raising the kernel's limit
@@ -440,8 +444,9 @@ def csc_order(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 def csc_chunk_starts(col_start: Tensor) -> Tensor:
-    """int64 [N + 1]: where column n's CSC_CHUNK-entry work chunks start in the list of all chunks."""
-    chunks = (col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK
+    """int64 [N + 1]: where column n's CSC_CHUNK-entry work chunks start in the list of all chunks (at least one
+    per column, empty columns included)."""
+    chunks = ((col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK).clamp_min(1)
     chunk_start = torch.zeros_like(col_start)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
     return chunk_start
@@ -463,7 +468,7 @@ def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
     entries = sorted_E.numel()
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
-    chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # bounds the chunks
+    chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= sum of max(1, ..)
     columns = cuda.get_function("train_backward.cu", "train_csc_columns", device)
     blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
     args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
@@ -478,7 +483,8 @@ def _csc_wgrad(
     csc: tuple[Tensor, Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
     next_item: Tensor, width: int,
 ) -> None:  # fmt: skip
-    """Adds to each zeroed fp32 [N, K] out the sums over column n's entries of value * src_MK[token].
+    """Writes to each fp32 [N, K] out the sums over column n's entries of value * src_MK[token] (rows of columns
+    with more than one chunk must be zero first: `zero_shared_rows`).
 
     csc = (order_E, col_start, chunk_start, chunk_col) of `csc_index`; one out per value array
     (1 or 2); next_item is a zeroed int64 [1] work counter.
@@ -493,6 +499,18 @@ def _csc_wgrad(
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts),
     )  # fmt: skip
     _launch("train_backward.cu", f"train_csc_wgrad<{kw},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
+
+
+def zero_shared_rows(chunk_start: Tensor, outs: tuple[Tensor, ...]) -> None:
+    """Zeroes, in each fp32 [N, K] out (at most three), the rows of the columns with more than one work chunk,
+    whose items add with atomics; every other row is stored whole by `_csc_wgrad`."""
+    device = outs[0].device
+    n, k = outs[0].shape
+    ptrs = [cuda.ptr(t) for t in outs] + [np.uint64(0)] * (3 - len(outs))
+    kernel = cuda.get_function("train_backward.cu", "train_csc_zero_shared", device)
+    warps = ZERO_THREADS // 32
+    blocks = max(1, min(math.ceil(n / warps), 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    cuda.launch(kernel, (blocks,), (ZERO_THREADS,), (cuda.ptr(chunk_start), *ptrs, np.int32(n), np.int32(k)), device)
 
 
 def _cuda_backward(
@@ -530,10 +548,13 @@ def _cuda_backward(
             )  # fmt: skip
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
         # fp32 sums of dW_gate, dW_up and dW_down^T, each its own buffer: fp32 master weights take the first two
-        # as their gradients (outputs of a custom op must not alias each other).
-        dw_gate_NK, dw_up_NK, dw_down_NK = (torch.zeros(n, k, dtype=fp32, device=device) for _ in range(3))
+        # as their gradients (outputs of a custom op must not alias each other). The weight-gradient kernels write
+        # every row (empty columns included), so only an empty batch needs a fill.
+        new = torch.empty if m else torch.zeros
+        dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=fp32, device=device) for _ in range(3))
         if m:
             csc = csc_index(key_MW, n)
+            zero_shared_rows(csc[2], (dw_gate_NK, dw_up_NK, dw_down_NK))
             next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
             _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
             _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)

@@ -254,8 +254,8 @@ def test_csc_order_lists_light_entries_by_column():
 
 
 def test_csc_chunk_starts_count_whole_chunks_per_column():
-    col_start = torch.tensor([0, 0, 1, 1 + CSC_CHUNK, 1 + 3 * CSC_CHUNK + 1])  # 0, 1, 64 and 129 entries
-    assert csc_chunk_starts(col_start).tolist() == [0, 0, 1, 2, 5]
+    col_start = torch.tensor([0, 0, 1, 1 + CSC_CHUNK, 2 + 3 * CSC_CHUNK])  # 0, 1, CSC_CHUNK, 2 CSC_CHUNK + 1 entries
+    assert csc_chunk_starts(col_start).tolist() == [0, 1, 2, 3, 6]  # an empty column still has one chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

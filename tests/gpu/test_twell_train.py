@@ -35,6 +35,7 @@ if REASON is None:
         heavy_rows,
         twell_train_ffn,
         twell_train_forward_op,
+        zero_shared_rows,
     )
 
 ATOL = 1e-3
@@ -236,7 +237,8 @@ def test_csc_offsets_kernels_match_the_torch_reference(n):
 
 
 def test_csc_weight_gradient_kernel_with_hot_columns():
-    """_csc_wgrad vs formats.hybrid_t_matmul, with columns of 0, 1, 64 and ~M entries (multi-chunk atomics)."""
+    """_csc_wgrad vs formats.hybrid_t_matmul, with columns of 0, 1, 64 and ~M entries (many-chunk atomics on rows
+    zeroed by zero_shared_rows; the other rows stored, on NaN-filled outputs)."""
     m, k, n, width = 3000, 2048, 512, 40
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(m, n, device="cuda", generator=gen)
@@ -250,7 +252,8 @@ def test_csc_weight_gradient_kernel_with_hot_columns():
     csc = csc_index(csc_keys(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n), n)
     values = packed.ell_values_MW.contiguous()
     second = (values * 2).contiguous()
-    out1, out2 = torch.zeros(2, n, k, device="cuda").unbind(0)
+    out1, out2 = torch.full((2, n, k), float("nan"), device="cuda").unbind(0)  # every row must be written
+    zero_shared_rows(csc[2], (out1, out2))
     next_item = torch.zeros(1, dtype=torch.int64, device="cuda")
     _csc_wgrad(csc, (values, second), x, (out1, out2), next_item, width)
     light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
