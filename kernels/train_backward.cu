@@ -4,7 +4,8 @@
 //   train_bwd_sddmm : per light token, at its ELL entries (n, g, u):
 //                       dh = bf16(bf16(dy[m] . w_down[:, n]) + dl1 * sign(h)),  h = bf16(g * u)
 //                       du = bf16(dh * g),  dg = bf16(dh * u)
-//                     stored at the entries (h too, for dW_down), and the sort keys of the transposed view.
+//                     stored at the entries (h too, for dW_down), and the sort keys of the transposed view
+//                     (int16 where N fits, so the radix sort makes two passes over them rather than four).
 //   train_bwd_dx    : per light token, dx[m] = sum over its entries of du * w_up[n] + dg * w_gate[n],
 //                     summed in one fp32 accumulator before rounding.
 //                     torch reference of both: formats.hybrid_gated_mlp_backward_ref (hybrid_sddmm, the L1
@@ -18,7 +19,7 @@
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
 #include "train_common.cuh"
 
-template <int KV>
+template <int KV, typename Key>
 __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     const __nv_bfloat16 *__restrict__ dy,        // [M, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of down_proj.weight [K, N])
@@ -31,14 +32,14 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     __nv_bfloat16 *__restrict__ ell_h,           // [M, W] out
     __nv_bfloat16 *__restrict__ ell_du,          // [M, W] out
     __nv_bfloat16 *__restrict__ ell_dg,          // [M, W] out
-    int *__restrict__ csc_key,                   // [M, W] out: column of a light token's entry, else N
+    Key *__restrict__ csc_key,                   // [M, W] out: column of a light token's entry, else N
     int M, int N, int K, int W) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
     if (m >= M) return;  // whole warp
     // Sort keys of the transposed (CSC) view for the weight gradients: unused slots and heavy tokens sort last.
     const int used = heavy[m] ? 0 : ell_count[m];
-    for (int s = lane; s < W; s += 32) csc_key[m * W + s] = s < used ? ell_cols[m * W + s] : N;
+    for (int s = lane; s < W; s += 32) csc_key[m * W + s] = static_cast<Key>(s < used ? ell_cols[m * W + s] : N);
     if (heavy[m]) return;  // whole warp
     extern __shared__ uint4 smem[];
     uint4 *dy_row = smem + (threadIdx.x / 32) * KV * 32;
@@ -81,8 +82,9 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
 // for the rest): col_start[c] = the first e with key[e] >= c, for c = 0..N. Every e in [0, E] owns the
 // columns between the key before it and its own key, so each start is written once, by one thread, with no
 // search. torch reference: the searchsorted of csc_order in sparse_llm/twell_train.py.
-extern "C" __global__ void __launch_bounds__(256) train_csc_columns(
-    const int *__restrict__ sorted_key,    // [E] ascending, values in [0, N]
+template <typename Key>
+__global__ void __launch_bounds__(256) train_csc_columns(
+    const Key *__restrict__ sorted_key,    // [E] ascending, values in [0, N]
     long long *__restrict__ col_start,     // [N + 1] out
     long long E, int N) {
     for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e <= E;
@@ -313,11 +315,12 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
 }
 
 // Instantiations for the nvcc compile check; NVRTC builds the ones named by the launcher.
-#define TRAIN_BWD_TOKEN_KERNELS(KV)                                                                                \
-    template __global__ void train_bwd_sddmm<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
-                                                 const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,       \
-                                                 const bool *, const float *, __nv_bfloat16 *, __nv_bfloat16 *,   \
-                                                 __nv_bfloat16 *, int *, int, int, int, int);                     \
+#define TRAIN_BWD_SDDMM(KV, KEY)                                                                                 \
+    template __global__ void train_bwd_sddmm<KV, KEY>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,  \
+                                                      const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,  \
+                                                      const bool *, const float *, __nv_bfloat16 *,               \
+                                                      __nv_bfloat16 *, __nv_bfloat16 *, KEY *, int, int, int, int);
+#define TRAIN_BWD_DX(KV)                                                                                           \
     template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const bool *, __nv_bfloat16 *, int, int, int);
@@ -326,9 +329,17 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
                                                      const int *, const __nv_bfloat16 *, const __nv_bfloat16 *, \
                                                      const __nv_bfloat16 *, float *, float *,                 \
                                                      unsigned long long *, int, int, int, int, int);
-TRAIN_BWD_TOKEN_KERNELS(1)
-TRAIN_BWD_TOKEN_KERNELS(8)
-TRAIN_BWD_TOKEN_KERNELS(16)
+TRAIN_BWD_SDDMM(1, short)
+TRAIN_BWD_SDDMM(1, int)
+TRAIN_BWD_SDDMM(8, short)
+TRAIN_BWD_SDDMM(8, int)
+TRAIN_BWD_SDDMM(16, short)
+TRAIN_BWD_SDDMM(16, int)
+TRAIN_BWD_DX(1)
+TRAIN_BWD_DX(8)
+TRAIN_BWD_DX(16)
+template __global__ void train_csc_columns<short>(const short *, long long *, long long, int);
+template __global__ void train_csc_columns<int>(const int *, long long *, long long, int);
 TRAIN_CSC_WGRAD(1, 1)
 TRAIN_CSC_WGRAD(1, 2)
 TRAIN_CSC_WGRAD(4, 1)

@@ -76,9 +76,12 @@ def issue_ms(
     HOST_ITERS forwards, then, once the GPU has run them, their backwards, as a model does (a layer's backward
     comes long after its forward, whose asynchronous heavy-token count has landed by then). `around(phase)`
     wraps each timed phase ("forward", "backward"), e.g. in a profiler."""
-    outs = [forward()]  # warm-up
+    # Warm-up with as many calls as are timed, so the caching allocators (device and pinned host memory) hold
+    # enough blocks for the calls in flight and the timed phase measures issuing, not first allocations.
+    outs = [forward() for _ in range(HOST_ITERS)]
     if backward is not None:
-        backward(outs[0])
+        for out in outs:
+            backward(out)
     per_phase = []
     for phase in ("forward", "backward") if backward is not None else ("forward",):
         torch.cuda.synchronize()

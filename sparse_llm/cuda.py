@@ -196,14 +196,14 @@ def launch(
     CuPy raises if the launch itself is rejected; errors inside the kernel surface at the next sync.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    # The raw pointer of torch's current stream, without building a torch.cuda.Stream object per launch.
+    # The raw pointer of torch's current stream, without building a torch.cuda.Stream object per launch; the
+    # compiled function takes the stream as an argument, so no stream context is entered and left per launch.
     stream = _cupy_stream(index, torch._C._cuda_getCurrentRawStream(index))
     if index == torch.cuda.current_device():  # torch and CuPy share the runtime's current device
-        with stream:
-            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+        kernel.kernel(tuple(grid), tuple(block), tuple(args), shared_mem, stream)
     else:
-        with _import_cupy().cuda.Device(index), stream:
-            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+        with _import_cupy().cuda.Device(index):
+            kernel.kernel(tuple(grid), tuple(block), tuple(args), shared_mem, stream)
 
 
 @functools.lru_cache(maxsize=64)

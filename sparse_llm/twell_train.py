@@ -420,15 +420,25 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         )  # fmt: skip
 
 
+def csc_key_dtype(n: int) -> torch.dtype:
+    """dtype of the CSC sort keys (values 0..N): int16 where N fits, as the radix sort's passes follow the key's
+    width (two over 16 bits, four over 32)."""
+    return torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
+
+
+KEY_CTYPES = {torch.int16: "short", torch.int32: "int"}  # template argument `Key` of the kernels reading keys
+
+
 def csc_keys(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> Tensor:
-    """int32 [M, W]: each light ELL entry's column, N for unused and heavy-token slots (which so sort last).
+    """[M, W] in csc_key_dtype(n): each light ELL entry's column, N for unused and heavy-token slots (which so
+    sort last).
 
     torch reference of the keys train_bwd_sddmm writes for the transposed (CSC) view.
     """
     width = ell_cols_MW.shape[1]
     used_MW = torch.arange(width, device=ell_cols_MW.device) < ell_count_M[:, None]
     used_MW &= ~heavy_M[:, None]
-    return torch.where(used_MW, ell_cols_MW, n)
+    return torch.where(used_MW, ell_cols_MW, n).to(csc_key_dtype(n))
 
 
 def csc_order(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -469,7 +479,7 @@ def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     entries = sorted_E.numel()
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
     chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= sum of max(1, ..)
-    columns = cuda.get_function("train_backward.cu", "train_csc_columns", device)
+    columns = cuda.get_function("train_backward.cu", f"train_csc_columns<{KEY_CTYPES[key_MW.dtype]}>", device)
     blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
     args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
     cuda.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
@@ -529,7 +539,7 @@ def _cuda_backward(
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
         dx_MK = torch.empty(m, k, dtype=bf16, device=device)
         ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=bf16, device=device).unbind(0)
-        key_MW = torch.empty(m, width, dtype=torch.int32, device=device)  # CSC sort keys, written by sddmm
+        key_MW = torch.empty(m, width, dtype=csc_key_dtype(n), device=device)  # CSC sort keys, written by sddmm
         kv = _pieces(k)
         if m:
             blocks = math.ceil(m / WARPS_PER_BLOCK)
@@ -540,7 +550,8 @@ def _cuda_backward(
                 np.int32(m), np.int32(n), np.int32(k), np.int32(width),
             )  # fmt: skip
             smem = WARPS_PER_BLOCK * kv * 32 * 16
-            _launch("train_backward.cu", f"train_bwd_sddmm<{kv}>", blocks, args, device, smem)
+            sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
+            _launch("train_backward.cu", sddmm, blocks, args, device, smem)
             args = (
                 cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
                 cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
@@ -645,14 +656,39 @@ def _setup_context(ctx, inputs, output) -> None:
     x_MK, w_gate_NK, w_up_NK, w_down_KN, _ = inputs
     ctx.save_for_backward(x_MK, w_gate_NK, w_up_NK, w_down_KN, *output[4:])
     ctx.mark_non_differentiable(*output[2:])
+    # No zero gradients for the nine state and statistics outputs (a fill and an allocation each per call, up to
+    # [3N, K] for w_compute_RK): the backward takes None for them, and for y or l1_sum when the loss skips one.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy_MK, dl1, *_):
-    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = twell_train_backward_op(*ctx.saved_tensors, dy_MK, dl1)
+    saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
+    x_MK = saved[0]
+    dy_MK = torch.zeros_like(x_MK) if dy_MK is None else dy_MK
+    dl1 = x_MK.new_zeros((), dtype=torch.float32) if dl1 is None else dl1
+    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = twell_train_backward_op(*saved, dy_MK, dl1)
     return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None
 
 
 twell_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerTrainFFN(torch.autograd.Function):
+    """The op's eager route: the forward implementation, context and backward of the custom op above, without the
+    custom op's Python dispatch around the forward (two passes through the dispatcher, its argument defaults and
+    its aliasing check: ~0.1 ms of host time per layer call, which a host-bound forward pays in full).
+    torch.compile traces the custom op instead."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
+        forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward
+        outputs = forward_impl(x_MK, w_gate_NK, w_up_NK, w_down_KN, width)
+        _setup_context(ctx, (x_MK, w_gate_NK, w_up_NK, w_down_KN, width), outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -685,8 +721,9 @@ def twell_train_ffn(
         tensors = (tensors[0].to(dtype), *(w if w.dtype == torch.float32 else w.to(dtype) for w in tensors[1:]))
     tensors = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors)
     check_train_inputs(*tensors, width)
+    op = twell_train_forward_op if torch.compiler.is_compiling() else _EagerTrainFFN.apply
     with torch.autocast(device_type, enabled=False):
-        y_MK, l1_sum, l0_M, fired_N, *state = twell_train_forward_op(*tensors, width)
+        y_MK, l1_sum, l0_M, fired_N, *state = op(*tensors, width)
     heavy_counts = state[STATE_NAMES.index("heavy_counts")]
     return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
                      overflow_rows=heavy_counts[:1])  # fmt: skip

@@ -73,6 +73,19 @@ def test_forward_and_gradients_match_dense_autograd(width):
         torch.testing.assert_close(g, w, msg=lambda s, name=name: f"{name}: {s}")
 
 
+@pytest.mark.parametrize("uses", ["y", "l1"])
+def test_a_loss_of_y_alone_or_of_the_l1_term_alone(uses):
+    """The op does not materialise zero gradients: an output the loss leaves out reaches the backward as None."""
+    x, wg, wu, wd = block()
+    dy = torch.randn(x.shape, dtype=x.dtype)
+    result = twell_train_ffn(x, wg, wu, wd, width=20)
+    loss = (result.y_MK * dy).sum() if uses == "y" else result.l1_sum
+    got = torch.autograd.grad(loss, (x, wg, wu, wd))
+    want = dense_loss_and_grads(x, wg, wu, wd, dy if uses == "y" else torch.zeros_like(dy), float(uses == "l1"))[3]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_heavy_tokens_go_to_the_backup_and_are_counted():
     x, wg, wu, wd = block(requires_grad=False)
     count_M = (torch.relu(x @ wg.t()) != 0).sum(dim=1)
@@ -116,6 +129,22 @@ def test_gradcheck():
         return result.y_MK, result.l1_sum
 
     assert torch.autograd.gradcheck(fn, (x, wg, wu, wd))
+
+
+def test_compiled_calls_trace_the_custom_op_and_match_eager():
+    """Eager calls take the autograd.Function route; torch.compile traces the registered custom op: same numbers."""
+    x, wg, wu, wd = block(m=10, k=8, n=16, dtype=torch.float32)
+
+    def loss(*args):
+        result = twell_train_ffn(*args, width=4)
+        return result.y_MK.sum() + 0.3 * result.l1_sum
+
+    eager = torch.autograd.grad(loss(x, wg, wu, wd), (x, wg, wu, wd))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, wg, wu, wd), (x, wg, wu, wd))
+    for g, w in zip(got, eager):
+        torch.testing.assert_close(g, w)
 
 
 def test_opcheck_forward_and_backward():
@@ -237,6 +266,13 @@ def test_opted_in_auto_trains_sparse_only_where_the_host_keeps_up(monkeypatch):
 
 
 # ---------------------------------------------------------------- host-side pieces of the GPU path
+
+
+def test_csc_keys_are_16_bit_while_the_ffn_width_fits():
+    cols, count = torch.tensor([[0, 5]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    narrow, wide = csc_keys(cols, count, count > 2, 32767), csc_keys(cols, count, count > 2, 32768)
+    assert narrow.dtype == torch.int16 and narrow.tolist() == [[0, 32767]]
+    assert wide.dtype == torch.int32 and wide.tolist() == [[0, 32768]]
 
 
 def test_csc_order_lists_light_entries_by_column():

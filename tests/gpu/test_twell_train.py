@@ -30,6 +30,7 @@ if REASON is None:
         csc_chunk_columns,
         csc_chunk_starts,
         csc_index,
+        csc_key_dtype,
         csc_keys,
         csc_order,
         heavy_rows,
@@ -185,6 +186,11 @@ def test_more_than_65536_tokens():
     check_case(*synthetic_block(70000, 256, 512, 8, sigma=0.3, seed=1))
 
 
+def test_ffn_wider_than_16_bit_sort_keys():
+    """N = 40960 > 32767: the CSC sort keys are int32 rather than int16."""
+    check_case(*synthetic_block(300, 128, 40960, 60, sigma=0.3, seed=4))
+
+
 # ---------------------------------------------------------------- pieces
 
 
@@ -228,7 +234,9 @@ def test_csc_offsets_kernels_match_the_torch_reference(n):
     gen = torch.Generator(device="cuda").manual_seed(n)
     key_MW = torch.randint(0, n + 1, (3000, 40), device="cuda", generator=gen, dtype=torch.int32)  # n: unused
     key_MW[:, :5] = min(3, n)  # a hot column: 15000 entries, many chunks
-    for keys in (key_MW, torch.full_like(key_MW, n)):
+    assert csc_key_dtype(n) == (torch.int16 if n < 65536 else torch.int32)
+    key_dtypes = {csc_key_dtype(n), torch.int32}  # the narrow keys the op writes, and int32 keys for any N
+    for keys in [k.to(dtype) for k in (key_MW, torch.full_like(key_MW, n)) for dtype in key_dtypes]:
         order, col_start, chunk_start, chunk_col = csc_index(keys, n)
         ref_order, ref_start = csc_order(keys, n)
         assert torch.equal(order, ref_order) and torch.equal(col_start, ref_start)
