@@ -95,14 +95,15 @@ __global__ void __launch_bounds__(256) train_csc_columns(
     }
 }
 
-// Work chunks of a column with `entries` entries: at least one, so that every column's rows of the weight
-// gradients are written by some item (an empty column's item writes zeros).
-__device__ __forceinline__ long long column_chunks(long long entries, int chunk) {
-    return entries > chunk ? (entries + chunk - 1) / chunk : 1;
+// Work chunks of a column with `entries` entries: one for a column of up to `whole` entries (so that every
+// column's rows of the weight gradients are written by some item; an empty column's item writes zeros), else
+// chunks of `chunk` entries, which spread a hot neuron over many warps and keep the longest item short.
+__device__ __forceinline__ long long column_chunks(long long entries, int chunk, int whole) {
+    return entries > whole ? (entries + chunk - 1) / chunk : 1;
 }
 
 // Work chunks of the transposed view, in one block: chunk_start = the exclusive prefix sum over columns of
-// column_chunks(entries) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
+// column_chunks(entries, ...) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
 // the weight-gradient kernel finds an item's column with one load. Each thread takes a run of consecutive
 // columns; the block scans the runs' chunk totals. Launch with 1024 threads. torch reference:
 // csc_chunk_starts and csc_chunk_columns in sparse_llm/twell_train.py.
@@ -110,13 +111,13 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     const long long *__restrict__ col_start,  // [N + 1] from train_csc_columns
     long long *__restrict__ chunk_start,      // [N + 1] out
     int *__restrict__ chunk_col,              // [>= chunk_start[N]] out
-    int N, int chunk) {
+    int N, int chunk, int whole) {
     __shared__ long long warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t / 32;
     const int per = (N + blockDim.x - 1) / blockDim.x;
     const int c0 = min(N, t * per), c1 = min(N, c0 + per);
     long long mine = 0;
-    for (int c = c0; c < c1; ++c) mine += column_chunks(col_start[c + 1] - col_start[c], chunk);
+    for (int c = c0; c < c1; ++c) mine += column_chunks(col_start[c + 1] - col_start[c], chunk, whole);
     // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
     long long inclusive = mine;
     for (int d = 1; d < 32; d *= 2) {
@@ -137,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     long long chunks = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
     for (int c = c0; c < c1; ++c) {
         chunk_start[c] = chunks;
-        const long long here = column_chunks(col_start[c + 1] - col_start[c], chunk);
+        const long long here = column_chunks(col_start[c + 1] - col_start[c], chunk, whole);
         for (long long j = 0; j < here; ++j) chunk_col[chunks + j] = c;
         chunks += here;
     }
@@ -215,9 +216,11 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 
 // Column-major (CSC) walk of the ELL entries: `order` lists the positions m * W + s of all light entries
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
-// Columns are cut into chunks of `chunk` entries so a hot neuron (firing for most tokens) is spread over
-// many warps; chunk_start[n] is the first chunk of column n, chunk_start[N] the total, read on the device
-// (the host never learns it), and chunk_col[c] the column of chunk c; every column has at least one chunk.
+// A column of more entries than train_csc_chunks' `whole` is cut into chunks of `chunk` entries, so a hot neuron
+// (firing for most tokens) is spread over many warps and no item runs long enough to stretch the kernel's tail;
+// a shorter column is one chunk. chunk_start[n] is the first chunk of column n, chunk_start[N] the total, read
+// on the device (the host never learns it), and chunk_col[c] the column of chunk c; every column has at least one
+// chunk.
 // K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces per row and its accumulators
 // (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a (chunk, slice) pair; warps take
 // items from the counter `next_item` (zeroed by the caller), so the grid can be sized to the GPU without
@@ -251,8 +254,9 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
         const long long c = item / parts;
         const int col0 = static_cast<int>(item - c * parts) * KW * 256 + lane * 8;  // this lane's first column
         const long long n = chunk_col[c];
+        const bool alone = chunk_start[n + 1] - chunk_start[n] == 1;  // this item owns the column's row
         const long long e0 = col_start[n] + (c - chunk_start[n]) * chunk;
-        const long long e1 = min(e0 + chunk, col_start[n + 1]);
+        const long long e1 = alone ? col_start[n + 1] : min(e0 + chunk, col_start[n + 1]);
 
         // This lane's KW pieces of src row `token` (zeros past K). Rows are requested WGRAD_AHEAD entries before
         // they are accumulated, so WGRAD_AHEAD + 1 gathers are in flight per warp: the kernel is bound by how many
@@ -292,7 +296,6 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
                 }
             }
         }
-        const bool alone = chunk_start[n + 1] - chunk_start[n] == 1;  // this item owns the column's row
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             float *out = (i == 0 ? out0 : out1) + n * K;

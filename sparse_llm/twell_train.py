@@ -67,7 +67,7 @@ N = 5632, B = 5.5 TB/s (the inference kernel's measured L2 rate), F = 720 TFLOP/
 28 non-zeros needs B near 9 TB/s; reuse of weight rows across tokens (real activations are correlated,
 the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
-Determinism: the weight gradients of columns with more than CSC_CHUNK entries are summed with fp32
+Determinism: the weight gradients of columns with more than CSC_WHOLE_COLUMN entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
 ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order), as
 torch.compile and opcheck require: the heavy tokens leave the op as flags, not as the kernel's list (whose
@@ -112,10 +112,13 @@ Tensor = torch.Tensor
 
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 MAX_WIDTH = 4096
-# Entries of one column handled by one warp in the weight-gradient kernel. Above the typical column (M * L0 / N: 81
-# at 16384 tokens and 28 non-zeros of 5632), so most columns are one chunk whose item stores its row (no zero fill,
-# no atomics); a hot neuron is still spread over many warps.
-CSC_CHUNK = 256
+# Work items of the weight-gradient kernel: a column of up to CSC_WHOLE_COLUMN entries is one item, which stores its
+# rows (no zero fill, no atomics); that is above the typical column (M * L0 / N: 81 at 16384 tokens and 28 non-zeros
+# of 5632). A longer column is cut into CSC_CHUNK-entry items that add theirs: a hot neuron is spread over many warps
+# and no item is long enough to stretch the kernel's tail (BENCHMARKS.md, 2026-11-25: whole columns up to 256
+# entries slowed these kernels in a 2B model, whose neurons fire unevenly).
+CSC_CHUNK = 64
+CSC_WHOLE_COLUMN = 128
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
 CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
@@ -455,9 +458,10 @@ def csc_order(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 def csc_chunk_starts(col_start: Tensor) -> Tensor:
-    """int64 [N + 1]: where column n's CSC_CHUNK-entry work chunks start in the list of all chunks (at least one
-    per column, empty columns included)."""
-    chunks = ((col_start.diff() + CSC_CHUNK - 1) // CSC_CHUNK).clamp_min(1)
+    """int64 [N + 1]: where column n's work chunks start in the list of all chunks: one for a column of up to
+    CSC_WHOLE_COLUMN entries (empty columns included), else one per CSC_CHUNK entries."""
+    entries = col_start.diff()
+    chunks = torch.where(entries > CSC_WHOLE_COLUMN, (entries + CSC_CHUNK - 1) // CSC_CHUNK, 1)
     chunk_start = torch.zeros_like(col_start)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
     return chunk_start
@@ -479,13 +483,16 @@ def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
     entries = sorted_E.numel()
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
-    chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= sum of max(1, ..)
+    chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= the chunk count
     columns = cuda.get_function("train_backward.cu", f"train_csc_columns<{KEY_CTYPES[key_MW.dtype]}>", device)
     blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
     args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
     cuda.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
     chunks = cuda.get_function("train_backward.cu", "train_csc_chunks", device)
-    args = (cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), np.int32(n), np.int32(CSC_CHUNK))
+    args = (
+        cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), np.int32(n), np.int32(CSC_CHUNK),
+        np.int32(CSC_WHOLE_COLUMN),
+    )  # fmt: skip
     cuda.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
     return order_E, col_start, chunk_start, chunk_col
 

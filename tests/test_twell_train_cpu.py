@@ -20,6 +20,7 @@ from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
 from sparse_llm.twell_train import (
     CSC_CHUNK,
+    CSC_WHOLE_COLUMN,
     OPT_IN_ENV,
     STATE_NAMES,
     _backup_backward,
@@ -290,8 +291,11 @@ def test_csc_order_lists_light_entries_by_column():
 
 
 def test_csc_chunk_starts_count_whole_chunks_per_column():
-    col_start = torch.tensor([0, 0, 1, 1 + CSC_CHUNK, 2 + 3 * CSC_CHUNK])  # 0, 1, CSC_CHUNK, 2 CSC_CHUNK + 1 entries
-    assert csc_chunk_starts(col_start).tolist() == [0, 1, 2, 3, 6]  # an empty column still has one chunk
+    entries = torch.tensor([0, 1, CSC_WHOLE_COLUMN, CSC_WHOLE_COLUMN + 1, 3 * CSC_CHUNK + 1])
+    col_start = torch.cat([torch.zeros(1, dtype=torch.int64), entries.cumsum(0)])
+    chunks = [1, 1, 1, -(-(CSC_WHOLE_COLUMN + 1) // CSC_CHUNK), 4]  # an empty column still has one chunk
+    assert CSC_WHOLE_COLUMN >= CSC_CHUNK and 3 * CSC_CHUNK + 1 > CSC_WHOLE_COLUMN
+    assert csc_chunk_starts(col_start).tolist() == [0, *torch.tensor(chunks).cumsum(0).tolist()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
