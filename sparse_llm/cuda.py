@@ -170,6 +170,17 @@ def get_function(filename: str, name: str, device: torch.device | None = None) -
     )
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA `device`, for sizing grids (looked up once per device: launchers call
+    this on every layer call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def set_dynamic_smem(kernel: Any, nbytes: int) -> None:
     """Allow `kernel` more than 48 KiB of dynamic shared memory."""
     if kernel.max_dynamic_shared_size_bytes < nbytes:

@@ -53,7 +53,7 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
     vector = _vector_width(q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
     name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]},{vector}>"
     kernel = cuda.get_function("rope.cu", name, q_BSHD.device)
-    sms = torch.cuda.get_device_properties(q_BSHD.device).multi_processor_count
+    sms = cuda.sm_count(q_BSHD.device)
     blocks = min(-(-pairs // (vector * _THREADS)), sms * _BLOCKS_PER_SM)
     args = (cuda.ptr(q_BSHD), cuda.ptr(k_BSHD), cuda.ptr(q_out), cuda.ptr(k_out), cuda.ptr(cos_BSD),
             cuda.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),

@@ -512,7 +512,7 @@ def split_token_up_down(
     # x row | partial fp32 rows for half the warps | a 256-entry list per warp | per-warp l1 and l0
     smem = kv * 32 * 16 + warps // 2 * kv * 256 * 4 + warps * (256 * 4 + 8)
     cuda.set_dynamic_smem(heavy, smem)
-    blocks = min(m, torch.cuda.get_device_properties(device).multi_processor_count)  # one block per SM
+    blocks = min(m, cuda.sm_count(device))  # one block per SM
     args = (
         cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), *(cuda.ptr(t) for t in outs),
         cuda.ptr(rows_M), cuda.ptr(count_1), _i32(k), _i32(n),

@@ -2,7 +2,7 @@
 
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
-0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.6x faster than dense
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.8x faster than dense
 at 28 non-zeros per token (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
 micro-batches the host cannot keep up. At M = 8192 the host needs 1.8 ms to issue one forward + backward with
@@ -509,7 +509,7 @@ def _csc_wgrad(
     """
     device = src_MK.device
     n, k = outs[0].shape
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = cuda.sm_count(device)
     kw, parts = wgrad_slices(k)
     args = (
         *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
@@ -527,7 +527,7 @@ def zero_shared_rows(chunk_start: Tensor, outs: tuple[Tensor, ...]) -> None:
     ptrs = [cuda.ptr(t) for t in outs] + [np.uint64(0)] * (3 - len(outs))
     kernel = cuda.get_function("train_backward.cu", "train_csc_zero_shared", device)
     warps = ZERO_THREADS // 32
-    blocks = max(1, min(math.ceil(n / warps), 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    blocks = max(1, min(math.ceil(n / warps), 4 * cuda.sm_count(device)))
     cuda.launch(kernel, (blocks,), (ZERO_THREADS,), (cuda.ptr(chunk_start), *ptrs, np.int32(n), np.int32(k)), device)
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import types
 import warnings
 
 import pytest
@@ -296,3 +297,21 @@ def test_dense_row_stats_match_the_plain_definitions():
     torch.testing.assert_close(l1, h.float().abs().sum(dim=1), rtol=1e-5, atol=1e-5)
     assert l0.dtype == torch.int32 and torch.equal(l0, (h != 0).sum(dim=1, dtype=torch.int32))
     assert torch.equal(fired, (h != 0).any(dim=0)) and l0[5] == 0
+
+
+def test_sm_count_is_looked_up_once_per_device(monkeypatch):
+    calls = []
+
+    def properties(index):
+        calls.append(index)
+        return types.SimpleNamespace(multi_processor_count=100 + index)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda._sm_count.cache_clear()
+    try:
+        devices = (torch.device("cuda", 0), torch.device("cuda"), torch.device("cuda", 1))  # "cuda" is device 1 here
+        counts = [cuda.sm_count(d) for d in devices]
+    finally:
+        cuda._sm_count.cache_clear()
+    assert counts == [100, 101, 101] and calls == [0, 1]
