@@ -109,10 +109,18 @@ from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import SparseMLP, recording_statistics
-from sparse_llm.model import FUSED_CLASSES, ModelConfig, build_model, load_pretrained, sparse_mlps, sparsify
+from sparse_llm.model import (
+    FUSED_CLASSES,
+    ModelConfig,
+    build_model,
+    compile_layers,
+    load_pretrained,
+    sparse_mlps,
+    sparsify,
+)
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import make_optimizer
+from sparse_llm.training import defer_clipping, make_optimizer
 from sparse_llm.twell_train import OPT_IN_ENV, training_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -378,14 +386,15 @@ def bench_forward(
             result.layers = layer_stats(model)
             energy = energy_mj_per_call(meter, forward, args.energy_seconds)
         fill_timing(result, samples, peak.gib, energy)
-        clock, runs = Clock(device), []
-        with torch.inference_mode(), section_timer(model, device) as timer:
-            for _ in range(BREAKDOWN_REPS):
-                start = clock.mark()
-                forward()
-                total = clock.elapsed_ms(start, clock.mark())
-                runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
-        result.breakdown_ms = median_dicts(runs)
+        if not args.compile:
+            clock, runs = Clock(device), []
+            with torch.inference_mode(), section_timer(model, device) as timer:
+                for _ in range(BREAKDOWN_REPS):
+                    start = clock.mark()
+                    forward()
+                    total = clock.elapsed_ms(start, clock.mark())
+                    runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
+            result.breakdown_ms = median_dicts(runs)
         write_profile(forward, result, args)
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
@@ -424,8 +433,10 @@ class TrainStep:
         loss.backward()
 
     def update(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if defer_clipping(self.optimizer, self.model.parameters(), 1.0) is None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+        self.optimizer.grad_scale = None
         self.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self) -> None:
@@ -458,7 +469,8 @@ def bench_train(
             energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
         fill_timing(result, samples, peak.gib, energy)
         if gate_ms is not None:
-            result.breakdown_ms = train_breakdown(model, step, gate_ms)
+            if not args.compile:
+                result.breakdown_ms = train_breakdown(model, step, gate_ms)
             write_profile(step, result, args)
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
@@ -663,9 +675,11 @@ def report_header(
         f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head), "
         "L0 statistics from one extra pass (timed calls skip them, as generation does); "
         f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
-        f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; times: median of {args.reps} after "
-        f"{args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: median of "
-        f"{BREAKDOWN_REPS} instrumented passes. `auto` layers decide from the dense pass's L0.",
+        f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
+        f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}times: median of {args.reps} "
+        f"after {args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: "
+        f"{'none (compiled layers)' if args.compile else f'median of {BREAKDOWN_REPS} instrumented passes'}. "
+        "`auto` layers decide from the dense pass's L0.",
     ]
 
 
@@ -706,6 +720,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="AdamW lr of the timed steps: AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every decoder layer (model.compile_layers, as trainer.compile=true) for every variant; "
+        "the per-section breakdown is skipped (its module hooks would split the compiled graphs)",
+    )
     parser.add_argument(
         "--profile-dir", default=None, help="also profile one call per variant: Chrome trace + top-ops table here"
     )
@@ -774,6 +794,8 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         shifts = make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        compile_layers(model)
     # Training variants start from these weights; kept on the host so they cost no GPU memory.
     master = (
         {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if "train" in args.modes else {}

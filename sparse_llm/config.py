@@ -39,6 +39,11 @@ class TrainerConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (model.compile_layers): fused norms, rotary and residual adds and less host
+    # time per layer; the first step compiles (about a minute on a GPU host). compile_backend: inductor, or
+    # aot_eager to trace without generating kernels (to tell a compiler problem from a model one).
+    compile: bool = False
+    compile_backend: str = "inductor"
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
     val_every: int = 100  # optimizer steps between validation passes (0: never)
     val_batches: int = 8  # micro-batches per validation pass

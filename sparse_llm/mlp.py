@@ -51,6 +51,9 @@ class SparseMLP(nn.Module):
         self.last_result: FFNResult | None = None
         self._calls = 0
 
+    # torch.compile (e.g. `compile_layers`) runs this eagerly between the compiled parts of a layer: the backend
+    # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] -> [..., K]."""
         x_MK = x.reshape(-1, self.hidden_size)

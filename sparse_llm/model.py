@@ -192,6 +192,20 @@ def load_pretrained(
     return sparsify(model, kernel)
 
 
+def compile_layers(model: LlamaForCausalLM, backend: str = "inductor") -> LlamaForCausalLM:
+    """torch.compile every decoder layer in place (`nn.Module.compile`; parameters and state-dict keys unchanged).
+
+    A layer's norms, attention (projections, rotary embedding, the attention kernel) and residual adds become a
+    few fused kernels behind one host call, forward and backward; its `SparseMLP` runs eagerly in between (its
+    forward is excluded from tracing), so every FFN backend works as it does without compiling. The layers share
+    their compiled code: the first call compiles it once (a minute or so on a GPU host, `backend="aot_eager"`
+    traces without generating kernels, for debugging).
+    """
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    return model
+
+
 def sparse_mlps(model: nn.Module) -> list[SparseMLP]:
     """The model's SparseMLP modules in layer order (works through DDP/FSDP wrappers)."""
     return [m for m in model.modules() if isinstance(m, SparseMLP)]

@@ -27,6 +27,8 @@ def kernel_applies(q_BSHD: torch.Tensor, cos_BSD: torch.Tensor) -> bool:
     fp32 under autocast (transformers' training case: its result is fp32 there, which autocast rounds to
     bf16 before attention, the rounding the kernel does itself).
     """
+    if torch.compiler.is_compiling():  # inductor fuses transformers' rotation itself; a CuPy launch cannot be traced
+        return False
     if not q_BSHD.is_cuda or cuda.unavailable_reason(q_BSHD.device) is not None:
         return False
     if q_BSHD.dtype not in _KERNEL_DTYPES or cos_BSD.dtype not in _KERNEL_DTYPES:

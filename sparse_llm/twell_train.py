@@ -669,23 +669,28 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy_MK, dl1, *_):
+def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor, Tensor, Tensor, None]:
+    """The op's input gradients through `backward_impl` (the backward custom op, or its implementation)."""
     saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
     x_MK = saved[0]
     dy_MK = torch.zeros_like(x_MK) if dy_MK is None else dy_MK
     dl1 = x_MK.new_zeros((), dtype=torch.float32) if dl1 is None else dl1
-    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = twell_train_backward_op(*saved, dy_MK, dl1)
+    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = backward_impl(*saved, dy_MK, dl1)
     return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None
+
+
+def _backward(ctx, dy_MK, dl1, *_):
+    return _gradients(ctx, dy_MK, dl1, twell_train_backward_op)
 
 
 twell_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerTrainFFN(torch.autograd.Function):
-    """The op's eager route: the forward implementation, context and backward of the custom op above, without the
-    custom op's Python dispatch around the forward (two passes through the dispatcher, its argument defaults and
-    its aliasing check: 0.11-0.16 ms of host time per forward + backward on a 2-core CPU with stand-in kernels, which
-    a host-bound forward pays in full). torch.compile traces the custom op instead."""
+    """The op's eager route: the forward and backward implementations and the context of the custom ops above,
+    without the custom ops' Python dispatch around them (per op two passes through the dispatcher, its argument
+    defaults and its aliasing check: host time that a host-bound layer pays in full). torch.compile traces the
+    custom ops instead."""
 
     @staticmethod
     def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
@@ -695,8 +700,13 @@ class _EagerTrainFFN(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+    def backward(ctx, dy_MK, dl1, *_):
+        return _gradients(ctx, dy_MK, dl1, _backward_impl)
+
+
+def _backward_impl(x_MK: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the backward custom op runs for x_MK's device, called directly."""
+    return (_cuda_backward if x_MK.is_cuda else _reference_backward)(x_MK, *args)
 
 
 # ------------------------------------------------------------------------------------------------

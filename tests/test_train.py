@@ -93,6 +93,22 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkey
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
 
 
+@pytest.mark.slow
+def test_compiled_layers_train_as_the_eager_model(tmp_path):
+    common = ["trainer.max_steps=3", "checkpoint.every=0", "logging.every=1"]
+    train(small_config(*common), tmp_path / "eager")
+    torch._dynamo.reset()
+    train(small_config(*common, "trainer.compile=true", "trainer.compile_backend=aot_eager"), tmp_path / "compiled")
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys() == {1, 2, 3}
+    assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_an_unknown_compile_backend_is_named(tmp_path):
+    with pytest.raises(ValueError, match="compile_backend='inductr'.*inductor"):
+        Trainer(small_config("trainer.compile=true", "trainer.compile_backend=inductr"), tmp_path)
+
+
 def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     trainer = Trainer(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
     with torch.no_grad():
@@ -176,3 +192,42 @@ def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path):
 
     assert resolve_resume("auto", tmp_path).name == "step_6"
     assert not (tmp_path / "final.partial").exists() and (tmp_path / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped, and left alone
+def test_deferred_clipping_in_fused_adamw_matches_clip_grad_norm(max_norm):
+    from sparse_llm.training import defer_clipping
+
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(5)]
+    grads = [torch.randn(7, 5), torch.randn(5)]
+
+    def stepped(deferred: bool) -> tuple[list[torch.Tensor], float]:
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+        if deferred:
+            norm = defer_clipping(optimizer, params, max_norm)
+            assert norm is not None and optimizer.grad_scale is not None
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        optimizer.grad_scale = None
+        # Adam's first step barely depends on the gradients' scale: the moments show whether the clip applied.
+        moments = [optimizer.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+        return [p.detach() for p in params] + moments, float(norm)
+
+    (want, want_norm), (got, got_norm) = stepped(False), stepped(True)
+    assert got_norm == pytest.approx(want_norm, rel=1e-6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_optimizers_without_a_gradient_scale_are_clipped_before_the_step():
+    from sparse_llm.training import defer_clipping
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = torch.optim.AdamW([param], foreach=True)
+    assert defer_clipping(optimizer, [param], 1.0) is None and getattr(optimizer, "grad_scale", None) is None
