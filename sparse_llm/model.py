@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
     LlamaAttention,
+    LlamaModel,
     LlamaRMSNorm,
     apply_rotary_pos_emb,
     eager_attention_forward,
@@ -134,10 +136,56 @@ class FusedRopeAttention(LlamaAttention):
         return self.o_proj(out_BSHD.reshape(*input_shape, -1).contiguous()), weights
 
 
+# Attention functions that apply the causal mask themselves when given none (`is_causal`).
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+class CausalLlamaModel(LlamaModel):
+    """`LlamaModel` whose forward without padding or cache (training, scoring whole sequences) builds no mask.
+
+    Without a cache, transformers' mask builder checks the position ids for packed sequences, and the check reads
+    a GPU value on the host: each training forward waited for the GPU to finish the previous step (its optimizer)
+    before issuing its first kernel. With no padding mask, cache or given position ids the mask is the plain
+    causal one, which sdpa and flash attention apply from `is_causal` when given none: this forward passes none.
+    Any other call (padding, caching, another attention function, extra outputs requested) is transformers' own.
+    """
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        plain = (
+            attention_mask is None and position_ids is None and past_key_values is None and use_cache is False
+            and not any(kwargs.values()) and self.config._attn_implementation in CAUSAL_WITHOUT_MASK
+            and (input_ids is None) != (inputs_embeds is None)
+        )  # fmt: skip
+        if not plain:
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            )  # fmt: skip
+        hidden_BSK = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        position_ids = torch.arange(hidden_BSK.shape[1], device=hidden_BSK.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden_BSK, position_ids=position_ids)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_BSK = layer(
+                hidden_BSK, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
+                past_key_values=None, use_cache=False,
+            )  # fmt: skip
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_BSK), past_key_values=None)
+
+
 # Modules `sparsify` gives a faster forward by a class swap: same attributes, parameters and state-dict keys.
 FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     LlamaRMSNorm: FusedRMSNorm,
     LlamaAttention: FusedRopeAttention,
+    LlamaModel: CausalLlamaModel,
 }
 
 

@@ -311,7 +311,7 @@ class Trainer:
     def _micro_step(self, batch: torch.Tensor, coeff: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
         no_sync = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
         with no_sync, self.acc.autocast():
-            out = self.model(input_ids=batch, labels=batch)
+            out = self.model(input_ids=batch, labels=batch, use_cache=False)
             results = self.tracker.collect()
             l1 = l1_term(results)
             loss = out.loss + coeff * l1
@@ -367,7 +367,8 @@ class Trainer:
         total = torch.zeros((), device=self.acc.device)
         for batch in self.val:
             with self.acc.autocast():
-                total += self.model(input_ids=batch.to(self.acc.device), labels=batch.to(self.acc.device)).loss
+                batch = batch.to(self.acc.device)
+                total += self.model(input_ids=batch, labels=batch, use_cache=False).loss
         self.model.train()
         ce = float(self._reduce(total / max(len(self.val), 1), "mean"))
         return {"val/ce": ce, "val/ppl": math.exp(min(ce, 50.0))}

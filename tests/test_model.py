@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from sparse_llm.backends import get_backend
 from sparse_llm.mlp import SparseMLP
 from sparse_llm.model import (
+    CausalLlamaModel,
     ModelConfig,
     build_model,
     compile_layers,
@@ -135,6 +136,38 @@ def test_l1_gradients_survive_gradient_checkpointing():
 
     for plain, checkpointed in zip(grads(False), grads(True), strict=True):
         torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_causal_model_skips_the_mask_builder_and_matches_transformers(monkeypatch):
+    """Without padding or cache the model builds no mask (transformers' builder reads a device value back); logits and
+    gradients equal transformers' forward, and calls with a padding mask still go through it."""
+    import transformers.masking_utils as masking
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    checks = []
+    packed_check = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda ids: checks.append(1) or packed_check(ids))
+    torch.manual_seed(2)
+    model = build_model(TINY, kernel="torch").train()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+
+    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits, grads = logits_and_grads()
+    assert checks == []
+    model.model.__class__ = LlamaModel
+    want_logits, want_grads = logits_and_grads()
+    assert checks == [1]  # transformers' forward runs the check
+    model.model.__class__ = CausalLlamaModel
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    padded = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
