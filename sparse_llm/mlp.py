@@ -48,6 +48,7 @@ class SparseMLP(nn.Module):
         self.dispatcher = LayerDispatcher(kernel)
         self.self_observe = True  # the trainer turns this off and feeds rank-reduced statistics instead
         self.record_statistics = False  # inference calls keep L1/L0/fired in last_result (recording_statistics)
+        self.compile_backend: str | None = None  # torch.compile backend of the torch path's block (compile_layers)
         self.last_result: FFNResult | None = None
         self._calls = 0
 
@@ -67,6 +68,7 @@ class SparseMLP(nn.Module):
             self.down_proj.weight,
             training=training,
             statistics=self.record_statistics or observing,
+            compile_backend=self.compile_backend,
         )
         self.last_result = result
         if observing:

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.mlp import SparseMLP
@@ -162,8 +163,8 @@ class CausalLlamaModel(LlamaModel):
     ) -> BaseModelOutputWithPast:
         plain = (
             attention_mask is None and position_ids is None and past_key_values is None and use_cache is False
-            and not any(kwargs.values()) and self.config._attn_implementation in CAUSAL_WITHOUT_MASK
-            and (input_ids is None) != (inputs_embeds is None)
+            and not kwargs and not (self.config.output_hidden_states or self.config.output_attentions)
+            and self.config._attn_implementation in CAUSAL_WITHOUT_MASK and (input_ids is None) != (inputs_embeds is None)
         )  # fmt: skip
         if not plain:
             return super().forward(
@@ -179,6 +180,11 @@ class CausalLlamaModel(LlamaModel):
                 past_key_values=None, use_cache=False,
             )  # fmt: skip
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_BSK), past_key_values=None)
+
+
+# transformers looks up what a model can record (output_hidden_states=True, ...) by the name of the class it was built
+# as; the swapped-in class records what LlamaModel does.
+_CAN_RECORD_REGISTRY[str(CausalLlamaModel)] = LlamaModel._can_record_outputs
 
 
 # Modules `sparsify` gives a faster forward by a class swap: same attributes, parameters and state-dict keys.
@@ -245,12 +251,15 @@ def compile_layers(model: LlamaForCausalLM, backend: str = "inductor") -> LlamaF
 
     A layer's norms, attention (projections, rotary embedding, the attention kernel) and residual adds become a
     few fused kernels behind one host call, forward and backward; its `SparseMLP` runs eagerly in between (its
-    forward is excluded from tracing), so every FFN backend works as it does without compiling. The layers share
+    forward is excluded from tracing: the backend choice is host-side state), so every FFN backend works as it does
+    without compiling, and the torch backend compiles its own block (`backends.dense_block`). The layers share
     their compiled code: the first call compiles it once (a minute or so on a GPU host, `backend="aot_eager"`
     traces without generating kernels, for debugging).
     """
     for layer in model.model.layers:
         layer.compile(backend=backend)
+        if isinstance(layer.mlp, SparseMLP):
+            layer.mlp.compile_backend = backend
     return model
 
 

@@ -612,7 +612,7 @@ class TwellFFN(FFNBackend):
         bf16 = x_MK.dtype == w_gate_NK.dtype == torch.bfloat16
         return training or bf16 or _bf16_autocast(x_MK.device.type)
 
-    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True):
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None):
         # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.

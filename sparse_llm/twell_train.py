@@ -9,9 +9,10 @@ micro-batches the host cannot keep up. At M = 8192 the host needs 1.8 ms to issu
 the loss (the op alone: 0.34 + 0.72 ms; a few dozen torch ops and CuPy launches, and the autograd around them)
 for 1.9 ms of kernels, against 2.2 ms of host and 3.5 ms of kernels for the dense block (scripts/profile_mlp.py
 --host; 3.0 ms of host before the forward read the gate row directly). The forward reads nothing back (see
-"Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch: 1.34x less device time than the dense
-path, 1.01-1.32x less wall-clock time depending on the host (BENCHMARKS.md, 2026-11-25). A forced
-`kernel=twell` calls `twell_train_ffn` regardless.
+"Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder layers: 1.225x less
+device time than the dense path with its MLP block compiled too, 1.11-1.23x less wall-clock time (the sparse
+forward waits for the host; BENCHMARKS.md, 2026-11-25 06:31). A forced `kernel=twell` calls `twell_train_ffn`
+regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
