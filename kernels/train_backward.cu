@@ -111,9 +111,13 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     const long long *__restrict__ col_start,  // [N + 1] from train_csc_columns
     long long *__restrict__ chunk_start,      // [N + 1] out
     int *__restrict__ chunk_col,              // [>= chunk_start[N]] out
-    int N, int chunk, int whole) {
+    int N, int chunk, int whole_floor, int whole_per_mean) {
     __shared__ long long warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+    // A column is one item up to whole_per_mean times the mean column (at least whole_floor entries): dense layers'
+    // typical columns are stored without atomics, and no item is much longer than the typical one.
+    const long long mean_bound = whole_per_mean * col_start[N] / max(N, 1);
+    const int whole = static_cast<int>(max(static_cast<long long>(whole_floor), min(mean_bound, 1LL << 30)));
     const int per = (N + blockDim.x - 1) / blockDim.x;
     const int c0 = min(N, t * per), c1 = min(N, c0 + per);
     long long mine = 0;

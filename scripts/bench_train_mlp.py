@@ -1,5 +1,6 @@
 """Benchmark one gated MLP block for training (forward + backward with the L1 term): dense torch autograd
-vs the sparse training op (sparse_llm.twell_train), on one GPU.
+(eager, and compiled with inductor as `trainer.compile=true` runs it) vs the sparse training op
+(sparse_llm.twell_train), on one GPU.
 
     python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
     python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
@@ -20,8 +21,8 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 
+from sparse_llm.backends import dense_block
 from sparse_llm.benchmark import time_ms, wall_ms
 from sparse_llm.twell_backend import synthetic_block
 from sparse_llm.twell_train import twell_train_ffn
@@ -42,9 +43,13 @@ MB = 1 << 20
 
 
 def dense_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path as training runs it: (y, l1_sum)."""
-    h = F.relu(F.linear(x, wg)) * F.linear(x, wu)
-    return F.linear(h, wd), h.float().abs().sum()
+    """The torch path as training runs it (with its L0 and fired statistics): (y, l1_sum)."""
+    y, l1_sum, _, _ = dense_block(x, wg, wu, wd, True)
+    return y, l1_sum
+
+
+# The same through inductor, as the trainer runs it with trainer.compile=true: ReLU, product and statistics fused.
+compiled_dense_forward = torch.compile(dense_forward)
 
 
 def sparse_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +103,7 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
         "backup_rows": result.dense_rows(), "path": result.path,
     }  # fmt: skip
     names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
-    for label, forward in (("dense", dense_forward), ("twell", sparse_forward)):
+    for label, forward in (("dense", dense_forward), ("compiled", compiled_dense_forward), ("twell", sparse_forward)):
         with torch.no_grad():
             y = forward(*leaves)[0]
         grads = step(forward, leaves, dy, coeff)
@@ -110,15 +115,16 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
         row[f"{label}_fwd_ms"] = time_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
         row[f"{label}_peak_MB"], row[f"{label}_saved_MB"] = memory_mb(forward, leaves, dy, coeff)
     row["speedup"] = row["dense_ms"] / row["twell_ms"]
+    row["speedup_compiled"] = row["compiled_ms"] / row["twell_ms"]
     row["peak_ratio"] = row["twell_peak_MB"] / row["dense_peak_MB"]
     return row
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | wall ms dense / twell "
-            "| fwd ms dense / twell "
+    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | dense compiled ms | speedup "
+            "vs compiled | wall ms dense / twell | fwd ms dense / twell "
             "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         errs = ", ".join(
             f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
@@ -126,6 +132,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
             f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['compiled_ms']:.2f} | {r['speedup_compiled']:.2f}x "
             f"| {r['dense_wall_ms']:.2f} / {r['twell_wall_ms']:.2f} "
             f"| {r['dense_fwd_ms']:.2f} / {r['twell_fwd_ms']:.2f} "
             f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} |"

@@ -68,7 +68,7 @@ N = 5632, B = 5.5 TB/s (the inference kernel's measured L2 rate), F = 720 TFLOP/
 28 non-zeros needs B near 9 TB/s; reuse of weight rows across tokens (real activations are correlated,
 the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
-Determinism: the weight gradients of columns with more than CSC_WHOLE_COLUMN entries are summed with fp32
+Determinism: the weight gradients of columns longer than `csc_whole_column` entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
 ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order), as
 torch.compile and opcheck require: the heavy tokens leave the op as flags, not as the kernel's list (whose
@@ -120,6 +120,10 @@ MAX_WIDTH = 4096
 # entries slowed these kernels in a 2B model, whose neurons fire unevenly).
 CSC_CHUNK = 64
 CSC_WHOLE_COLUMN = 128
+# ... and at denser layers up to this many times the mean column (train_csc_chunks reads the mean on the device):
+# at 56 non-zeros per token of 16384 tokens the typical column has 163 entries, which a fixed 128 cut into atomically
+# added chunks on zeroed rows (BENCHMARKS.md, 2026-11-25 07:00).
+CSC_WHOLE_PER_MEAN = 2
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
 CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
@@ -458,11 +462,18 @@ def csc_order(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return order_E, col_start
 
 
+def csc_whole_column(col_start: Tensor) -> int:
+    """The longest column that is one work item: CSC_WHOLE_COLUMN, or CSC_WHOLE_PER_MEAN times the mean column if
+    that is more (integer arithmetic, as train_csc_chunks)."""
+    n = col_start.numel() - 1
+    return max(CSC_WHOLE_COLUMN, CSC_WHOLE_PER_MEAN * int(col_start[-1]) // max(n, 1))
+
+
 def csc_chunk_starts(col_start: Tensor) -> Tensor:
     """int64 [N + 1]: where column n's work chunks start in the list of all chunks: one for a column of up to
-    CSC_WHOLE_COLUMN entries (empty columns included), else one per CSC_CHUNK entries."""
+    `csc_whole_column` entries (empty columns included), else one per CSC_CHUNK entries."""
     entries = col_start.diff()
-    chunks = torch.where(entries > CSC_WHOLE_COLUMN, (entries + CSC_CHUNK - 1) // CSC_CHUNK, 1)
+    chunks = torch.where(entries > csc_whole_column(col_start), (entries + CSC_CHUNK - 1) // CSC_CHUNK, 1)
     chunk_start = torch.zeros_like(col_start)
     torch.cumsum(chunks, 0, out=chunk_start[1:])
     return chunk_start
@@ -492,7 +503,7 @@ def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     chunks = cuda.get_function("train_backward.cu", "train_csc_chunks", device)
     args = (
         cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), np.int32(n), np.int32(CSC_CHUNK),
-        np.int32(CSC_WHOLE_COLUMN),
+        np.int32(CSC_WHOLE_COLUMN), np.int32(CSC_WHOLE_PER_MEAN),
     )  # fmt: skip
     cuda.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
     return order_E, col_start, chunk_start, chunk_col

@@ -21,6 +21,7 @@ from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hyb
 from sparse_llm.twell_train import (
     CSC_CHUNK,
     CSC_WHOLE_COLUMN,
+    CSC_WHOLE_PER_MEAN,
     OPT_IN_ENV,
     STATE_NAMES,
     _backup_backward,
@@ -291,11 +292,23 @@ def test_csc_order_lists_light_entries_by_column():
 
 
 def test_csc_chunk_starts_count_whole_chunks_per_column():
-    entries = torch.tensor([0, 1, CSC_WHOLE_COLUMN, CSC_WHOLE_COLUMN + 1, 3 * CSC_CHUNK + 1])
-    col_start = torch.cat([torch.zeros(1, dtype=torch.int64), entries.cumsum(0)])
-    chunks = [1, 1, 1, -(-(CSC_WHOLE_COLUMN + 1) // CSC_CHUNK), 4]  # an empty column still has one chunk
+    def starts(entries: list[int]) -> list[int]:
+        col_start = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(entries).cumsum(0)])
+        return csc_chunk_starts(col_start).tolist()
+
+    def expected(chunks: list[int]) -> list[int]:
+        return [0, *torch.tensor(chunks).cumsum(0).tolist()]
+
+    # Sparse layer (mean column far below CSC_WHOLE_COLUMN): the fixed bound applies; an empty column has one chunk.
+    short = [0, 1, CSC_WHOLE_COLUMN, CSC_WHOLE_COLUMN + 1, 3 * CSC_CHUNK + 1] + [0] * 20
+    chunks = [1, 1, 1, -(-(CSC_WHOLE_COLUMN + 1) // CSC_CHUNK), 4] + [1] * 20
     assert CSC_WHOLE_COLUMN >= CSC_CHUNK and 3 * CSC_CHUNK + 1 > CSC_WHOLE_COLUMN
-    assert csc_chunk_starts(col_start).tolist() == [0, *torch.tensor(chunks).cumsum(0).tolist()]
+    assert starts(short) == expected(chunks)
+    # Denser layer (mean column 310, above CSC_WHOLE_COLUMN): columns up to CSC_WHOLE_PER_MEAN times the mean stay
+    # whole (one stored item), longer ones are cut into CSC_CHUNK-entry items.
+    assert (CSC_WHOLE_COLUMN, CSC_WHOLE_PER_MEAN, CSC_CHUNK) == (128, 2, 64)  # the numbers below assume these
+    assert starts([300] * 8 + [620, 700, 0]) == expected([1] * 8 + [1, 11, 1])  # 3720 entries / 11: bound 676
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
