@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from sparse_llm.backends import dense_block
 from sparse_llm.benchmark import wall_ms
 from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
 from sparse_llm.twell_train import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
@@ -148,9 +149,9 @@ def dense_infer(x, wg, wu, wd):
 
 
 def dense_train_loss(leaves, dy):
-    x, wg, wu, wd = leaves
-    h = F.relu(F.linear(x, wg)) * F.linear(x, wu)
-    return (F.linear(h, wd).float() * dy).sum() + L1_COEFF / x.shape[0] * h.float().abs().sum()
+    """The trainer's torch path (with its statistics), as bench_train_mlp times it."""
+    y, l1_sum, _, _ = dense_block(*leaves, True)
+    return (y.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * l1_sum
 
 
 def sparse_train_loss(leaves, dy):
