@@ -101,9 +101,10 @@ class FFNBackend(abc.ABC):
 
     @abc.abstractmethod
     def estimated_ms(
-        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool
+        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool, compiled: bool = False
     ) -> float | None:
-        """Predicted time of one call in ms on the current GPU, or None if this case cannot run here."""
+        """Predicted time of one call in ms on the current GPU, or None if this case cannot run here. `compiled`:
+        the call runs with a `compile_backend` (torch ops fused by torch.compile)."""
 
 
 def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,15 +153,18 @@ class TorchFFN(FFNBackend):
         y_MK, l1_sum, l0_M, fired_N = block(x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics)
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
-        # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in training, the
+        # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in eager training, the
         # statistics pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
         # M=16384, N=5632 on an H100 (BENCHMARKS.md, "re-check after the torch-path statistics change").
-        # Inference calls skip that pass unless statistics are recorded, so a sparse backend is weighed
-        # against the bare GEMMs there: the stricter comparison.
+        # Compiled, that work fuses into one pass: the block trained in 5.47-5.61 ms there against 5.67 ms of
+        # GEMMs at this rate (BENCHMARKS.md, 2026-11-25 06:47), so the GEMMs alone price it. Inference calls skip
+        # the statistics unless recorded, so a sparse backend is weighed against the bare GEMMs there: the
+        # stricter comparison.
         flops = 2.0 * m * k * n * (9 if training else 3)
-        return flops / 600e12 * 1e3 + (m * n * STATS_MS_PER_ELEMENT if training else 0.0)
+        statistics_ms = m * n * STATS_MS_PER_ELEMENT if training and not compiled else 0.0
+        return flops / 600e12 * 1e3 + statistics_ms
 
 
 _BACKENDS: dict[str, FFNBackend] = {}

@@ -54,8 +54,11 @@ class LayerDispatcher:
         """Record the layer's latest sparsity (mean and max non-zeros of h per token)."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
 
-    def choose(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> FFNBackend:
-        """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight."""
+    def choose(
+        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False
+    ) -> FFNBackend:
+        """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight; `compiled`:
+        the layer runs its torch ops through torch.compile (the dense path is cheaper then)."""
         if self.kernel != "auto":
             backend = get_backend(self.kernel)
             reason = backend.unavailable_reason(x_MK.device)
@@ -66,10 +69,10 @@ class LayerDispatcher:
                 )
             self.current = backend.name
             return backend
-        self.current = self._cheapest(x_MK, w_gate_NK, training)
+        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled)
         return get_backend(self.current)
 
-    def _cheapest(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> str:
+    def _cheapest(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool) -> str:
         if self.l0_mean is None:
             return "torch"  # no measurement yet
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
@@ -83,7 +86,7 @@ class LayerDispatcher:
                 continue
             if not backend.accepts(x_MK, w_gate_NK, training):
                 continue
-            ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training)
+            ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training, compiled)
             if ms is not None and math.isfinite(ms):
                 estimates[name] = ms
         dense_ms = estimates.get("torch", math.inf)

@@ -59,7 +59,8 @@ class SparseMLP(nn.Module):
         """x: [..., K] -> [..., K]."""
         x_MK = x.reshape(-1, self.hidden_size)
         training = torch.is_grad_enabled()
-        backend = self.dispatcher.choose(x_MK, self.gate_proj.weight, training=training)
+        compiled = self.compile_backend is not None
+        backend = self.dispatcher.choose(x_MK, self.gate_proj.weight, training=training, compiled=compiled)
         observing = self.self_observe and self._calls % SELF_OBSERVE_EVERY == 0
         result = backend.forward(
             x_MK,

@@ -641,8 +641,8 @@ class TwellFFN(FFNBackend):
             )
         return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN)
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
-        if shape_unsupported_reason(k, n) is not None:
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
+        if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)
             return None
         if training:
             from sparse_llm.twell_train import train_estimated_ms

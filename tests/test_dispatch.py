@@ -25,7 +25,7 @@ class FakeSparse(FFNBackend):
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         return TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=training)
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training):
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         return self.ms
 
 
@@ -60,3 +60,19 @@ def test_switching_to_sparse_needs_a_margin(fake):
     assert dispatcher.choose(x, w, False).name == "torch"  # only 3% cheaper: stay dense
     fake.ms = 0.5 * fake.ms
     assert dispatcher.choose(x, w, False).name == "fake"
+
+
+def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake):
+    """Training: a sparse path that beats the eager dense block (ReLU, product and statistics as separate passes)
+    may lose to the compiled one, which fuses them; `auto` weighs it against the dense path the layer runs."""
+    m, k, n = 16384, 2048, 5632
+    eager, compiled = (TorchFFN().estimated_ms(m, k, n, 56.0, 95.0, True, compiled=c) for c in (False, True))
+    assert compiled == pytest.approx(9 * 2 * m * k * n / 600e12 * 1e3) and eager > compiled + 0.5
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(56.0, 95.0)
+    fake.ms = 0.9 * eager  # faster than the eager dense block, slower than the compiled one
+    with torch.device("meta"):
+        x, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+    assert dispatcher.choose(x, w, True).name == "fake"
+    dispatcher.current = "torch"
+    assert dispatcher.choose(x, w, True, compiled=True).name == "torch"
