@@ -39,9 +39,10 @@ class TrainerConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (model.compile_layers): fused norms, rotary and residual adds and less host
-    # time per layer; the first step compiles (about a minute on a GPU host). compile_backend: inductor, or
-    # aot_eager to trace without generating kernels (to tell a compiler problem from a model one).
+    # torch.compile each decoder layer and the dense FFN block (model.compile_layers): fused norms, rotary, residual
+    # adds and FFN statistics, less host time per layer; the first step compiles (about a minute on a GPU host).
+    # compile_backend: inductor, or aot_eager to trace without generating kernels (to tell a compiler problem from a
+    # model one). Not under FSDP.
     compile: bool = False
     compile_backend: str = "inductor"
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
