@@ -3,7 +3,7 @@
     python scripts/bench_mlp.py --mode infer                 # the BENCHMARKS.md table (H100: ~3 min)
     python scripts/bench_mlp.py --mode infer --calibrate     # also the cost-model calibration tables
 
-Per case: dense torch ms (three F.linear + relu + mul, no statistics) and twell ms (medians of
+Per case: dense torch ms (three F.linear + relu + mul, no statistics; also compiled by inductor) and twell ms (medians of
 CUDA-event timings after warm-up, same process), their ratio; also the torch backend as the model runs
 it (dense plus its L1/L0/fired statistics) and the twell time with each gate route; relative error vs an fp32 reference (dense bf16 for comparison), energy per call (NVML
 counter over >= --energy-seconds of back-to-back calls), the path taken (overflow rows) and what
@@ -35,6 +35,15 @@ from sparse_llm.twell_backend import (
 )
 
 
+def dense_block_infer(x, wg, wu, wd):
+    """Three F.linear + relu + mul: the dense baseline."""
+    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+# The baseline through inductor (relu and mul fused into one pass over [M, N]), as trainer.compile=true runs layers.
+compiled_dense_block_infer = torch.compile(dense_block_infer)
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -44,7 +53,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     dense = TorchFFN()
 
     def run_dense():
-        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        return dense_block_infer(x, wg, wu, wd)
 
     def run_dense_stats():
         return dense.forward(x, wg, wu, wd, training=False).y_MK
@@ -68,6 +77,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         reps = 30 if m >= 1024 else 200
         row["dense_ms"] = time_ms(run_dense, reps=reps)
         row["dense_stats_ms"] = time_ms(run_dense_stats, reps=reps)
+        row["dense_compiled_ms"] = time_ms(lambda: compiled_dense_block_infer(x, wg, wu, wd), reps=reps)
         row["twell_ms"] = time_ms(run_twell, reps=reps)
         row["twell_fused_ms"] = time_ms(lambda: run_twell("fused"), reps=reps)
         row["twell_cublas_ms"] = time_ms(lambda: run_twell("cublas"), reps=reps)
@@ -79,6 +89,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     # What a model gains from kernel=auto: the torch backend also computes the statistics, so compare to it.
     auto_ms = row["twell_ms"] if row["auto"] == "twell" else row["dense_stats_ms"]
     row["speedup"] = row["dense_ms"] / row["twell_ms"]
+    row["speedup_compiled"] = row["dense_compiled_ms"] / row["twell_ms"]
     row["auto_speedup"] = row["dense_stats_ms"] / auto_ms
     return row
 
@@ -158,14 +169,16 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | twell ms, direct (TwELL: fused / cublas) | "
-          "speedup | err twell (dense) | energy mJ dense / twell | path (overflow rows) | auto | auto speedup |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | twell ms, direct (TwELL: "
+          "fused / cublas) | speedup (vs compiled) | err twell (dense) | energy mJ dense / twell | path (overflow rows) | "
+          "auto | auto speedup |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["cases"]:
         print(
             f"| {r['M']} | {r['sigma']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']} | "
-            f"{r['dense_ms']:.3f} | {r['dense_stats_ms']:.3f} | "
-            f"{r['twell_ms']:.3f} ({r['twell_fused_ms']:.3f} / {r['twell_cublas_ms']:.3f}) | {r['speedup']:.2f}x | "
+            f"{r['dense_ms']:.3f} | {r['dense_stats_ms']:.3f} | {r['dense_compiled_ms']:.3f} | "
+            f"{r['twell_ms']:.3f} ({r['twell_fused_ms']:.3f} / {r['twell_cublas_ms']:.3f}) | {r['speedup']:.2f}x "
+            f"({r['speedup_compiled']:.2f}x) | "
             f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | {fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
             f"{r['path']} ({r['overflow_rows']}) | {r['auto']} | {r['auto_speedup']:.2f}x |"
         )
