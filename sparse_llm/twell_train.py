@@ -3,8 +3,9 @@
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.78x faster than the
-trainer's eager dense path at 28 non-zeros per token, 1.42x faster than that path compiled (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
-`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
+trainer's eager dense path at 28 non-zeros per token, 1.42x faster than that path compiled (BENCHMARKS.md). The
+per-layer dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment
+sets SPARSE_LLM_TWELL_TRAIN=1, because at small
 micro-batches the host cannot keep up. At M = 8192 the host needs 1.8 ms to issue one forward + backward with
 the loss (the op alone: 0.34 + 0.72 ms; a few dozen torch ops and CuPy launches, and the autograd around them)
 for 1.9 ms of kernels, against 2.2 ms of host and 3.5 ms of kernels for the dense block (scripts/profile_mlp.py
