@@ -5,15 +5,13 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.78x faster than the
 trainer's eager dense path at 28 non-zeros per token, 1.42x faster than that path compiled (BENCHMARKS.md). The
 per-layer dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment
-sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host cannot keep up. At M = 8192 the host needs 1.8 ms to issue one forward + backward with
-the loss (the op alone: 0.34 + 0.72 ms; a few dozen torch ops and CuPy launches, and the autograd around them)
-for 1.9 ms of kernels, against 2.2 ms of host and 3.5 ms of kernels for the dense block (scripts/profile_mlp.py
---host; 3.0 ms of host before the forward read the gate row directly). The forward reads nothing back (see
-"Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder layers: 1.225x less
-device time than the dense path with its MLP block compiled too, 1.11-1.23x less wall-clock time (the sparse
-forward waits for the host; BENCHMARKS.md, 2026-11-25 06:31). A forced `kernel=twell` calls `twell_train_ffn`
-regardless.
+sets SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
+1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
+launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
+reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
+layers: 1.225x less device time than the dense path with its MLP block compiled too, 1.06-1.23x less wall-clock
+time (the sparse forward waits for the host; BENCHMARKS.md, 2026-11-25). A forced `kernel=twell` calls
+`twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
 
