@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.backends import TorchFFN
+from sparse_llm.backends import TorchFFN, dense_block
 from sparse_llm.benchmark import energy_mj_per_call, time_ms
 from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.energy import EnergyMeter
@@ -36,8 +36,8 @@ from sparse_llm.twell_backend import (
 
 
 def dense_block_infer(x, wg, wu, wd):
-    """Three F.linear + relu + mul: the dense baseline."""
-    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    """The dense baseline, three F.linear + relu + mul: the torch path's block without statistics."""
+    return dense_block(x, wg, wu, wd, False)[0]
 
 
 # The baseline through inductor (relu and mul fused into one pass over [M, N]), as trainer.compile=true runs layers.

@@ -121,7 +121,7 @@ CSC_CHUNK = 64
 CSC_WHOLE_COLUMN = 128
 # ... and at denser layers up to this many times the mean column (train_csc_chunks reads the mean on the device):
 # at 56 non-zeros per token of 16384 tokens the typical column has 163 entries, which a fixed 128 cut into atomically
-# added chunks on zeroed rows (BENCHMARKS.md, 2026-11-25 07:00).
+# added chunks on zeroed rows (BENCHMARKS.md, 2026-11-25 06:40-06:47).
 CSC_WHOLE_PER_MEAN = 2
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
@@ -705,7 +705,7 @@ class _EagerTrainFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
-        forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward
+        forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
         outputs = forward_impl(x_MK, w_gate_NK, w_up_NK, w_down_KN, width)
         _setup_context(ctx, (x_MK, w_gate_NK, w_up_NK, w_down_KN, width), outputs)
         return outputs
