@@ -103,17 +103,27 @@ __device__ __forceinline__ long long column_chunks(long long entries, int chunk,
 }
 
 // Work chunks of the transposed view, in one block: chunk_start = the exclusive prefix sum over columns of
-// column_chunks(entries, ...) (chunk_start[N] = the number of chunks), and chunk_col[j] = the column of chunk j, so
-// the weight-gradient kernel finds an item's column with one load. Each thread takes a run of consecutive
-// columns; the block scans the runs' chunk totals. Launch with 1024 threads. torch reference:
-// csc_chunk_starts and csc_chunk_columns in sparse_llm/twell_train.py.
+// column_chunks(entries, ...) (chunk_start[N] = the number of chunks), chunk_col[j] = the column of chunk j, so
+// the weight-gradient kernel finds an item's column with one load, and shared_rank[n] = how many columns before n
+// have more than one chunk (it picks a many-chunk column's scratch slot). Each thread takes a run of consecutive
+// columns; the block scans the runs' totals, both counts in one 64-bit value (chunks in the low RANK_SHIFT bits).
+// Launch with 1024 threads. torch reference: csc_chunk_starts, csc_chunk_columns and csc_shared_ranks in
+// sparse_llm/twell_train.py.
+constexpr int RANK_SHIFT = 40;
+
+__device__ __forceinline__ long long chunks_and_rank(long long chunks) {
+    return chunks + (chunks > 1 ? 1LL << RANK_SHIFT : 0);
+}
+
 extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     const long long *__restrict__ col_start,  // [N + 1] from train_csc_columns
     long long *__restrict__ chunk_start,      // [N + 1] out
     int *__restrict__ chunk_col,              // [>= chunk_start[N]] out
+    int *__restrict__ shared_rank,            // [N] out
     int N, int chunk, int whole_floor, int whole_per_mean) {
     __shared__ long long warp_total[32];
     const int t = threadIdx.x, lane = t & 31, warp = t / 32;
+    const long long low = (1LL << RANK_SHIFT) - 1;
     // A column is one item up to whole_per_mean times the mean column (at least whole_floor entries): dense layers'
     // typical columns are stored without atomics, and no item is much longer than the typical one.
     const long long mean_bound = whole_per_mean * col_start[N] / max(N, 1);
@@ -121,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     const int per = (N + blockDim.x - 1) / blockDim.x;
     const int c0 = min(N, t * per), c1 = min(N, c0 + per);
     long long mine = 0;
-    for (int c = c0; c < c1; ++c) mine += column_chunks(col_start[c + 1] - col_start[c], chunk, whole);
+    for (int c = c0; c < c1; ++c) mine += chunks_and_rank(column_chunks(col_start[c + 1] - col_start[c], chunk, whole));
     // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
     long long inclusive = mine;
     for (int d = 1; d < 32; d *= 2) {
@@ -139,38 +149,18 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
         warp_total[lane] = total;  // inclusive over warps
     }
     __syncthreads();
-    long long chunks = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
+    long long before = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
     for (int c = c0; c < c1; ++c) {
+        const long long chunks = before & low;
         chunk_start[c] = chunks;
+        shared_rank[c] = static_cast<int>(before >> RANK_SHIFT);
         const long long here = column_chunks(col_start[c + 1] - col_start[c], chunk, whole);
         for (long long j = 0; j < here; ++j) chunk_col[chunks + j] = c;
-        chunks += here;
+        before += chunks_and_rank(here);
     }
-    if (t == 0) chunk_start[N] = warp_total[blockDim.x / 32 - 1];
+    if (t == 0) chunk_start[N] = warp_total[blockDim.x / 32 - 1] & low;
 }
 
-
-// Zeroes the rows out[n, :] (of each non-null out) of every column n with more than one chunk: those chunks add
-// their sums with atomics. A single-chunk column's row is stored whole by its one item, so the rest of the
-// weight-gradient buffers needs no fill. One warp per column, grid-stride.
-extern "C" __global__ void __launch_bounds__(256) train_csc_zero_shared(
-    const long long *__restrict__ chunk_start,  // [N + 1] from train_csc_chunks
-    float *__restrict__ out0, float *__restrict__ out1, float *__restrict__ out2,  // [N, K] fp32 each, or null
-    int N, int K) {
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x / 32;
-    float *const outs[3] = {out0, out1, out2};
-    for (long long n = static_cast<long long>(blockIdx.x) * warps + threadIdx.x / 32; n < N;
-         n += static_cast<long long>(gridDim.x) * warps) {
-        if (chunk_start[n + 1] - chunk_start[n] <= 1) continue;  // whole warp
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-            if (outs[i] == nullptr) continue;
-            for (int col = lane * 4; col < K; col += 128)
-                *reinterpret_cast<float4 *>(outs[i] + n * K + col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    }
-}
 
 template <int KV>
 __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
@@ -218,6 +208,62 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
     store_row_bf16<KV>(dx + m * K, acc, lane, K);
 }
 
+// Eight fp32 sums stored as `Out` at p (fp32, or bf16 rounded once).
+__device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
+    reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(__nv_bfloat16 *p, const float (&v)[8]) {
+    *reinterpret_cast<uint4 *>(p) = pack_bf16x8(v);
+}
+
+// Slot protocol of train_csc_wgrad's many-chunk columns (counters = [next item, slot_gen[slots],
+// slot_done[slots]]). Out of line: the rare path keeps its registers out of the gather loop's budget.
+// Waits until the slot of the column of this rank is its turn (slot_gen == rank / slots).
+__device__ __noinline__ void await_slot(unsigned long long *counters, int rank, int slots, int lane) {
+    if (lane == 0) {
+        volatile unsigned long long *const gen = counters + 1 + rank % slots;
+        const auto turn = static_cast<unsigned long long>(rank / slots);
+        while (*gen != turn) __nanosleep(128);
+        __threadfence();
+    }
+    __syncwarp();
+}
+
+// After an item's additions to its slot rows: counts the item done; the column's last item (of `items`) stores
+// the rows' sums to out[row_offset ...] as Out, zeroes the rows and hands the slot to its next column.
+template <int NV, typename Out>
+__device__ __noinline__ void finish_slot(unsigned long long *counters, int rank, int slots, long long items,
+                                         float *slot_rows, Out *out0, Out *out1, long long row_offset, int K, int lane) {
+    unsigned long long *const gen = counters + 1 + rank % slots, *const done = gen + slots;
+    __threadfence();  // this lane's additions land before the item counts itself done
+    __syncwarp();
+    unsigned long long finished = 0;
+    if (lane == 0) finished = atomicAdd(done, 1ULL) + 1;
+    if (__shfl_sync(FULL_MASK, finished, 0) != static_cast<unsigned long long>(items)) return;
+    __threadfence();  // every item's additions have landed: read them past L1
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        float *const sums = slot_rows + i * K;
+        Out *const dst = (i == 0 ? out0 : out1) + row_offset;
+        for (int col = lane * 8; col < K; col += 256) {
+            const float4 lo = __ldcg(reinterpret_cast<const float4 *>(sums + col));
+            const float4 hi = __ldcg(reinterpret_cast<const float4 *>(sums + col + 4));
+            const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            store8(dst + col, v);
+            __stcg(reinterpret_cast<float4 *>(sums + col), make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+            __stcg(reinterpret_cast<float4 *>(sums + col + 4), make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        }
+    }
+    __threadfence();  // the zeroed rows land before the slot is handed on
+    __syncwarp();
+    if (lane == 0) {
+        *done = 0;
+        __threadfence();
+        atomicAdd(gen, 1ULL);
+    }
+}
+
 // Column-major (CSC) walk of the ELL entries: `order` lists the positions m * W + s of all light entries
 // sorted by column (stable, so rows ascend within a column), col_start[n] .. col_start[n+1] are column n's.
 // A column of more entries than train_csc_chunks' `whole` is cut into chunks of `chunk` entries, so a hot neuron
@@ -227,40 +273,49 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
 // chunk.
 // K is cut into `parts` slices of KW * 256 columns, so a warp holds KW pieces per row and its accumulators
 // (NV * KW * 8 floats per lane) stay in registers at any K. A work item is a (chunk, slice) pair; warps take
-// items from the counter `next_item` (zeroed by the caller), so the grid can be sized to the GPU without
+// items from the counter counters[0] (zeroed by the caller), so the grid can be sized to the GPU without
 // knowing the occupancy, and a slow column does not hold up a fixed share of the work. The two slices of a
 // chunk are consecutive items, so the second gather of a src row usually hits L2. Each item accumulates in
 // fp32 registers. The item of a single-chunk column (most columns, and every empty one, whose item writes
-// zeros) stores its sums; the items of a many-chunk column add theirs with vector atomics to a row zeroed by
-// train_csc_zero_shared, so the order of those additions (not their set) varies run to run.
+// zeros) stores its sums as `Out`. The items of a many-chunk column add theirs with fp32 vector atomics to a
+// row of `scratch`, and the last of them stores that row as `Out` and zeroes it: bf16 outputs need no fp32 copy
+// of the gradients (3 x N x K x 4 bytes), and every sum is rounded once.
+// The scratch has `slots` rows per value array: the many-chunk column of rank r (shared_rank) takes slot
+// r % slots once the column of rank r - slots has released it (slot_gen[slot] == r / slots). That column's items
+// were all claimed before any of this column's (items are claimed in column order) and wait only on still
+// earlier columns, so the wait always ends; with more slots than many-chunk columns in flight it never starts.
+// The order of the atomic additions (not their set) varies run to run.
 constexpr int WGRAD_AHEAD = 2;  // entries between a row's request and its use in train_csc_wgrad
 
-template <int KW, int NV>
+template <int KW, int NV, typename Out>
 __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     const long long *__restrict__ order,        // [M * W] entry positions sorted by column
     const long long *__restrict__ col_start,    // [N + 1]
     const long long *__restrict__ chunk_start,  // [N + 1]
     const int *__restrict__ chunk_col,          // [chunk_start[N]] column of each chunk
+    const int *__restrict__ shared_rank,        // [N] rank of each many-chunk column among them
     const __nv_bfloat16 *__restrict__ value0,   // [M, W] values at the entries
     const __nv_bfloat16 *__restrict__ value1,   // [M, W] (NV == 2) second value array
     const __nv_bfloat16 *__restrict__ src,      // [M, K] rows gathered per entry (x or dy)
-    float *__restrict__ out0,                   // [N, K] fp32: stored, or accumulated on zeros (many-chunk columns)
-    float *__restrict__ out1,                   // [N, K] fp32, likewise (NV == 2)
-    unsigned long long *__restrict__ next_item,  // [1] zeroed work counter
-    int N, int K, int W, int chunk, int parts) {
+    Out *__restrict__ out0,                     // [N, K] every row written
+    Out *__restrict__ out1,                     // [N, K] likewise (NV == 2)
+    float *__restrict__ scratch,                // [slots * NV, K] zeroed; left zeroed
+    unsigned long long *__restrict__ counters,  // [1 + 2 * slots] zeroed: next item, slot_gen, slot_done
+    int N, int K, int W, int chunk, int parts, int slots) {
     const int lane = threadIdx.x & 31;
     const long long total = chunk_start[N] * parts;
     for (;;) {
         unsigned long long claimed = 0;
-        if (lane == 0) claimed = atomicAdd(next_item, 1ULL);
+        if (lane == 0) claimed = atomicAdd(counters, 1ULL);  // counters[0]: the next item
         const long long item = static_cast<long long>(__shfl_sync(FULL_MASK, claimed, 0));
         if (item >= total) break;
         const long long c = item / parts;
         const int col0 = static_cast<int>(item - c * parts) * KW * 256 + lane * 8;  // this lane's first column
-        const long long n = chunk_col[c];
+        const int n = chunk_col[c];
         const bool alone = chunk_start[n + 1] - chunk_start[n] == 1;  // this item owns the column's row
         const long long e0 = col_start[n] + (c - chunk_start[n]) * chunk;
-        const long long e1 = alone ? col_start[n + 1] : min(e0 + chunk, col_start[n + 1]);
+        // entries of this item, counted from e0 (a whole column is at most 2^30 entries: train_csc_chunks)
+        const int length = static_cast<int>((alone ? col_start[n + 1] : min(e0 + chunk, col_start[n + 1])) - e0);
 
         // This lane's KW pieces of src row `token` (zeros past K). Rows are requested WGRAD_AHEAD entries before
         // they are accumulated, so WGRAD_AHEAD + 1 gathers are in flight per warp: the kernel is bound by how many
@@ -275,12 +330,12 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
         float acc[NV][KW][8];
 #pragma unroll
         for (int i = 0; i < NV; ++i) zero_acc<KW>(acc[i]);
-        for (long long base = e0; base < e1; base += 32) {
-            const long long e = base + lane;
-            const long long my_pos = e < e1 ? order[e] : 0;
-            const float my_v0 = e < e1 ? bf16_load(value0 + my_pos) : 0.0f;
-            const float my_v1 = (NV == 2 && e < e1) ? bf16_load(value1 + my_pos) : 0.0f;
-            const int here = static_cast<int>(min(32LL, e1 - base));
+        for (int base = 0; base < length; base += 32) {
+            const bool mine = base + lane < length;
+            const long long my_pos = mine ? order[e0 + base + lane] : 0;
+            const float my_v0 = mine ? bf16_load(value0 + my_pos) : 0.0f;
+            const float my_v1 = (NV == 2 && mine) ? bf16_load(value1 + my_pos) : 0.0f;
+            const int here = min(32, length - base);
             uint4 rows[WGRAD_AHEAD + 1][KW];  // rows[0] is entry j's, rows[d] entry j + d's (compile-time indices)
 #pragma unroll
             for (int d = 0; d < WGRAD_AHEAD; ++d) {
@@ -300,24 +355,33 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
                 }
             }
         }
+        if (alone) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+#pragma unroll
+                for (int v = 0; v < KW; ++v) {
+                    const int col = col0 + v * 256;
+                    if (col < K) store8((i == 0 ? out0 : out1) + static_cast<long long>(n) * K + col, acc[i][v]);
+                }
+            }
+            continue;
+        }
+        const int rank = shared_rank[n];
+        float *const slot_rows = scratch + static_cast<long long>(rank % slots) * NV * K;
+        await_slot(counters, rank, slots, lane);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-            float *out = (i == 0 ? out0 : out1) + n * K;
 #pragma unroll
             for (int v = 0; v < KW; ++v) {
                 const int col = col0 + v * 256;
                 if (col >= K) continue;
-                const float4 lo = make_float4(acc[i][v][0], acc[i][v][1], acc[i][v][2], acc[i][v][3]);
-                const float4 hi = make_float4(acc[i][v][4], acc[i][v][5], acc[i][v][6], acc[i][v][7]);
-                if (alone) {
-                    reinterpret_cast<float4 *>(out + col)[0] = lo;
-                    reinterpret_cast<float4 *>(out + col)[1] = hi;
-                } else {
-                    atomicAdd(reinterpret_cast<float4 *>(out + col), lo);
-                    atomicAdd(reinterpret_cast<float4 *>(out + col + 4), hi);
-                }
+                const float(&a)[8] = acc[i][v];
+                atomicAdd(reinterpret_cast<float4 *>(slot_rows + i * K + col), make_float4(a[0], a[1], a[2], a[3]));
+                atomicAdd(reinterpret_cast<float4 *>(slot_rows + i * K + col + 4), make_float4(a[4], a[5], a[6], a[7]));
             }
         }
+        finish_slot<NV>(counters, rank, slots, (chunk_start[n + 1] - chunk_start[n]) * parts, slot_rows, out0, out1,
+                        static_cast<long long>(n) * K, K, lane);
     }
 }
 
@@ -331,11 +395,11 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const bool *, __nv_bfloat16 *, int, int, int);
-#define TRAIN_CSC_WGRAD(KW, NV)                                                                                  \
-    template __global__ void train_csc_wgrad<KW, NV>(const long long *, const long long *, const long long *, \
-                                                     const int *, const __nv_bfloat16 *, const __nv_bfloat16 *, \
-                                                     const __nv_bfloat16 *, float *, float *,                 \
-                                                     unsigned long long *, int, int, int, int, int);
+#define TRAIN_CSC_WGRAD(KW, NV, OUT)                                                                              \
+    template __global__ void train_csc_wgrad<KW, NV, OUT>(                                                        \
+        const long long *, const long long *, const long long *, const int *, const int *, const __nv_bfloat16 *, \
+        const __nv_bfloat16 *, const __nv_bfloat16 *, OUT *, OUT *, float *, unsigned long long *, int, int, int,  \
+        int, int, int);
 TRAIN_BWD_SDDMM(1, short)
 TRAIN_BWD_SDDMM(1, int)
 TRAIN_BWD_SDDMM(8, short)
@@ -347,7 +411,11 @@ TRAIN_BWD_DX(8)
 TRAIN_BWD_DX(16)
 template __global__ void train_csc_columns<short>(const short *, long long *, long long, int);
 template __global__ void train_csc_columns<int>(const int *, long long *, long long, int);
-TRAIN_CSC_WGRAD(1, 1)
-TRAIN_CSC_WGRAD(1, 2)
-TRAIN_CSC_WGRAD(4, 1)
-TRAIN_CSC_WGRAD(4, 2)
+TRAIN_CSC_WGRAD(1, 1, float)
+TRAIN_CSC_WGRAD(1, 2, float)
+TRAIN_CSC_WGRAD(4, 1, float)
+TRAIN_CSC_WGRAD(4, 2, float)
+TRAIN_CSC_WGRAD(1, 1, __nv_bfloat16)
+TRAIN_CSC_WGRAD(1, 2, __nv_bfloat16)
+TRAIN_CSC_WGRAD(4, 1, __nv_bfloat16)
+TRAIN_CSC_WGRAD(4, 2, __nv_bfloat16)

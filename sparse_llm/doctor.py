@@ -34,9 +34,9 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
     ("train_backward.cu", "train_csc_columns<short>"),
     ("train_backward.cu", "train_csc_chunks"),
-    ("train_backward.cu", "train_csc_zero_shared"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KW},1>"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KW},2>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KW},1,__nv_bfloat16>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KW},2,__nv_bfloat16>"),
+    ("train_backward.cu", f"train_csc_wgrad<{_KW},2,float>"),
     ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),
 )
 

@@ -45,9 +45,10 @@ forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed fr
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
           tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column,
           train_csc_columns and train_csc_chunks (the transposed, CSC view and its work chunks; its size is
-          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_zero_shared (zeroes the rows
-          of columns cut into several chunks)  ->  train_csc_wgrad (dW_gate, dW_up fused; dW_down; a one-chunk
-          column's rows are stored, the others added)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed).
+          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused;
+          dW_down; written in the weights' dtype: a one-chunk column's rows are stored from registers, the
+          chunks of a longer one are summed in fp32 scratch rows and stored by the last)  ->  cuBLAS on the heavy
+          tokens' rows (g and u recomputed; with heavy tokens the weight gradients are summed in fp32 first).
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
@@ -126,7 +127,9 @@ CSC_WHOLE_PER_MEAN = 2
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
 CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
-ZERO_THREADS = 256  # train_csc_zero_shared: a warp per column
+# Scratch rows (per value array) in which the weight-gradient kernel sums the columns cut into several chunks: more
+# than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
+WGRAD_SLOTS = 512
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
 DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without raising the kernel's limit
@@ -435,6 +438,7 @@ def csc_key_dtype(n: int) -> torch.dtype:
 
 
 KEY_CTYPES = {torch.int16: "short", torch.int32: "int"}  # template argument `Key` of the kernels reading keys
+OUT_CTYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}  # `Out` of the weight-gradient kernel
 
 
 def csc_keys(ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, n: int) -> Tensor:
@@ -485,38 +489,53 @@ def csc_chunk_columns(chunk_start: Tensor) -> Tensor:
     return torch.repeat_interleave(columns, chunk_start.diff())
 
 
-def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(order_E, col_start, chunk_start, chunk_col) of the transposed view from the keys train_bwd_sddmm wrote: a
-    stable sort, then column starts by one thread per entry and the chunks' starts and columns by one block
-    (int64 [N + 1] offsets; chunk_col int32, valid up to chunk_start[N]). No host sync. torch reference:
-    `csc_order`, `csc_chunk_starts` and `csc_chunk_columns`."""
+def csc_shared_ranks(chunk_start: Tensor) -> Tensor:
+    """int32 [N]: how many columns before each have more than one work chunk (a many-chunk column's rank, which
+    picks its scratch slot). torch reference of train_csc_chunks' ranks."""
+    many = (chunk_start.diff() > 1).to(torch.int32)
+    return (torch.cumsum(many, 0, dtype=torch.int32) - many).to(torch.int32)
+
+
+def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(order_E, col_start, chunk_start, chunk_col, shared_rank) of the transposed view from the keys
+    train_bwd_sddmm wrote: a stable sort, then column starts by one thread per entry and the chunks' starts,
+    columns and many-chunk ranks by one block (int64 [N + 1] offsets; chunk_col int32, valid up to
+    chunk_start[N]; shared_rank int32 [N]). No host sync. torch reference: `csc_order`, `csc_chunk_starts`,
+    `csc_chunk_columns` and `csc_shared_ranks`."""
     device = key_MW.device
     sorted_E, order_E = torch.sort(key_MW.flatten(), stable=True)
     entries = sorted_E.numel()
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
     chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= the chunk count
+    shared_rank = torch.empty(n, dtype=torch.int32, device=device)
     columns = cuda.get_function("train_backward.cu", f"train_csc_columns<{KEY_CTYPES[key_MW.dtype]}>", device)
     blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
     args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
     cuda.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
     chunks = cuda.get_function("train_backward.cu", "train_csc_chunks", device)
     args = (
-        cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), np.int32(n), np.int32(CSC_CHUNK),
-        np.int32(CSC_WHOLE_COLUMN), np.int32(CSC_WHOLE_PER_MEAN),
+        cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), cuda.ptr(shared_rank), np.int32(n),
+        np.int32(CSC_CHUNK), np.int32(CSC_WHOLE_COLUMN), np.int32(CSC_WHOLE_PER_MEAN),
     )  # fmt: skip
     cuda.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
-    return order_E, col_start, chunk_start, chunk_col
+    return order_E, col_start, chunk_start, chunk_col, shared_rank
+
+
+def wgrad_scratch(k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(scratch, counters) for two `_csc_wgrad` launches in a row: a zeroed fp32 [WGRAD_SLOTS * 2, K] that each
+    launch leaves zeroed, and zeroed int64 [2, 1 + 2 * WGRAD_SLOTS] counters, a row per launch."""
+    scratch = torch.zeros(WGRAD_SLOTS * 2, k, dtype=torch.float32, device=device)
+    return scratch, torch.zeros(2, 1 + 2 * WGRAD_SLOTS, dtype=torch.int64, device=device)
 
 
 def _csc_wgrad(
-    csc: tuple[Tensor, Tensor, Tensor, Tensor], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...],
-    next_item: Tensor, width: int,
+    csc: tuple[Tensor, ...], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...], scratch: Tensor,
+    counters: Tensor, width: int,
 ) -> None:  # fmt: skip
-    """Writes to each fp32 [N, K] out the sums over column n's entries of value * src_MK[token] (rows of columns
-    with more than one chunk must be zero first: `zero_shared_rows`).
+    """Writes every row of each [N, K] out (fp32 or bf16, one per value array: 1 or 2): row n = the fp32 sum over
+    column n's entries of value * src_MK[token], rounded once to the out's dtype.
 
-    csc = (order_E, col_start, chunk_start, chunk_col) of `csc_index`; one out per value array
-    (1 or 2); next_item is a zeroed int64 [1] work counter.
+    csc = `csc_index`'s five tensors; scratch and counters: `wgrad_scratch`'s, the counters one row of them.
     """
     device = src_MK.device
     n, k = outs[0].shape
@@ -524,22 +543,55 @@ def _csc_wgrad(
     kw, parts = wgrad_slices(k)
     args = (
         *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
-        cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(next_item),
-        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts),
+        cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(scratch), cuda.ptr(counters),
+        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts), np.int32(WGRAD_SLOTS),
     )  # fmt: skip
-    _launch("train_backward.cu", f"train_csc_wgrad<{kw},{len(values)}>", sms * WGRAD_BLOCKS_PER_SM, args, device)
+    kernel = f"train_csc_wgrad<{kw},{len(values)},{OUT_CTYPES[outs[0].dtype]}>"
+    _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, args, device)
 
 
-def zero_shared_rows(chunk_start: Tensor, outs: tuple[Tensor, ...]) -> None:
-    """Zeroes, in each fp32 [N, K] out (at most three), the rows of the columns with more than one work chunk,
-    whose items add with atomics; every other row is stored whole by `_csc_wgrad`."""
-    device = outs[0].device
+def _light_backward(
+    dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """train_bwd_sddmm and train_bwd_dx on the light tokens: (dx_MK with the heavy rows unwritten, and at the ELL
+    entries h, du, dg (bf16 [M, W]) and the CSC sort keys)."""
+    device = dy_MK.device
+    (m, k), (n, width) = dy_MK.shape, (w_gate_NK.shape[0], ell_cols_MW.shape[1])
+    dx_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=torch.bfloat16, device=device).unbind(0)
+    key_MW = torch.empty(m, width, dtype=csc_key_dtype(n), device=device)
+    if m:
+        kv = _pieces(k)
+        blocks = math.ceil(m / WARPS_PER_BLOCK)
+        args = (
+            cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
+            cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
+            cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), cuda.ptr(key_MW),
+            np.int32(m), np.int32(n), np.int32(k), np.int32(width),
+        )  # fmt: skip
+        smem = WARPS_PER_BLOCK * kv * 32 * 16
+        _launch("train_backward.cu", f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>", blocks, args, device, smem)
+        args = (
+            cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
+            cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
+            np.int32(m), np.int32(k), np.int32(width),
+        )  # fmt: skip
+        _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
+    return dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW
+
+
+def _light_weight_gradients(
+    key_MW: Tensor, ell_h_MW: Tensor, ell_du_MW: Tensor, ell_dg_MW: Tensor, x_MK: Tensor, dy_MK: Tensor,
+    outs: tuple[Tensor, Tensor, Tensor],
+) -> None:  # fmt: skip
+    """Writes the light tokens' (dW_gate, dW_up, dW_down^T) into outs ([N, K] each) through the transposed view;
+    its index (about 3 x 8 bytes per ELL slot) is freed on return."""
     n, k = outs[0].shape
-    ptrs = [cuda.ptr(t) for t in outs] + [np.uint64(0)] * (3 - len(outs))
-    kernel = cuda.get_function("train_backward.cu", "train_csc_zero_shared", device)
-    warps = ZERO_THREADS // 32
-    blocks = max(1, min(math.ceil(n / warps), 4 * cuda.sm_count(device)))
-    cuda.launch(kernel, (blocks,), (ZERO_THREADS,), (cuda.ptr(chunk_start), *ptrs, np.int32(n), np.int32(k)), device)
+    width = key_MW.shape[1]
+    csc = csc_index(key_MW, n)
+    scratch, counters = wgrad_scratch(k, x_MK.device)
+    _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, outs[:2], scratch, counters[0], width)
+    _csc_wgrad(csc, (ell_h_MW,), dy_MK, outs[2:], scratch, counters[1], width)
 
 
 def _cuda_backward(
@@ -549,55 +601,37 @@ def _cuda_backward(
     device = x_MK.device
     _require_kernels(device)
     m, k = x_MK.shape
-    n, width = w_gate_NK.shape[0], ell_cols_MW.shape[1]
-    bf16, fp32 = torch.bfloat16, torch.float32
+    n = w_gate_NK.shape[0]
     weight_dtype = w_gate_NK.dtype  # bf16, or fp32 master weights: their gradients skip the bf16 round trip
     w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
     with torch.cuda.device(device):
-        dy_MK = dy_MK.to(bf16).contiguous()
+        dy_MK = dy_MK.to(torch.bfloat16).contiguous()
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
-        dx_MK = torch.empty(m, k, dtype=bf16, device=device)
-        ell_h_MW, ell_du_MW, ell_dg_MW = torch.empty(3, m, width, dtype=bf16, device=device).unbind(0)
-        key_MW = torch.empty(m, width, dtype=csc_key_dtype(n), device=device)  # CSC sort keys, written by sddmm
-        kv = _pieces(k)
-        if m:
-            blocks = math.ceil(m / WARPS_PER_BLOCK)
-            args = (
-                cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
-                cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
-                cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), cuda.ptr(key_MW),
-                np.int32(m), np.int32(n), np.int32(k), np.int32(width),
-            )  # fmt: skip
-            smem = WARPS_PER_BLOCK * kv * 32 * 16
-            sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
-            _launch("train_backward.cu", sddmm, blocks, args, device, smem)
-            args = (
-                cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
-                cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
-                np.int32(m), np.int32(k), np.int32(width),
-            )  # fmt: skip
-            _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
-        # fp32 sums of dW_gate, dW_up and dW_down^T, each its own buffer: fp32 master weights take the first two
-        # as their gradients (outputs of a custom op must not alias each other). The weight-gradient kernels write
-        # every row (empty columns included), so only an empty batch needs a fill.
-        new = torch.empty if m else torch.zeros
-        dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=fp32, device=device) for _ in range(3))
-        if m:
-            csc = csc_index(key_MW, n)
-            zero_shared_rows(csc[2], (dw_gate_NK, dw_up_NK, dw_down_NK))
-            next_item = torch.zeros(2, dtype=torch.int64, device=device)  # one work counter per launch
-            _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, (dw_gate_NK, dw_up_NK), next_item[:1], width)
-            _csc_wgrad(csc, (ell_h_MW,), dy_MK, (dw_down_NK,), next_item[1:], width)
+        dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW = _light_backward(
+            dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1
+        )  # fmt: skip
+        # dW_gate, dW_up and dW_down^T, each its own buffer (outputs of a custom op must not alias each other), in
+        # the weights' dtype: the kernels round each fp32 sum once, so bf16 weights get bf16 gradients with no fp32
+        # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
+        # kernels write every row (empty columns included), so only an empty batch needs a fill.
         rows_R = heavy_rows(heavy_M, heavy_counts)
+        sum_dtype = torch.float32 if rows_R.numel() else weight_dtype
+        new = torch.empty if m else torch.zeros
+        dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=sum_dtype, device=device) for _ in range(3))
+        if m:
+            outs = (dw_gate_NK, dw_up_NK, dw_down_NK)
+            _light_weight_gradients(key_MW, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs)
+        # Freed before the heavy rows' GEMMs and the transposed copy of dW_down, where the op's memory peaks.
+        del ell_h_MW, ell_du_MW, ell_dg_MW, key_MW
         if rows_R.numel():
             backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(
                 x_MK, w_gate_NK, w_up_NK, w_down_t_NK.t(), rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
                 dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
             )  # fmt: skip
-        if weight_dtype == fp32:
-            return dx_MK, dw_gate_NK, dw_up_NK, transposed_copy(dw_down_NK, fp32)
-        return dx_MK, dw_gate_NK.to(bf16), dw_up_NK.to(bf16), transposed_copy(dw_down_NK)
+        return (
+            dx_MK, dw_gate_NK.to(weight_dtype), dw_up_NK.to(weight_dtype), transposed_copy(dw_down_NK, weight_dtype)
+        )  # fmt: skip
 
 
 def _backup_backward(

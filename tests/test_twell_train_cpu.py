@@ -30,6 +30,7 @@ from sparse_llm.twell_train import (
     csc_chunk_starts,
     csc_keys,
     csc_order,
+    csc_shared_ranks,
     heavy_rows,
     train_estimated_ms,
     twell_train_backward_op,
@@ -289,6 +290,11 @@ def test_csc_order_lists_light_entries_by_column():
     assert col_start[-1] == len(expected)
     got = [(c, int(order[e])) for c in range(n) for e in range(int(col_start[c]), int(col_start[c + 1]))]
     assert got == expected
+
+
+def test_csc_shared_ranks_count_the_many_chunk_columns_before_each():
+    chunk_start = torch.tensor([0, 1, 4, 5, 5 + 1, 6 + 3, 9 + 2, 11 + 1])  # chunks per column: 1 3 1 1 3 2 1
+    assert csc_shared_ranks(chunk_start).tolist() == [0, 0, 1, 1, 1, 2, 3]
 
 
 def test_csc_chunk_starts_count_whole_chunks_per_column():

@@ -23,6 +23,7 @@ REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
+    from sparse_llm import twell_train
     from sparse_llm.twell_backend import synthetic_block
     from sparse_llm.twell_train import (
         STATE_NAMES,
@@ -33,10 +34,11 @@ if REASON is None:
         csc_key_dtype,
         csc_keys,
         csc_order,
+        csc_shared_ranks,
         heavy_rows,
         twell_train_ffn,
         twell_train_forward_op,
-        zero_shared_rows,
+        wgrad_scratch,
     )
 
 ATOL = 1e-3
@@ -229,25 +231,48 @@ def test_saved_state_is_the_hybrid_packing_of_the_gate():
 
 @pytest.mark.parametrize("n", [1, 256, 5632, 65536])
 def test_csc_offsets_kernels_match_the_torch_reference(n):
-    """Column starts, chunk starts and chunk columns of the transposed view, with empty, ordinary and many-chunk
-    columns, and with no entry at all."""
+    """Column starts, chunk starts, chunk columns and many-chunk ranks of the transposed view, with empty, ordinary
+    and many-chunk columns, and with no entry at all."""
     gen = torch.Generator(device="cuda").manual_seed(n)
     key_MW = torch.randint(0, n + 1, (3000, 40), device="cuda", generator=gen, dtype=torch.int32)  # n: unused
     key_MW[:, :5] = min(3, n)  # a hot column: 15000 entries, many chunks
     assert csc_key_dtype(n) == (torch.int16 if n < 65536 else torch.int32)
     key_dtypes = {csc_key_dtype(n), torch.int32}  # the narrow keys the op writes, and int32 keys for any N
     for keys in [k.to(dtype) for k in (key_MW, torch.full_like(key_MW, n)) for dtype in key_dtypes]:
-        order, col_start, chunk_start, chunk_col = csc_index(keys, n)
+        order, col_start, chunk_start, chunk_col, shared_rank = csc_index(keys, n)
         ref_order, ref_start = csc_order(keys, n)
         assert torch.equal(order, ref_order) and torch.equal(col_start, ref_start)
         assert torch.equal(chunk_start, csc_chunk_starts(ref_start))
         assert torch.equal(chunk_col[: chunk_start[-1]], csc_chunk_columns(chunk_start))
+        assert torch.equal(shared_rank, csc_shared_ranks(chunk_start))
 
 
-def test_csc_weight_gradient_kernel_with_hot_columns():
-    """_csc_wgrad vs formats.hybrid_t_matmul, with columns of 0, 1, 64 and ~M entries (many-chunk atomics on rows
-    zeroed by zero_shared_rows; the other rows stored, on NaN-filled outputs)."""
-    m, k, n, width = 3000, 2048, 512, 40
+def csc_wgrad_case(h: torch.Tensor, width: int, k: int, out_dtype: torch.dtype) -> None:
+    """_csc_wgrad on h's light entries (and twice them as the second value array) vs formats.hybrid_t_matmul, on
+    NaN-filled outputs of out_dtype (every row must be written) and a scratch that must be left zeroed."""
+    m, n = h.shape
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    packed = pack_hybrid(h.bfloat16(), width=width)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    csc = csc_index(csc_keys(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n), n)
+    values = packed.ell_values_MW.contiguous()
+    second = (values * 2).contiguous()
+    out1, out2 = torch.full((2, n, k), float("nan"), device="cuda", dtype=out_dtype).unbind(0)
+    scratch, counters = wgrad_scratch(k, torch.device("cuda"))
+    _csc_wgrad(csc, (values, second), x, (out1, out2), scratch, counters[0], width)
+    light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
+    want = hybrid_t_matmul(light, x.float())
+    # fp32 sums rounded once: an fp32 out matches to summation order, a bf16 out to one rounding of the sum
+    rtol = 1e-4 if out_dtype == torch.float32 else BF16_EPS
+    torch.testing.assert_close(out1.float(), want, atol=1e-3, rtol=rtol)
+    torch.testing.assert_close(out2.float(), 2 * want, atol=2e-3, rtol=rtol)
+    assert not scratch.any()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_csc_weight_gradient_kernel_with_hot_columns(out_dtype):
+    """Columns of 0, 1, 64 and ~M entries (many chunks, summed in a scratch slot); heavy tokens are excluded."""
+    m, n = 3000, 512
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(m, n, device="cuda", generator=gen)
     h *= torch.rand(m, n, device="cuda", generator=gen) < 0.03
@@ -255,19 +280,23 @@ def test_csc_weight_gradient_kernel_with_hot_columns():
     h[:64, 9] = 1.0
     h[:, 11] = 0.0
     h[::50] = torch.randn(n, device="cuda", generator=gen)  # heavy tokens: excluded from the CSC walk
-    packed = pack_hybrid(h.bfloat16(), width=width)
-    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-    csc = csc_index(csc_keys(packed.ell_cols_MW, packed.ell_count_M, packed.heavy_M, n), n)
-    values = packed.ell_values_MW.contiguous()
-    second = (values * 2).contiguous()
-    out1, out2 = torch.full((2, n, k), float("nan"), device="cuda").unbind(0)  # every row must be written
-    zero_shared_rows(csc[2], (out1, out2))
-    next_item = torch.zeros(1, dtype=torch.int64, device="cuda")
-    _csc_wgrad(csc, (values, second), x, (out1, out2), next_item, width)
-    light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
-    want = hybrid_t_matmul(light, x.float())
-    torch.testing.assert_close(out1, want, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out2, 2 * want, atol=2e-3, rtol=1e-4)
+    csc_wgrad_case(h, 40, 2048, out_dtype)
+
+
+@pytest.mark.parametrize("slots", [1, 3, None])
+def test_csc_weight_gradient_kernel_reuses_scratch_slots(slots, monkeypatch):
+    """More many-chunk columns than scratch slots (default count, and one or three slots, which make every column
+    wait for the one a slot's turn before it): each slot is summed, stored, zeroed and handed on in turn."""
+    if slots is not None:
+        monkeypatch.setattr(twell_train, "WGRAD_SLOTS", slots)
+    m, n = 3000, 4096  # 1200 columns of ~240 entries, more than twice the mean column (70): each is many chunks
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(m, n, device="cuda", generator=gen)
+    fires = torch.rand(m, n, device="cuda", generator=gen) < torch.where(torch.arange(n, device="cuda") < 1200, 0.08, 0)
+    h *= fires
+    col_start = torch.cat([fires.new_zeros(1, dtype=torch.int64), fires.sum(0).cumsum(0)])
+    assert (csc_chunk_starts(col_start).diff() > 1).sum() > twell_train.WGRAD_SLOTS
+    csc_wgrad_case(h, 160, 1024, torch.bfloat16)
 
 
 def test_no_host_sync_in_forward_nor_in_backward():
