@@ -78,6 +78,13 @@ class SparseMLP(nn.Module):
         self._calls += 1
         return result.y_MK.reshape(x.shape)
 
+    @torch.compiler.disable
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) (module hooks included): the decoder layer's FFN with its residual add, so that a
+        compiled layer ends at this call instead of resuming after it for one addition (a compiled graph of its own,
+        forward and backward)."""
+        return residual + self(x)
+
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"
 

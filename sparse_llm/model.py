@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaModel,
     LlamaRMSNorm,
     apply_rotary_pos_emb,
@@ -137,6 +138,34 @@ class FusedRopeAttention(LlamaAttention):
         return self.o_proj(out_BSHD.reshape(*input_shape, -1).contiguous()), weights
 
 
+class FusedDecoderLayer(LlamaDecoderLayer):
+    """`LlamaDecoderLayer` (same computation) whose FFN residual add happens in `SparseMLP.add_to`: under
+    `compile_layers` the layer's graph then ends at the FFN, where tracing stops anyway, instead of a second compiled
+    graph that only adds the residual (its own host call forward and backward in every layer)."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not isinstance(self.mlp, SparseMLP):
+            return super().forward(
+                hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+            )  # fmt: skip
+        attended, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )  # fmt: skip
+        hidden_states = hidden_states + attended
+        return self.mlp.add_to(hidden_states, self.post_attention_layernorm(hidden_states))
+
+
 # Attention functions that apply the causal mask themselves when given none (`is_causal`).
 CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -192,6 +221,7 @@ FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     LlamaRMSNorm: FusedRMSNorm,
     LlamaAttention: FusedRopeAttention,
     LlamaModel: CausalLlamaModel,
+    LlamaDecoderLayer: FusedDecoderLayer,
 }
 
 

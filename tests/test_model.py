@@ -170,6 +170,37 @@ def test_causal_model_skips_the_mask_builder_and_matches_transformers(monkeypatc
     torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_decoder_layer_matches_transformers_and_keeps_mlp_hooks():
+    """The FFN residual add moved into SparseMLP.add_to changes nothing: same logits and gradients as transformers'
+    decoder layer, and forward hooks on the MLP still see every call."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from sparse_llm.model import FusedDecoderLayer
+
+    torch.manual_seed(4)
+    model = build_model(TINY, kernel="torch").train()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    seen = []
+    for layer in model.model.layers:
+        assert type(layer) is FusedDecoderLayer
+        layer.mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+
+    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits, grads = logits_and_grads()
+    assert len(seen) == TINY.num_layers
+    for layer in model.model.layers:
+        layer.__class__ = LlamaDecoderLayer
+    want_logits, want_grads = logits_and_grads()
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_layers_give_the_eager_loss_and_gradients(checkpointing):
     """compile_layers traces each decoder layer around its SparseMLP (run eagerly): same loss, L1 term, gradients
