@@ -18,6 +18,8 @@
 //                        warp order), so the result is deterministic.
 // Every token's y row, l1[m] (sum |h|) and l0[m] (h != 0 count) are written exactly once, by one of the two
 // kernels; fired[n] (zeroed by the caller) is set to 1 where h != 0. torch reference: formats.gated_mlp_ref.
+// With a residual (non-null [M, K]), y = residual + the block's output, rounded as the two unfused bf16 steps
+// (the decoder layer's residual add, which would otherwise be its own pass over [M, K] three times).
 #include "up_down_common.cuh"
 
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
@@ -26,6 +28,13 @@ constexpr int LIST_CAP = 128;    // positives a light token's list holds (the la
 template <int KV>
 __host__ __device__ constexpr int heavy_warps() {
     return KV <= 8 ? 16 : 8;
+}
+
+// gate_up_down_light's shared memory: four warps' x rows (KV * 32 uint4 each) | their lists (LIST_CAP uint32
+// each) | with a residual, their residual rows. The residual row of `warp`:
+template <int KV>
+__device__ __forceinline__ uint4 *residual_row(uint4 *smem, int warp) {
+    return smem + 4 * KV * 32 + LIST_CAP + warp * KV * 32;
 }
 
 // Up to K = 2048, 4 blocks per SM (128 registers): 16 warps, as many weight rows in flight as the register
@@ -37,6 +46,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
     __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens)
+    const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
     float *__restrict__ l1,                      // [M] out (light tokens)
     int *__restrict__ l0,                        // [M] out (light tokens)
     int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
@@ -56,6 +66,8 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
         return;
     }
 
+    // The residual row is fetched during the walk; each lane reads back its own pieces.
+    if (residual != nullptr) prefetch_row_async<KV>(residual_row<KV>(smem, warp), residual + m * K, lane, K);
     stage_row<KV>(x_smem, x + m * K, lane, K);
     __syncwarp();  // the list and x are written by all lanes, read by all lanes
     const uint64_t keep = l2_keep_policy();
@@ -67,6 +79,11 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
         const uint32_t entry = list[j];
         up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t, fired,
                           lane, K, keep);
+    }
+    if (residual != nullptr) {
+        cp_async_wait_all();
+#pragma unroll
+        for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp)[v * 32 + lane]);
     }
     store_row_bf16<KV>(y + m * K, acc, lane, K);
     if (lane == 0) {
@@ -84,6 +101,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K]
     __nv_bfloat16 *__restrict__ y,               // [M, K] out (heavy tokens)
+    const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
     float *__restrict__ l1,                      // [M] out (heavy tokens)
     int *__restrict__ l0,                        // [M] out (heavy tokens)
     int *__restrict__ fired,                     // [N] set to 1 where h != 0
@@ -156,6 +174,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
 #pragma unroll
                 for (int j = 0; j < 8; ++j) sum[j] += partial[w * KV * 256 + col + j];
             }
+            if (residual != nullptr) add_residual8(sum, __ldcs(reinterpret_cast<const uint4 *>(residual + m * K + col)));
             __stcs(reinterpret_cast<uint4 *>(y + m * K + col), pack_bf16x8(sum));
         }
         if (threadIdx.x == 0) {
@@ -176,12 +195,12 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
 #define GATE_UP_DOWN(KV)                                                                                        \
     template __global__ void gate_up_down_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
-                                                    __nv_bfloat16 *, float *, int *, int *, int *, int *, int, \
-                                                    int, int, int);                                            \
+                                                    __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
+                                                    int *, int *, int *, int, int, int, int);                  \
     template __global__ void gate_up_down_heavy<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
-                                                    __nv_bfloat16 *, float *, int *, int *, const int *,       \
-                                                    const int *, int, int);
+                                                    __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
+                                                    int *, const int *, const int *, int, int);
 GATE_UP_DOWN(1)
 GATE_UP_DOWN(8)
 GATE_UP_DOWN(16)

@@ -216,4 +216,32 @@ __device__ __forceinline__ void store_row_bf16(__nv_bfloat16 *row, const float (
         if (col < K) __stcs(reinterpret_cast<uint4 *>(row + col), pack_bf16x8(acc[v]));
     }
 }
+
+// Eight fp32 block outputs plus eight bf16 values of the residual stream: the output rounded to bf16 first, as
+// the unfused path stores it, then the sum in fp32 (pack_bf16x8 rounds it), as torch adds two bf16 tensors.
+__device__ __forceinline__ void add_residual8(float (&v)[8], const uint4 &residual) {
+    float r[8];
+    bf16x8_to_float(residual, r);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = r[j] + __bfloat162float(__float2bfloat16_rn(v[j]));
+}
+
+// Starts copying this lane's pieces of a K-wide bf16 row (piece v * 32 + lane, zeros past K) to shared memory
+// without waiting (cp.async): the copy lands while the warp works; cp_async_wait_all() before the lane reads
+// its own pieces back.
+template <int KV>
+__device__ __forceinline__ void prefetch_row_async(uint4 *smem_row, const __nv_bfloat16 *__restrict__ row, int lane,
+                                                   int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int q = v * 32 + lane;
+        const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row + q));
+        const int bytes = q * 8 < K ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(row + (bytes ? q * 8 : 0)),
+                     "r"(bytes));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif  // TWELL_COMMON_CUH

@@ -89,11 +89,13 @@ class FFNBackend(abc.ABC):
         training: bool,
         statistics: bool = True,
         compile_backend: str | None = None,
+        residual_MK: torch.Tensor | None = None,
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow. `statistics=False` lets an inference
         call skip L1/L0/fired where they cost extra work (a backend may still return them). `compile_backend`
         names a torch.compile backend for a block built from torch ops (None: eager); backends running their
-        own kernels ignore it."""
+        own kernels ignore it. With `residual_MK` ([M, K], a decoder layer's residual stream) the result's y_MK
+        is residual_MK + the block's output, which a backend may add as it writes y."""
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
@@ -114,12 +116,16 @@ def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dense_block(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, statistics: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(y_MK, l1_sum, l0_M, fired_N) of the gated block in torch ops; the last three None without statistics."""
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, statistics: bool,
+    residual_MK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(y_MK, l1_sum, l0_M, fired_N) of the gated block in torch ops (y_MK plus residual_MK when given); the last
+    three None without statistics."""
     g_MN = F.relu(F.linear(x_MK, w_gate_NK))
     h_MN = g_MN * F.linear(x_MK, w_up_NK)
     y_MK = F.linear(h_MN, w_down_KN)
+    if residual_MK is not None:
+        y_MK = residual_MK + y_MK
     if not statistics:
         return y_MK, None, None, None
     # Accumulated in fp32 (bf16 sums over 10^5+ terms lose most of their digits) without an fp32 copy
@@ -139,6 +145,13 @@ def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
 
 
+def with_residual(result: FFNResult, residual_MK: torch.Tensor | None) -> FFNResult:
+    """result with residual_MK added to its y_MK (for backends that cannot add it as they write y)."""
+    if residual_MK is not None:
+        result.y_MK = residual_MK + result.y_MK
+    return result
+
+
 class TorchFFN(FFNBackend):
     """The reference path: three dense GEMMs through torch (cuBLAS on GPU). Runs everywhere."""
 
@@ -147,10 +160,12 @@ class TorchFFN(FFNBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None):
+    def forward(
+        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None
+    ):  # fmt: skip
         block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # four passes over h saved without statistics: about 0.6 ms per layer at 16384 x 5632
-        y_MK, l1_sum, l0_M, fired_N = block(x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics)
+        y_MK, l1_sum, l0_M, fired_N = block(x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics, residual_MK)
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):

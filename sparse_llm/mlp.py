@@ -55,9 +55,12 @@ class SparseMLP(nn.Module):
     # torch.compile (e.g. `compile_layers`) runs this eagerly between the compiled parts of a layer: the backend
     # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., K] -> [..., K]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given, which the sparse inference kernels add
+        as they write their output instead of in a pass of its own."""
         x_MK = x.reshape(-1, self.hidden_size)
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"residual has shape {list(residual.shape)}; it must match x's {list(x.shape)}")
         training = torch.is_grad_enabled()
         compiled = self.compile_backend is not None
         backend = self.dispatcher.choose(x_MK, self.gate_proj.weight, training=training, compiled=compiled)
@@ -70,6 +73,7 @@ class SparseMLP(nn.Module):
             training=training,
             statistics=self.record_statistics or observing,
             compile_backend=self.compile_backend,
+            residual_MK=None if residual is None else residual.reshape(x_MK.shape),
         )
         self.last_result = result
         if observing:
@@ -82,8 +86,8 @@ class SparseMLP(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x) (module hooks included): the decoder layer's FFN with its residual add, so that a
         compiled layer ends at this call instead of resuming after it for one addition (a compiled graph of its own,
-        forward and backward)."""
-        return residual + self(x)
+        forward and backward), and the sparse inference kernels fold the addition into their output."""
+        return self(x, residual=residual)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"

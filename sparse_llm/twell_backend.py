@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.backends import FFNBackend, FFNResult, TorchFFN, register_backend
+from sparse_llm.backends import FFNBackend, FFNResult, TorchFFN, register_backend, with_residual
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -161,6 +161,19 @@ def _check_tensor(
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)} ({layout})")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
+
+
+def _check_residual(residual_MK: object, x_MK: torch.Tensor) -> bool:
+    """Validates a residual to add to the block's output: True where the kernels can add it as they store y (bf16,
+    contiguous); the caller adds any other."""
+    if not isinstance(residual_MK, torch.Tensor):
+        raise TypeError(f"residual_MK must be a torch.Tensor, got {type(residual_MK).__name__}")
+    if residual_MK.shape != x_MK.shape or residual_MK.device != x_MK.device:
+        raise ValueError(
+            f"residual_MK has shape {list(residual_MK.shape)} on {residual_MK.device}; it must match x_MK "
+            f"({list(x_MK.shape)} on {x_MK.device}): the residual stream the block's output is added to"
+        )
+    return residual_MK.dtype == torch.bfloat16 and residual_MK.is_contiguous()
 
 
 def _check_2d(t: object, name: str, expected: str) -> None:
@@ -440,6 +453,7 @@ def direct_up_down(
     w_up_NK: torch.Tensor,
     w_down_t_NK: torch.Tensor,
     split_nnz: int = DENSE_ROW_NNZ,
+    residual_MK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T (kernels/gate_up_down.cu).
 
@@ -448,9 +462,11 @@ def direct_up_down(
         w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
         split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are split over a block
             of warps. Below SPLIT_BELOW_M tokens every token with a positive is split, to fill the GPU.
+        residual_MK: bf16 [M, K] added to y by the kernels (a decoder layer's residual stream), or None.
 
     Returns:
-        (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync.
+        (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
+        residual, y_MK = residual_MK + y rounded as the two unfused bf16 steps (bit for bit).
 
     Raises TypeError/ValueError naming the bad argument, as `check_inputs` does.
     """
@@ -462,13 +478,16 @@ def direct_up_down(
         ("gate_MN", gate_MN, (m, n), "the pre-activation gate x w_gate^T [M, N]"),
         ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
         ("w_down_t_NK", w_down_t_NK, (n, k), "down_proj.weight transposed to [N, K], contiguous"),
+        *([("residual_MK", residual_MK, (m, k), "the residual stream [M, K], bf16, contiguous")]
+          if residual_MK is not None else []),
     ])  # fmt: skip
-    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz)
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK)
 
 
 def _direct_up_down(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
+    residual_MK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once)."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
@@ -480,29 +499,34 @@ def _direct_up_down(
     fired_N, heavy_count = zeroed[:n], zeroed[n:]
     if m == 0:
         return y_MK, l1_M, l0_M, fired_N
+    residual = np.uint64(0) if residual_MK is None else cuda.ptr(residual_MK)
     heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
     light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
     args = (
-        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK),
+        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK), residual,
         cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
         _i32(m), _i32(k), _i32(n), _i32(split),
     )  # fmt: skip
-    smem = UP_DOWN_TOKENS_PER_BLOCK * (kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + positives list per warp
+    # per warp: the x row, the positives list, and the residual row when there is one
+    smem = UP_DOWN_TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
                 shared_mem=smem)  # fmt: skip
-    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, heavy_count, (y_MK, l1_M, l0_M, fired_N))
+    outs = (y_MK, l1_M, l0_M, fired_N)
+    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, heavy_count, outs, residual_MK)
     return y_MK, l1_M, l0_M, fired_N
 
 
 def split_token_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    residual_MK: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Writes the y, l1 and l0 rows of the tokens rows_M[: count_1[0]] and sets their fired neurons, each token
     split over a block of warps (gate_up_down_heavy). rows_M: int32 [M]; count_1: int32 [1], read on the device,
-    so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down` allocates them."""
+    so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down` allocates them; y rows
+    include residual_MK's (bf16 [M, K]) when given."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     device = x_MK.device
@@ -513,9 +537,11 @@ def split_token_up_down(
     smem = kv * 32 * 16 + warps // 2 * kv * 256 * 4 + warps * (256 * 4 + 8)
     cuda.set_dynamic_smem(heavy, smem)
     blocks = min(m, cuda.sm_count(device))  # one block per SM
+    y_MK, *stats = outs
+    residual = np.uint64(0) if residual_MK is None else cuda.ptr(residual_MK)
     args = (
-        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), *(cuda.ptr(t) for t in outs),
-        cuda.ptr(rows_M), cuda.ptr(count_1), _i32(k), _i32(n),
+        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK), residual,
+        *(cuda.ptr(t) for t in stats), cuda.ptr(rows_M), cuda.ptr(count_1), _i32(k), _i32(n),
     )  # fmt: skip
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
@@ -533,6 +559,7 @@ def twell_gated_mlp(
     w_down_KN: torch.Tensor,
     gate_route: str = "auto",
     dense_row_nnz: int = DENSE_ROW_NNZ,
+    residual_MK: torch.Tensor | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -541,6 +568,8 @@ def twell_gated_mlp(
         gate_route: "auto" (= "direct"), "direct", "cublas" or "fused" (see the module docstring).
         dense_row_nnz: tokens with more gate non-zeros than this are split over a block of warps
             ("direct") or computed by dense GEMMs (TwELL routes), either way cheaper for them.
+        residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
+            kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
 
     Returns:
         FFNResult. "direct": path "twell-direct", overflow_rows 0 (no token is recomputed). TwELL routes:
@@ -549,10 +578,16 @@ def twell_gated_mlp(
     """
     check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     _check_gate_route(gate_route, MLP_ROUTES)
+    fusable = residual_MK is not None and _check_residual(residual_MK, x_MK)
     if gate_route in ("auto", "direct"):
         gate_MN = F.linear(x_MK, w_gate_NK)
+        fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
-        y_MK, l1_M, l0_M, fired_N = _direct_up_down(x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
+        y_MK, l1_M, l0_M, fired_N = _direct_up_down(
+            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused
+        )  # fmt: skip
+        if residual_MK is not None and fused is None:
+            y_MK = residual_MK + y_MK
         return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path="twell-direct")
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
@@ -569,7 +604,7 @@ def twell_gated_mlp(
         l0_M.index_copy_(0, dense_rows_R, l0_R)
         fired_N |= fired_rows_N
     return FFNResult(
-        y_MK=y_MK,
+        y_MK=y_MK if residual_MK is None else residual_MK + y_MK,
         l1_sum=l1_M.sum(),
         l0_M=l0_M,
         fired_N=fired_N,
@@ -612,19 +647,23 @@ class TwellFFN(FFNBackend):
         bf16 = x_MK.dtype == w_gate_NK.dtype == torch.bfloat16
         return training or bf16 or _bf16_autocast(x_MK.device.type)
 
-    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None):
+    def forward(
+        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None
+    ):  # fmt: skip
         # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
 
-            return twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+            return with_residual(twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN), residual_MK)
         reason = self.unavailable_reason(x_MK.device)
         if reason is not None:
             if reason not in self._warned:
                 warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
                 self._warned.add(reason)
-            result = TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics)
+            result = TorchFFN().forward(
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics, residual_MK=residual_MK
+            )  # fmt: skip
             result.path = "torch (twell unavailable)"
             return result
         if _bf16_autocast(x_MK.device.type):
@@ -639,7 +678,7 @@ class TwellFFN(FFNBackend):
                 f"{str(x_MK.dtype).removeprefix('torch.')} and weights {weight_dtypes}. Load the model with "
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
-        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)

@@ -581,14 +581,13 @@ def _light_backward(
 
 
 def _light_weight_gradients(
-    key_MW: Tensor, ell_h_MW: Tensor, ell_du_MW: Tensor, ell_dg_MW: Tensor, x_MK: Tensor, dy_MK: Tensor,
+    csc: tuple[Tensor, ...], ell_h_MW: Tensor, ell_du_MW: Tensor, ell_dg_MW: Tensor, x_MK: Tensor, dy_MK: Tensor,
     outs: tuple[Tensor, Tensor, Tensor],
 ) -> None:  # fmt: skip
-    """Writes the light tokens' (dW_gate, dW_up, dW_down^T) into outs ([N, K] each) through the transposed view;
-    its index (about 3 x 8 bytes per ELL slot) is freed on return."""
-    n, k = outs[0].shape
-    width = key_MW.shape[1]
-    csc = csc_index(key_MW, n)
+    """Writes the light tokens' (dW_gate, dW_up, dW_down^T) into outs ([N, K] each) through the transposed view
+    csc (`csc_index`)."""
+    k = outs[0].shape[1]
+    width = ell_h_MW.shape[1]
     scratch, counters = wgrad_scratch(k, x_MK.device)
     _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, outs[:2], scratch, counters[0], width)
     _csc_wgrad(csc, (ell_h_MW,), dy_MK, outs[2:], scratch, counters[1], width)
@@ -614,15 +613,19 @@ def _cuda_backward(
         # the weights' dtype: the kernels round each fp32 sum once, so bf16 weights get bf16 gradients with no fp32
         # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
         # kernels write every row (empty columns included), so only an empty batch needs a fill.
+        # The memory peaks are the sort of the transposed view's keys (its temporary buffers), then the weight
+        # gradients with the view, then dW_down's transposed copy: the gradients are allocated after the sort, and
+        # the view and the ELL values are freed before the copy.
+        csc = csc_index(key_MW, n) if m else ()
+        del key_MW
         rows_R = heavy_rows(heavy_M, heavy_counts)
         sum_dtype = torch.float32 if rows_R.numel() else weight_dtype
         new = torch.empty if m else torch.zeros
         dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=sum_dtype, device=device) for _ in range(3))
         if m:
             outs = (dw_gate_NK, dw_up_NK, dw_down_NK)
-            _light_weight_gradients(key_MW, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs)
-        # Freed before the heavy rows' GEMMs and the transposed copy of dW_down, where the op's memory peaks.
-        del ell_h_MW, ell_du_MW, ell_dg_MW, key_MW
+            _light_weight_gradients(csc, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs)
+        del csc, ell_h_MW, ell_du_MW, ell_dg_MW
         if rows_R.numel():
             backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(

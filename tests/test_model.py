@@ -325,3 +325,16 @@ def test_rope_op_names_mismatched_shapes():
         rotate_half_qk(q, k, torch.randn(2, 6, 8), torch.randn(2, 6, 8))
     with pytest.raises(ValueError, match="must share dtype"):
         rotate_half_qk(q, k.double(), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+
+
+def test_sparse_mlp_adds_the_residual_it_is_given():
+    """SparseMLP(x, residual) = residual + SparseMLP(x), gradients included; a residual of another shape is refused."""
+    torch.manual_seed(0)
+    mlp = SparseMLP(64, 256, kernel="torch")
+    x, residual = torch.randn(2, 5, 64), torch.randn(2, 5, 64, requires_grad=True)
+    out = mlp(x, residual=residual)
+    assert torch.equal(out, residual + mlp(x))
+    out.sum().backward()
+    assert torch.equal(residual.grad, torch.ones_like(residual))
+    with pytest.raises(ValueError, match="residual has shape"):
+        mlp(x, residual=residual[:, :3])

@@ -251,7 +251,9 @@ def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
     """Validation of fp32 weights under autocast (kernel=twell training) takes the kernels in bf16."""
     monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     seen = []
-    monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *tensors: seen.append([t.dtype for t in tensors]))
+    monkeypatch.setattr(
+        twell_backend, "twell_gated_mlp", lambda *tensors, residual_MK: seen.append([t.dtype for t in tensors])
+    )  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16):
         TwellFFN().forward(*(t.float() for t in block()), training=False)
     assert seen == [[torch.bfloat16] * 4]

@@ -239,6 +239,25 @@ def test_direct_split_and_one_warp_paths_agree():
     assert fired_full.dtype == torch.int32 and set(fired_full.unique().tolist()) <= {0, 1}
 
 
+@pytest.mark.parametrize("route", ["direct", "cublas"])
+@pytest.mark.parametrize("m", [17, 4096])
+def test_residual_is_added_as_adding_it_after(route, m):
+    """The decoder layer's residual add folded into the block: the same bits as residual + y (the direct kernels
+    add it as they store y: at 17 tokens every token is split over warps, at 4096 most take one warp; other
+    routes and dtypes add it after)."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=0.5, seed=m + 3)
+    residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
+    plain = twell_gated_mlp(*block, gate_route=route)
+    poison(((m, 2048), torch.bfloat16))
+    fused = twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK)
+    assert torch.equal(fused.y_MK, residual_MK + plain.y_MK)
+    assert torch.equal(fused.l0_M, plain.l0_M) and torch.equal(fused.fired_N, plain.fired_N)
+    fp32 = twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK.float())
+    assert fp32.y_MK.dtype == torch.float32 and torch.equal(fp32.y_MK, residual_MK.float() + plain.y_MK)
+    with pytest.raises(ValueError, match="residual_MK has shape"):
+        twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK[:-1])
+
+
 def test_transpose_cache_follows_weight_updates():
     cache = TransposeCache()
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
