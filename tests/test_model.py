@@ -138,6 +138,14 @@ def test_l1_gradients_survive_gradient_checkpointing():
         torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
 
 
+def logits_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and parameter gradients of one training forward + backward on ids."""
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
 def test_causal_model_skips_the_mask_builder_and_matches_transformers(monkeypatch):
     """Without padding or cache the model builds no mask (transformers' builder reads a device value back); logits and
     gradients equal transformers' forward, and calls with a padding mask still go through it."""
@@ -151,16 +159,10 @@ def test_causal_model_skips_the_mask_builder_and_matches_transformers(monkeypatc
     model = build_model(TINY, kernel="torch").train()
     ids = torch.randint(0, TINY.vocab_size, (2, 16))
 
-    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad()
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    logits, grads = logits_and_grads()
+    logits, grads = logits_and_grads(model, ids)
     assert checks == []
     model.model.__class__ = LlamaModel
-    want_logits, want_grads = logits_and_grads()
+    want_logits, want_grads = logits_and_grads(model, ids)
     assert checks == [1]  # transformers' forward runs the check
     model.model.__class__ = CausalLlamaModel
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
@@ -185,17 +187,11 @@ def test_fused_decoder_layer_matches_transformers_and_keeps_mlp_hooks():
         assert type(layer) is FusedDecoderLayer
         layer.mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
 
-    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad()
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    logits, grads = logits_and_grads()
+    logits, grads = logits_and_grads(model, ids)
     assert len(seen) == TINY.num_layers
     for layer in model.model.layers:
         layer.__class__ = LlamaDecoderLayer
-    want_logits, want_grads = logits_and_grads()
+    want_logits, want_grads = logits_and_grads(model, ids)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
