@@ -56,8 +56,8 @@ class SparseMLP(nn.Module):
     # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given, which the sparse inference kernels add
-        as they write their output instead of in a pass of its own."""
+        """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given: a decoder layer's residual add done here
+        (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output."""
         x_MK = x.reshape(-1, self.hidden_size)
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual has shape {list(residual.shape)}; it must match x's {list(x.shape)}")
@@ -81,13 +81,6 @@ class SparseMLP(nn.Module):
             self.dispatcher.observe(l0.mean().item(), l0.max().item())
         self._calls += 1
         return result.y_MK.reshape(x.shape)
-
-    @torch.compiler.disable
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) (module hooks included): the decoder layer's FFN with its residual add, so that a
-        compiled layer ends at this call instead of resuming after it for one addition (a compiled graph of its own,
-        forward and backward), and the sparse inference kernels fold the addition into their output."""
-        return self(x, residual=residual)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"

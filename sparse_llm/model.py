@@ -139,9 +139,10 @@ class FusedRopeAttention(LlamaAttention):
 
 
 class FusedDecoderLayer(LlamaDecoderLayer):
-    """`LlamaDecoderLayer` (same computation) whose FFN residual add happens in `SparseMLP.add_to`: under
+    """`LlamaDecoderLayer` (same computation) whose FFN residual add happens in the SparseMLP call: under
     `compile_layers` the layer's graph then ends at the FFN, where tracing stops anyway, instead of a second compiled
-    graph that only adds the residual (its own host call forward and backward in every layer)."""
+    graph that only adds the residual (its own host call forward and backward in every layer), and the sparse
+    inference kernels add the residual as they write their output (no pass of its own)."""
 
     def forward(
         self,
@@ -163,7 +164,7 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
         hidden_states = hidden_states + attended
-        return self.mlp.add_to(hidden_states, self.post_attention_layernorm(hidden_states))
+        return self.mlp(self.post_attention_layernorm(hidden_states), residual=hidden_states)
 
 
 # Attention functions that apply the causal mask themselves when given none (`is_causal`).

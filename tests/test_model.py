@@ -173,7 +173,7 @@ def test_causal_model_skips_the_mask_builder_and_matches_transformers(monkeypatc
 
 
 def test_fused_decoder_layer_matches_transformers_and_keeps_mlp_hooks():
-    """The FFN residual add moved into SparseMLP.add_to changes nothing: same logits and gradients as transformers'
+    """The FFN residual add moved into the SparseMLP call changes nothing: same logits and gradients as transformers'
     decoder layer, and forward hooks on the MLP still see every call."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
