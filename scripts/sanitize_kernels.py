@@ -7,8 +7,9 @@
 Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M = 1 and 7 (split paths),
 130, and 2100 (the direct route's one-warp path starts at 2048 tokens); K = 128 and 320 (a partial 256-column
 piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
-rows); all three inference routes with the dense-row threshold low and off; the training op forward and
-backward with a narrow and the default ELL width; both transposes.
+rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
+slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
+residual; the training op forward and backward with a narrow and the default ELL width; both transposes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def main() -> None:
     for m, k, n in SHAPES:
         x, wg, wu, wd = synthetic_block(m, k, n, nnz_mean=0.02 * n, sigma=0.5, seed=m)
         x[::3, 0] = -1.0  # flips the gate shift: nearly every gate of these tokens is positive
+        wg[5, 0] = 10.0  # neuron 5 fires for every other token
         with torch.no_grad():
             for route in ("direct", "fused", "cublas"):
                 for dense_row_nnz in (8, 1 << 30):
                     twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
+            twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
