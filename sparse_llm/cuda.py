@@ -181,9 +181,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+DEFAULT_DYNAMIC_SMEM = 48 * 1024  # dynamic shared memory a launch may use without raising the kernel's limit
+
+
 def set_dynamic_smem(kernel: Any, nbytes: int) -> None:
-    """Allow `kernel` more than 48 KiB of dynamic shared memory."""
-    if kernel.max_dynamic_shared_size_bytes < nbytes:
+    """Allow `kernel` nbytes of dynamic shared memory: raises its limit where nbytes is above the default 48 KiB
+    (free below it: no driver query)."""
+    if nbytes > DEFAULT_DYNAMIC_SMEM and kernel.max_dynamic_shared_size_bytes < nbytes:
         kernel.max_dynamic_shared_size_bytes = nbytes
 
 

@@ -511,6 +511,7 @@ def _direct_up_down(
     )  # fmt: skip
     # per warp: the x row, the positives list, and the residual row when there is one
     smem = UP_DOWN_TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
+    cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
     cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
                 shared_mem=smem)  # fmt: skip
     outs = (y_MK, l1_M, l0_M, fired_N)

@@ -133,7 +133,6 @@ CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
 WGRAD_SLOTS = 512
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 WARPS_PER_BLOCK = 4
-DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without raising the kernel's limit
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
@@ -338,8 +337,7 @@ def _reference_backward(
 
 def _launch(filename: str, name: str, grid: int, args: tuple, device: torch.device, smem: int = 0) -> None:
     kernel = cuda.get_function(filename, name, device)
-    if smem > DEFAULT_SMEM_LIMIT:
-        cuda.set_dynamic_smem(kernel, smem)
+    cuda.set_dynamic_smem(kernel, smem)
     cuda.launch(kernel, (grid,), (32 * WARPS_PER_BLOCK,), args, device, shared_mem=smem)
 
 

@@ -240,15 +240,15 @@ def test_direct_split_and_one_warp_paths_agree():
 
 
 @pytest.mark.parametrize("route", ["direct", "cublas"])
-@pytest.mark.parametrize("m", [17, 4096])
-def test_residual_is_added_as_adding_it_after(route, m):
+@pytest.mark.parametrize("m, k", [(17, 2048), (4096, 2048), (4096, 4096)])
+def test_residual_is_added_as_adding_it_after(route, m, k):
     """The decoder layer's residual add folded into the block: the same bits as residual + y (the direct kernels
     add it as they store y: at 17 tokens every token is split over warps, at 4096 most take one warp; other
-    routes and dtypes add it after)."""
-    block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=0.5, seed=m + 3)
-    residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
+    routes and dtypes add it after; at K = 4096 the one-warp kernel needs more than 48 KiB of shared memory)."""
+    block = synthetic_block(m, k, 5632, nnz_mean=28, sigma=0.5, seed=m + 3)
+    residual_MK = torch.randn(m, k, device="cuda").bfloat16()
     plain = twell_gated_mlp(*block, gate_route=route)
-    poison(((m, 2048), torch.bfloat16))
+    poison(((m, k), torch.bfloat16))
     fused = twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK)
     assert torch.equal(fused.y_MK, residual_MK + plain.y_MK)
     assert torch.equal(fused.l0_M, plain.l0_M) and torch.equal(fused.fired_N, plain.fired_N)
