@@ -226,22 +226,28 @@ __device__ __forceinline__ void add_residual8(float (&v)[8], const uint4 &residu
     for (int j = 0; j < 8; ++j) v[j] = r[j] + __bfloat162float(__float2bfloat16_rn(v[j]));
 }
 
+// 16-byte asynchronous copy from global to shared memory (dst: a shared-space address); src_bytes = 0 fills the
+// destination with zeros instead of reading src.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Starts copying this lane's pieces of a K-wide bf16 row (piece v * 32 + lane, zeros past K) to shared memory
-// without waiting (cp.async): the copy lands while the warp works; cp_async_wait_all() before the lane reads
-// its own pieces back.
+// without waiting: the copy lands while the warp works; cp_async_wait_all() before the lane reads its own pieces.
 template <int KV>
 __device__ __forceinline__ void prefetch_row_async(uint4 *smem_row, const __nv_bfloat16 *__restrict__ row, int lane,
                                                    int K) {
 #pragma unroll
     for (int v = 0; v < KV; ++v) {
         const int q = v * 32 + lane;
-        const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row + q));
-        const int bytes = q * 8 < K ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(row + (bytes ? q * 8 : 0)),
-                     "r"(bytes));
+        const bool inside = q * 8 < K;
+        cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem_row + q)), row + (inside ? q * 8 : 0),
+                    inside ? 16 : 0);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
 }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif  // TWELL_COMMON_CUH

@@ -28,11 +28,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy; src_bytes = 0 fills the destination with zeros (rows past M).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // A 128-byte-row tile as wgmma reads it with 128B swizzle: the 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8); 8-row groups are 1024 bytes apart. The tile base must be 1024-byte aligned.
 __device__ __forceinline__ uint32_t swizzled(uint32_t tile, int row, int chunk) {
@@ -130,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         if (s < kblocks) load_stage(pipe + s * STAGE_BYTES, x, w_gate, M, K, m0, n0, s);
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     }
 
     float d[128];
@@ -144,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
         __syncthreads();  // k-block kb is in shared memory for all threads; wgmma(kb-2) has retired everywhere
         const int next = kb + STAGES - 2;
         if (next < kblocks) load_stage(pipe + (next % STAGES) * STAGE_BYTES, x, w_gate, M, K, m0, n0, next);
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
 
         const uint32_t a_tile = pipe + (kb % STAGES) * STAGE_BYTES + warpgroup * 64 * 128;
         const uint32_t b_tile = pipe + (kb % STAGES) * STAGE_BYTES + A_BYTES;
@@ -156,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    cp_async_wait_all();
     __syncthreads();  // the pipeline's shared memory is reused for the packing below
 
     uint32_t *stage_rows = reinterpret_cast<uint32_t *>(smem_raw + pad);  // [BM][ROW_WORDS]

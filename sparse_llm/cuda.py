@@ -191,9 +191,9 @@ def set_dynamic_smem(kernel: Any, nbytes: int) -> None:
         kernel.max_dynamic_shared_size_bytes = nbytes
 
 
-def ptr(tensor: torch.Tensor) -> np.uint64:
-    """A tensor's device address as a kernel argument."""
-    return np.uint64(tensor.data_ptr())
+def ptr(tensor: torch.Tensor | None) -> np.uint64:
+    """A tensor's device address as a kernel argument; None gives the null pointer (an optional operand)."""
+    return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
 def launch(

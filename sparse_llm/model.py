@@ -194,7 +194,8 @@ class CausalLlamaModel(LlamaModel):
         plain = (
             attention_mask is None and position_ids is None and past_key_values is None and use_cache is False
             and not kwargs and not (self.config.output_hidden_states or self.config.output_attentions)
-            and self.config._attn_implementation in CAUSAL_WITHOUT_MASK and (input_ids is None) != (inputs_embeds is None)
+            and self.config._attn_implementation in CAUSAL_WITHOUT_MASK
+            and (input_ids is None) != (inputs_embeds is None)
         )  # fmt: skip
         if not plain:
             return super().forward(

@@ -499,16 +499,12 @@ def _direct_up_down(
     fired_N, heavy_count = zeroed[:n], zeroed[n:]
     if m == 0:
         return y_MK, l1_M, l0_M, fired_N
-    residual = np.uint64(0) if residual_MK is None else cuda.ptr(residual_MK)
     heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
     light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
-    args = (
-        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK), residual,
-        cuda.ptr(l1_M), cuda.ptr(l0_M), cuda.ptr(fired_N), cuda.ptr(heavy_rows_M), cuda.ptr(heavy_count),
-        _i32(m), _i32(k), _i32(n), _i32(split),
-    )  # fmt: skip
+    operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, heavy_count)
+    args = (*(cuda.ptr(t) for t in operands), _i32(m), _i32(k), _i32(n), _i32(split))
     # per warp: the x row, the positives list, and the residual row when there is one
     smem = UP_DOWN_TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
@@ -539,11 +535,8 @@ def split_token_up_down(
     cuda.set_dynamic_smem(heavy, smem)
     blocks = min(m, cuda.sm_count(device))  # one block per SM
     y_MK, *stats = outs
-    residual = np.uint64(0) if residual_MK is None else cuda.ptr(residual_MK)
-    args = (
-        cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(y_MK), residual,
-        *(cuda.ptr(t) for t in stats), cuda.ptr(rows_M), cuda.ptr(count_1), _i32(k), _i32(n),
-    )  # fmt: skip
+    operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, *stats, rows_M, count_1)
+    args = (*(cuda.ptr(t) for t in operands), _i32(k), _i32(n))
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 

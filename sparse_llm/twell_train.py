@@ -4,9 +4,9 @@ Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) r
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 1.78x faster than the
 trainer's eager dense path at 28 non-zeros per token, 1.42x faster than that path compiled, with 0.35x of its peak
-memory during forward + backward (BENCHMARKS.md). The
-per-layer dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment
-sets SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
+memory during forward + backward (BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
+`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
+micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
@@ -492,7 +492,7 @@ def csc_shared_ranks(chunk_start: Tensor) -> Tensor:
     """int32 [N]: how many columns before each have more than one work chunk (a many-chunk column's rank, which
     picks its scratch slot). torch reference of train_csc_chunks' ranks."""
     many = (chunk_start.diff() > 1).to(torch.int32)
-    return (torch.cumsum(many, 0, dtype=torch.int32) - many).to(torch.int32)
+    return torch.cumsum(many, 0, dtype=torch.int32) - many
 
 
 def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -608,15 +608,15 @@ def _cuda_backward(
         dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW = _light_backward(
             dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1
         )  # fmt: skip
-        # dW_gate, dW_up and dW_down^T, each its own buffer (outputs of a custom op must not alias each other), in
-        # the weights' dtype: the kernels round each fp32 sum once, so bf16 weights get bf16 gradients with no fp32
-        # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
-        # kernels write every row (empty columns included), so only an empty batch needs a fill.
         # The memory peaks are the sort of the transposed view's keys (its temporary buffers), then the weight
         # gradients with the view, then dW_down's transposed copy: the gradients are allocated after the sort, and
         # the view and the ELL values are freed before the copy.
         csc = csc_index(key_MW, n) if m else ()
         del key_MW
+        # dW_gate, dW_up and dW_down^T, each its own buffer (outputs of a custom op must not alias each other), in
+        # the weights' dtype: the kernels round each fp32 sum once, so bf16 weights get bf16 gradients with no fp32
+        # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
+        # kernels write every row (empty columns included), so only an empty batch needs a fill.
         rows_R = heavy_rows(heavy_M, heavy_counts)
         sum_dtype = torch.float32 if rows_R.numel() else weight_dtype
         new = torch.empty if m else torch.zeros
