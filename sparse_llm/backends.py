@@ -58,15 +58,27 @@ def landed(values_host: torch.Tensor) -> list[int]:
 
     The writer sets every entry to -1 before queueing the copy and copies only non-negative counts, so -1
     means "not yet". Read well after the copy (a layer's backward reading its forward's count) this returns
-    at once; otherwise it synchronises the device, the wait the asynchronous copy avoids in the usual case.
+    at once. Otherwise it waits for the copy itself by reading the pinned memory until the values arrive, not
+    for the device: the kernels queued after the copy (a backward's first launches) keep the GPU busy while
+    the host waits, where a device synchronisation would drain them and leave the GPU idle until the host
+    issued more. Once the current stream has run everything queued on it the copy was elsewhere (another
+    stream), so the device is synchronised.
     """
     values = values_host.tolist()
-    if values and min(values) < 0:
-        torch.cuda.synchronize()
+    while values and min(values) < 0:
+        drained = _current_stream_drained()
         values = values_host.tolist()
-        if min(values) < 0:
-            raise RuntimeError("A device-to-host count never arrived: the copy that fills it was not queued.")
+        if drained and min(values) < 0:
+            torch.cuda.synchronize()
+            values = values_host.tolist()
+            if min(values) < 0:
+                raise RuntimeError("A device-to-host count never arrived: the copy that fills it was not queued.")
     return values
+
+
+def _current_stream_drained() -> bool:
+    """Whether the current CUDA stream has run all the work queued on it."""
+    return torch.cuda.current_stream().query()
 
 
 class FFNBackend(abc.ABC):

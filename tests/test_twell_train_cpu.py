@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sparse_llm import cuda
+from sparse_llm import backends, cuda
 from sparse_llm.backends import TorchFFN
 from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
@@ -113,15 +113,40 @@ def test_state_is_sparse_and_names_the_heavy_tokens():
     assert all(t.shape[-1] != wg.shape[0] for t in state.values())
 
 
-def test_heavy_rows_wait_for_a_count_that_has_not_landed(monkeypatch):
+def test_heavy_rows_wait_for_the_copy_not_the_device(monkeypatch):
+    """A count that has not landed is polled until the copy writes it; the queued work after it keeps running."""
     heavy_M = torch.tensor([False, False, True, False, False, True, False, True])
     counts = torch.tensor([-1], dtype=torch.int32)  # as the forward leaves it before the copy lands
+    polls = []
 
-    def copy_lands():
-        counts.copy_(torch.tensor([3]))
+    def stream_busy():
+        polls.append(1)
+        if len(polls) == 3:
+            counts.copy_(torch.tensor([3]))  # the device reaches the copy while the stream still has work
+        return False
 
-    monkeypatch.setattr(torch.cuda, "synchronize", copy_lands)
+    def no_sync():
+        raise AssertionError("the device was synchronised although the copy landed by itself")
+
+    monkeypatch.setattr(backends, "_current_stream_drained", stream_busy)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     assert heavy_rows(heavy_M, counts).tolist() == [2, 5, 7]
+    assert len(polls) == 3
+
+
+def test_a_count_copied_on_another_stream_is_read_after_a_device_sync(monkeypatch):
+    counts = torch.tensor([-1], dtype=torch.int32)
+    monkeypatch.setattr(backends, "_current_stream_drained", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: counts.copy_(torch.tensor([2])))
+    assert backends.landed(counts) == [2]
+
+
+def test_a_count_whose_copy_was_never_queued_is_an_error(monkeypatch):
+    counts = torch.tensor([-1], dtype=torch.int32)
+    monkeypatch.setattr(backends, "_current_stream_drained", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with pytest.raises(RuntimeError, match="never arrived"):
+        backends.landed(counts)
 
 
 def test_gradcheck():

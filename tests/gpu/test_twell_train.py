@@ -322,6 +322,24 @@ def test_no_host_sync_in_forward_nor_in_backward():
     assert all(t.grad is not None for t in leaves)
 
 
+def test_backward_right_after_its_forward_waits_for_the_count_not_the_device():
+    """A backward issued before its forward has run on the GPU (gradient checkpointing's recompute, the last layer)
+    reads the heavy-token count as soon as its copy lands, without synchronising the device: the backward's first
+    kernels, queued by then, keep running."""
+    x, wg, wu, wd = synthetic_block(4096, 2048, 5632, 60, sigma=0.5, seed=10)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    twell_train_ffn(*leaves)  # compiles the kernels outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the GPU is busy well past the host's issuing of forward and backward
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = twell_train_ffn(*leaves)
+        (result.y_MK.float().sum() + 0.1 * result.l1_sum).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.dense_rows() > 0 and all(t.grad is not None for t in leaves)
+
+
 def test_trainer_statistics_accumulate_without_a_sync():
     """What the trainer does after each micro-batch's backward: L0 histogram, fired neurons, the heavy-token
     count still on its way from the GPU. None of it may wait for the device."""
