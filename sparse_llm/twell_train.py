@@ -54,7 +54,8 @@ backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the e
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
 before the layer's backward is issued, so the read waits for nothing; if it has not (a backward issued
-right after its forward, or a gradient-checkpointed layer's recompute), the read synchronises the device.
+right after its forward, or a gradient-checkpointed layer's recompute), the read waits for the copy alone, after
+the light tokens' backward kernels are queued, so they run while the host waits.
 The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
 path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
 Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
