@@ -5,9 +5,12 @@
     python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
     python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
 
-Per case: the loss is <y, dy> + coeff * l1_sum / M (the trainer's L1 term for one layer). Reported: median
-ms of forward+backward (CUDA events after warm-up) for dense bf16 autograd and for the op, their ratio, host
-wall-clock ms per step of back-to-back steps (exposes host stalls), forward-only ms, peak memory above the
+Per case: one step is the forward, then the backward from a fixed upstream gradient dy (bf16 [M, K], as the
+layer above hands it down) and the L1 term's coeff / M on l1_sum (the trainer's L1 term for one layer), so the
+time is the block's alone (no loss computed around it). Reported: median ms of forward+backward (CUDA events
+after warm-up) for dense bf16 autograd and for the op, back to back (the host issues ahead, as in a model:
+the ratio is taken on these) and as isolated calls (each waited for, so the host's latency to the first kernel
+is included), host wall-clock ms per step of back-to-back steps, forward-only ms, peak memory above the
 inputs and weights during forward+backward and the memory held between forward and backward (the saved
 activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
 them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows. Sparsity
@@ -57,10 +60,14 @@ def sparse_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
     return result.y_MK, result.l1_sum
 
 
+def backward(y, l1, leaves, dy, coeff) -> list[torch.Tensor]:
+    """The gradients of <y, dy> + coeff * l1 w.r.t. the leaves: dy and coeff go to autograd as the outputs'
+    gradients (the block's backward without a loss pass around it)."""
+    return list(torch.autograd.grad((y, l1), leaves, (dy.to(y.dtype), coeff.to(l1.dtype))))
+
+
 def step(forward, leaves, dy, coeff) -> list[torch.Tensor]:
-    y, l1 = forward(*leaves)
-    loss = (y.float() * dy).sum() + coeff * l1
-    return list(torch.autograd.grad(loss, leaves))
+    return backward(*forward(*leaves), leaves, dy, coeff)
 
 
 def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
@@ -71,7 +78,7 @@ def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
     y, l1 = forward(*leaves)
     torch.cuda.synchronize()
     saved = torch.cuda.memory_allocated() - base
-    grads = torch.autograd.grad((y.float() * dy).sum() + coeff * l1, leaves)
+    grads = backward(y, l1, leaves, dy, coeff)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del grads, y, l1
@@ -86,8 +93,8 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     nnz, sigma = CASES[name]
     x, wg, wu, wd = synthetic_block(m, k, n, nnz, sigma, seed=list(CASES).index(name), device=DEVICE)
     leaves = [t.requires_grad_() for t in (x, wg, wu, wd)]
-    dy = torch.randn(m, k, device=DEVICE).bfloat16().float() / m**0.5
-    coeff = L1_COEFF / m
+    dy = (torch.randn(m, k, device=DEVICE) / m**0.5).bfloat16()
+    coeff = torch.tensor(L1_COEFF / m, device=DEVICE)
 
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref_y, _ = dense_forward(*ref_leaves)
@@ -110,21 +117,23 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
         for what, got, ref in zip(names, [y, *grads], [ref_y, *ref_grads]):
             row[f"err_{what}_{label}"] = rel_err(got, ref)
         del y, grads
-        row[f"{label}_ms"] = time_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
+        row[f"{label}_ms"] = time_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps, drain=False)
+        row[f"{label}_isolated_ms"] = time_ms(lambda f=forward: step(f, leaves, dy, coeff), warmup=3, reps=reps)
         row[f"{label}_wall_ms"] = wall_ms(lambda f=forward: step(f, leaves, dy, coeff), reps=reps)
         row[f"{label}_fwd_ms"] = time_ms(lambda f=forward: f(*leaves), warmup=3, reps=reps)
         row[f"{label}_peak_MB"], row[f"{label}_saved_MB"] = memory_mb(forward, leaves, dy, coeff)
     row["speedup"] = row["dense_ms"] / row["twell_ms"]
     row["speedup_compiled"] = row["compiled_ms"] / row["twell_ms"]
+    row["speedup_isolated"] = row["dense_isolated_ms"] / row["twell_isolated_ms"]
     row["peak_ratio"] = row["twell_peak_MB"] / row["dense_peak_MB"]
     return row
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | dense compiled ms | speedup "
-            "vs compiled | wall ms dense / twell | fwd ms dense / twell "
+            "vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell | fwd ms dense / twell "
             "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         errs = ", ".join(
             f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
@@ -133,6 +142,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
             f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
             f"| {r['compiled_ms']:.2f} | {r['speedup_compiled']:.2f}x "
+            f"| {r['dense_isolated_ms']:.2f} / {r['twell_isolated_ms']:.2f} ({r['speedup_isolated']:.2f}x) "
             f"| {r['dense_wall_ms']:.2f} / {r['twell_wall_ms']:.2f} "
             f"| {r['dense_fwd_ms']:.2f} / {r['twell_fwd_ms']:.2f} "
             f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} |"

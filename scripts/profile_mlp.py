@@ -134,11 +134,11 @@ def print_host_profile(title: str, forward: Callable[[], object], backward, top:
 def print_op_issue(x, wg, wu, wd, dy) -> None:
     """Host ms to issue the training op's forward and backward themselves, without autograd or a loss around
     them: what the op's own launches and torch calls cost, against the whole step above."""
-    dl1, dy_bf16 = torch.tensor(L1_COEFF / x.shape[0], device=x.device), dy.bfloat16()
+    dl1 = torch.tensor(L1_COEFF / x.shape[0], device=x.device)
     with torch.no_grad():
         fwd, bwd = issue_ms(
             lambda: twell_train_forward_op(x, wg, wu, wd, DEFAULT_WIDTH),
-            lambda outs: twell_train_backward_op(x, wg, wu, wd, *outs[4:], dy_bf16, dl1),
+            lambda outs: twell_train_backward_op(x, wg, wu, wd, *outs[4:], dy, dl1),
         )
     print(f"\nthe op alone: forward {fwd:.3f} ms, backward {bwd:.3f} ms to issue (no autograd, no loss)")
 
@@ -147,15 +147,15 @@ def dense_infer(x, wg, wu, wd):
     return dense_block(x, wg, wu, wd, False)[0]
 
 
-def dense_train_loss(leaves, dy):
-    """The trainer's torch path (with its statistics), as bench_train_mlp times it."""
+def dense_train_outputs(leaves):
+    """(y, l1_sum) of the trainer's torch path (with its statistics), as bench_train_mlp times it."""
     y, l1_sum, _, _ = dense_block(*leaves, True)
-    return (y.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * l1_sum
+    return y, l1_sum
 
 
-def sparse_train_loss(leaves, dy):
+def sparse_train_outputs(leaves):
     result = twell_train_ffn(*leaves)
-    return (result.y_MK.float() * dy).sum() + L1_COEFF / leaves[0].shape[0] * result.l1_sum
+    return result.y_MK, result.l1_sum
 
 
 def main() -> None:
@@ -179,10 +179,12 @@ def main() -> None:
             cases.append(("infer twell", lambda: twell_gated_mlp(x, wg, wu, wd), None))
         if "train" in modes:
             leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-            dy = torch.randn(args.m, args.k, device=x.device) / args.m**0.5
-            backward = functools.partial(torch.autograd.grad, inputs=leaves)
-            cases.append(("train dense", lambda: dense_train_loss(leaves, dy), backward))
-            cases.append(("train twell", lambda: sparse_train_loss(leaves, dy), backward))
+            dy = (torch.randn(args.m, args.k, device=x.device) / args.m**0.5).bfloat16()
+            # The upstream gradient and the L1 term's weight, fed to autograd as bench_train_mlp does.
+            grad_outputs = (dy, torch.tensor(L1_COEFF / args.m, device=x.device))
+            backward = functools.partial(torch.autograd.grad, inputs=leaves, grad_outputs=grad_outputs)
+            cases.append(("train dense", lambda: dense_train_outputs(leaves), backward))
+            cases.append(("train twell", lambda: sparse_train_outputs(leaves), backward))
         for title, forward, backward in cases:
             step = forward if backward is None else lambda f=forward, b=backward: b(f())
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():

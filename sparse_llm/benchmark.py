@@ -57,27 +57,44 @@ class Clock:
 
 
 def time_samples_ms(
-    fn: Callable[[], object], warmup: int = 5, reps: int = 30, device: torch.device | str | None = None
+    fn: Callable[[], object],
+    warmup: int = 5,
+    reps: int = 30,
+    device: torch.device | str | None = None,
+    drain: bool = True,
 ) -> list[float]:
-    """Per-call times of `reps` calls of fn() in ms, after `warmup` untimed calls."""
+    """Per-call times of `reps` calls of fn() in ms, after `warmup` untimed calls.
+
+    drain=True waits for each call before the next is issued: a call's time then includes the host's latency to
+    its first kernel (an isolated call, as a decode step that reads its result). drain=False issues the calls
+    back to back and waits once at the end, as a model's layers run: the host works ahead of the GPU, and a
+    call's time includes only the gaps where the GPU waited for it.
+    """
     if reps < 1 or warmup < 0:
         raise ValueError(f"time_samples_ms: reps={reps} must be >= 1 and warmup={warmup} >= 0.")
     clock = Clock(device)
     for _ in range(warmup):
         fn()
-    times = []
+    clock.synchronize()
+    marks = []
     for _ in range(reps):
         start = clock.mark()
         fn()
-        times.append(clock.elapsed_ms(start, clock.mark()))
-    return times
+        marks.append((start, clock.mark()))
+        if drain:
+            clock.elapsed_ms(*marks[-1])
+    return [clock.elapsed_ms(start, end) for start, end in marks]
 
 
 def time_ms(
-    fn: Callable[[], object], warmup: int = 5, reps: int = 30, device: torch.device | str | None = None
+    fn: Callable[[], object],
+    warmup: int = 5,
+    reps: int = 30,
+    device: torch.device | str | None = None,
+    drain: bool = True,
 ) -> float:
-    """Median time of fn() in ms (CUDA events on a GPU; see the module docstring)."""
-    return statistics.median(time_samples_ms(fn, warmup, reps, device))
+    """Median time of fn() in ms (CUDA events on a GPU; see the module docstring and `time_samples_ms`)."""
+    return statistics.median(time_samples_ms(fn, warmup, reps, device, drain))
 
 
 def wall_ms(fn: Callable[[], object], reps: int = 30, device: torch.device | str | None = None) -> float:
