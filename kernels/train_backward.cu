@@ -320,11 +320,12 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
         // This lane's KW pieces of src row `token` (zeros past K). Rows are requested WGRAD_AHEAD entries before
         // they are accumulated, so WGRAD_AHEAD + 1 gathers are in flight per warp: the kernel is bound by how many
         // gathers are in flight, and registers allow three rows per warp at the residency the bounds ask for.
-        auto load = [&](uint4 (&dst)[KW], long long token) {
+        auto load = [&](uint4 (&dst)[KW], int token) {
+            const __nv_bfloat16 *const row = src + static_cast<long long>(token) * K;
 #pragma unroll
             for (int v = 0; v < KW; ++v) {
                 const int col = col0 + v * 256;
-                dst[v] = col < K ? *reinterpret_cast<const uint4 *>(src + token * K + col) : make_uint4(0, 0, 0, 0);
+                dst[v] = col < K ? *reinterpret_cast<const uint4 *>(row + col) : make_uint4(0, 0, 0, 0);
             }
         };
         float acc[NV][KW][8];
@@ -335,17 +336,20 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
             const long long my_pos = mine ? order[e0 + base + lane] : 0;
             const float my_v0 = mine ? bf16_load(value0 + my_pos) : 0.0f;
             const float my_v1 = (NV == 2 && mine) ? bf16_load(value1 + my_pos) : 0.0f;
+            // Each lane divides its own entry's position once; the walk below shuffles tokens, so no division sits
+            // between an entry and its row's request.
+            const int my_token = static_cast<int>(my_pos / W);
             const int here = min(32, length - base);
             uint4 rows[WGRAD_AHEAD + 1][KW];  // rows[0] is entry j's, rows[d] entry j + d's (compile-time indices)
 #pragma unroll
             for (int d = 0; d < WGRAD_AHEAD; ++d) {
-                const long long pos = __shfl_sync(FULL_MASK, my_pos, min(d, here - 1));
-                if (d < here) load(rows[d], pos / W);
+                const int token = __shfl_sync(FULL_MASK, my_token, min(d, here - 1));
+                if (d < here) load(rows[d], token);
             }
             for (int j = 0; j < here; ++j) {
                 const int ahead = j + WGRAD_AHEAD;
-                const long long pos_ahead = __shfl_sync(FULL_MASK, my_pos, min(ahead, here - 1));
-                if (ahead < here) load(rows[WGRAD_AHEAD], pos_ahead / W);
+                const int token_ahead = __shfl_sync(FULL_MASK, my_token, min(ahead, here - 1));
+                if (ahead < here) load(rows[WGRAD_AHEAD], token_ahead);
                 axpy<KW>(acc[0], __shfl_sync(FULL_MASK, my_v0, j), rows[0]);
                 if constexpr (NV == 2) axpy<KW>(acc[NV - 1], __shfl_sync(FULL_MASK, my_v1, j), rows[0]);
 #pragma unroll
