@@ -2,8 +2,8 @@
 
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
-0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.11x faster than the
-trainer's eager dense path at 28 non-zeros per token, 1.62x faster than that path compiled, with 0.27x of its peak
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.24x faster than the
+trainer's eager dense path at 28 non-zeros per token, 1.80x faster than that path compiled, with 0.27x of its peak
 memory during forward + backward (the block timed alone, steps issued back to back; BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
 `train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
 micro-batches the host cannot keep up. At M = 8192 the host needs
