@@ -66,9 +66,11 @@ rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: t
 28 KiB at K = 2048, on CUDA cores. Dense training does 9 * 2 * K * N flops per token on tensor cores, so
 with the gate GEMM (1/9 of that) paid on both paths the break-even is (8 N / 7) * B / F non-zeros per
 token for a row bandwidth of B bytes/s and a tensor-core rate of F flop/s (K cancels): about 49 at
-N = 5632, B = 5.5 TB/s (the inference kernel's measured L2 rate), F = 720 TFLOP/s. The 2.3x target at
-28 non-zeros needs B near 9 TB/s; reuse of weight rows across tokens (real activations are correlated,
-the synthetic ones are not) or tensor-core tiles are the ways past this bound.
+N = 5632, B = 5.5 TB/s, F = 720 TFLOP/s. On an H100 warps stream random 4 KiB rows from L2 at about 7.5 TB/s at
+best (a scratch kernel doing nothing else, BENCHMARKS.md 2026-11-25); the kernels' walks reach 5.4-7.2 TB/s, and
+the 28-non-zero block reached 2.24x (the 2.3x target needs about 2.76 ms of its 2.83). Reuse of weight rows across
+tokens (real activations are correlated, the synthetic ones are not) or tensor-core tiles are the ways past this
+bound.
 
 Determinism: the weight gradients of columns longer than `csc_whole_column` entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
