@@ -44,12 +44,15 @@ class Clock:
             return event
         return time.perf_counter()
 
+    def wait(self, mark: Mark) -> None:
+        """Block the host until the GPU has reached `mark` (nothing to wait for on a CPU)."""
+        if self.cuda:
+            mark.synchronize()
+
     def elapsed_ms(self, start: Mark, end: Mark) -> float:
         """Milliseconds between two marks (waits for `end` on a GPU)."""
-        if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(end)
-        return (end - start) * 1e3
+        self.wait(end)
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -80,9 +83,10 @@ def time_samples_ms(
     for _ in range(reps):
         start = clock.mark()
         fn()
-        marks.append((start, clock.mark()))
+        end = clock.mark()
         if drain:
-            clock.elapsed_ms(*marks[-1])
+            clock.wait(end)
+        marks.append((start, end))
     return [clock.elapsed_ms(start, end) for start, end in marks]
 
 
