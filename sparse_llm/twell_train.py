@@ -4,9 +4,9 @@ Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) r
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.24x faster than the
 trainer's eager dense path at 28 non-zeros per token, 1.80x faster than that path compiled, with 0.27x of its peak
-memory during forward + backward (the block timed alone, steps issued back to back; BENCHMARKS.md). The per-layer dispatcher picks this path only on request:
-`train_estimated_ms` returns None unless the environment sets SPARSE_LLM_TWELL_TRAIN=1, because at small
-micro-batches the host cannot keep up. At M = 8192 the host needs
+memory during forward + backward (the block timed alone, steps issued back to back; BENCHMARKS.md). The per-layer
+dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment sets
+SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
