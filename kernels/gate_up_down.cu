@@ -30,11 +30,11 @@ __host__ __device__ constexpr int heavy_warps() {
     return KV <= 8 ? 16 : 8;
 }
 
-// gate_up_down_light's shared memory: four warps' x rows (KV * 32 uint4 each) | their lists (LIST_CAP uint32
-// each) | with a residual, their residual rows. The residual row of `warp`:
+// gate_up_down_light's shared memory: the block's `warps` x rows (KV * 32 uint4 each) | their lists (LIST_CAP
+// uint32 each) | with a residual, their residual rows. The residual row of `warp`:
 template <int KV>
-__device__ __forceinline__ uint4 *residual_row(uint4 *smem, int warp) {
-    return smem + 4 * KV * 32 + LIST_CAP + warp * KV * 32;
+__device__ __forceinline__ uint4 *residual_row(uint4 *smem, int warp, int warps) {
+    return smem + warps * (KV * 32 + LIST_CAP / 4) + warp * KV * 32;
 }
 
 // Up to K = 2048, 4 blocks per SM (128 registers): 16 warps, as many weight rows in flight as the register
@@ -55,11 +55,12 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     int M, int K, int N, int split_nnz) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
-    const long long m = static_cast<long long>(blockIdx.x) * 4 + warp;
+    const int warps = blockDim.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * warps + warp;
     if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
     extern __shared__ uint4 smem[];
     uint4 *x_smem = smem + warp * KV * 32;
-    uint32_t *list = reinterpret_cast<uint32_t *>(smem + 4 * KV * 32) + warp * LIST_CAP;
+    uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * LIST_CAP;
     const int total = list_gate_row(gate + m * N, N / 256, list, LIST_CAP, lane);
     if (total > split_nnz) {
         if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     }
 
     // The residual row is fetched during the walk; each lane reads back its own pieces.
-    if (residual != nullptr) prefetch_row_async<KV>(residual_row<KV>(smem, warp), residual + m * K, lane, K);
+    if (residual != nullptr) prefetch_row_async<KV>(residual_row<KV>(smem, warp, warps), residual + m * K, lane, K);
     stage_row<KV>(x_smem, x + m * K, lane, K);
     __syncwarp();  // the list and x are written by all lanes, read by all lanes
     const uint64_t keep = l2_keep_policy();
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     if (residual != nullptr) {
         cp_async_wait_all();
 #pragma unroll
-        for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp)[v * 32 + lane]);
+        for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp, warps)[v * 32 + lane]);
     }
     store_row_bf16<KV>(y + m * K, acc, lane, K);
     if (lane == 0) {

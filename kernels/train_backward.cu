@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     Key *__restrict__ csc_key,                   // [M, W] out: column of a light token's entry, else N
     int M, int N, int K, int W) {
     const int lane = threadIdx.x & 31;
-    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (m >= M) return;  // whole warp
     // Sort keys of the transposed (CSC) view for the weight gradients: unused slots and heavy tokens sort last.
     const int used = heavy[m] ? 0 : ell_count[m];
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
     __nv_bfloat16 *__restrict__ dx,            // [M, K] out (light rows)
     int M, int K, int W) {
     const int lane = threadIdx.x & 31;
-    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (m >= M || heavy[m]) return;  // whole warp
     const long long row0 = m * W;
     float acc[KV][8];

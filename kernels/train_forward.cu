@@ -36,11 +36,12 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     constexpr bool kBothRows = KV <= 8;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
-    const long long m = static_cast<long long>(blockIdx.x) * 4 + warp;
+    const int warps = blockDim.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * warps + warp;
     if (m >= M) return;  // whole warp; no block-wide barrier below
     extern __shared__ uint4 smem[];
     uint4 *x_row = smem + warp * KV * 32;
-    uint32_t *list = reinterpret_cast<uint32_t *>(smem + 4 * KV * 32) + static_cast<long long>(warp) * W;
+    uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + static_cast<long long>(warp) * W;
 
     const int total = list_gate_row(gate + m * N, N / 256, list, W, lane);
     const bool is_heavy = total > W;

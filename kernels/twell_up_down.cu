@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) twell_up_down(
     int *__restrict__ row_dense,                 // [M]
     int M, int K, int T, int dense_row_nnz) {
     const int lane = threadIdx.x & 31;
-    const long long m = static_cast<long long>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
     const int split = blockIdx.y;
     const int splits = gridDim.y;

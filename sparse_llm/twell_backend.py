@@ -47,7 +47,7 @@ GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
 GATE_STAGES = 4
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
-UP_DOWN_TOKENS_PER_BLOCK = 4
+UP_DOWN_TOKENS_PER_BLOCK = 1
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"

@@ -135,7 +135,10 @@ CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
 # than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
 WGRAD_SLOTS = 512
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
-WARPS_PER_BLOCK = 4
+# Warps (one per token) per block of the token kernels (train_fwd_gate, train_bwd_sddmm, train_bwd_dx). A block's
+# registers are released only when its slowest token is done, so one-warp blocks keep more warp slots working.
+TOKENS_PER_BLOCK = 1
+WGRAD_WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 1.6 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
@@ -338,10 +341,10 @@ def _reference_backward(
 # ------------------------------------------------------------------------------------------------
 
 
-def _launch(filename: str, name: str, grid: int, args: tuple, device: torch.device, smem: int = 0) -> None:
+def _launch(filename: str, name: str, grid: int, warps: int, args: tuple, device: torch.device, smem: int = 0) -> None:
     kernel = cuda.get_function(filename, name, device)
     cuda.set_dynamic_smem(kernel, smem)
-    cuda.launch(kernel, (grid,), (32 * WARPS_PER_BLOCK,), args, device, shared_mem=smem)
+    cuda.launch(kernel, (grid,), (32 * warps,), args, device, shared_mem=smem)
 
 
 def _pieces(k: int) -> int:
@@ -417,8 +420,9 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
                 cuda.ptr(heavy_list), cuda.ptr(heavy_count), cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M),
                 cuda.ptr(fired_N), np.int32(m), np.int32(k), np.int32(n), np.int32(width),
             )  # fmt: skip
-            smem = WARPS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
-            _launch("train_forward.cu", f"train_fwd_gate<{kv}>", math.ceil(m / WARPS_PER_BLOCK), args, device, smem)
+            smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
+            blocks = math.ceil(m / TOKENS_PER_BLOCK)
+            _launch("train_forward.cu", f"train_fwd_gate<{kv}>", blocks, TOKENS_PER_BLOCK, args, device, smem)
             heavy_counts.copy_(heavy_count, non_blocking=True)
             # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
             # read on the device, so the host goes on without waiting.
@@ -549,7 +553,7 @@ def _csc_wgrad(
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts), np.int32(WGRAD_SLOTS),
     )  # fmt: skip
     kernel = f"train_csc_wgrad<{kw},{len(values)},{OUT_CTYPES[outs[0].dtype]}>"
-    _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, args, device)
+    _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, WGRAD_WARPS_PER_BLOCK, args, device)
 
 
 def _light_backward(
@@ -564,21 +568,22 @@ def _light_backward(
     key_MW = torch.empty(m, width, dtype=csc_key_dtype(n), device=device)
     if m:
         kv = _pieces(k)
-        blocks = math.ceil(m / WARPS_PER_BLOCK)
+        blocks = math.ceil(m / TOKENS_PER_BLOCK)
         args = (
             cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
             cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
             cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), cuda.ptr(key_MW),
             np.int32(m), np.int32(n), np.int32(k), np.int32(width),
         )  # fmt: skip
-        smem = WARPS_PER_BLOCK * kv * 32 * 16
-        _launch("train_backward.cu", f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>", blocks, args, device, smem)
+        smem = TOKENS_PER_BLOCK * kv * 32 * 16
+        sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
+        _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
         args = (
             cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
             cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
             np.int32(m), np.int32(k), np.int32(width),
         )  # fmt: skip
-        _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, args, device)
+        _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
     return dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW
 
 
