@@ -221,6 +221,14 @@ def launch(
             kernel.kernel(tuple(grid), tuple(block), tuple(args), shared_mem, stream)
 
 
+@functools.lru_cache(maxsize=None)
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """A high-priority stream of the device, for short kernels issued beside a long one on the current stream:
+    the block scheduler dispatches their blocks ahead of the long kernel's pending ones, so they run in the
+    slots its finished blocks free instead of after it."""
+    return torch.cuda.Stream(device=device_index, priority=-1)
+
+
 @functools.lru_cache(maxsize=64)
 def _cupy_stream(device_index: int, stream_ptr: int) -> Any:
     """A CuPy view of a torch stream (cached: wrapping costs microseconds on every launch otherwise)."""

@@ -44,12 +44,13 @@ forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed fr
           gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
           straight from its gate row, the list's length read on the device).
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
-          tokens)  ->  train_bwd_dx (dx of light tokens)  ->  a stable sort of the ELL entries by column,
-          train_csc_columns and train_csc_chunks (the transposed, CSC view and its work chunks; its size is
-          bounded by the ELL, so the transpose can never overflow)  ->  train_csc_wgrad (dW_gate, dW_up fused;
-          dW_down; written in the weights' dtype: a one-chunk column's rows are stored from registers, the
-          chunks of a longer one are summed in fp32 scratch rows and stored by the last)  ->  cuBLAS on the heavy
-          tokens' rows (g and u recomputed; with heavy tokens the weight gradients are summed in fp32 first).
+          tokens)  ->  train_bwd_dx (dx of light tokens) and beside it, on a high-priority stream, a stable
+          sort of the ELL entries by column, train_csc_columns and train_csc_chunks (the transposed, CSC view
+          and its work chunks; its size is bounded by the ELL, so the transpose can never overflow)  ->
+          train_csc_wgrad (dW_gate, dW_up fused; dW_down; written in the weights' dtype: a one-chunk column's
+          rows are stored from registers, the chunks of a longer one are summed in fp32 scratch rows and stored
+          by the last)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed; with heavy tokens the weight
+          gradients are summed in fp32 first).
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
@@ -558,9 +559,15 @@ def _csc_wgrad(
 
 def _light_backward(
     dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """train_bwd_sddmm and train_bwd_dx on the light tokens: (dx_MK with the heavy rows unwritten, and at the ELL
-    entries h, du, dg (bf16 [M, W]) and the CSC sort keys)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
+    """train_bwd_sddmm and train_bwd_dx on the light tokens, and the transposed view of their entries:
+    (dx_MK with the heavy rows unwritten, h, du, dg at the ELL entries (bf16 [M, W]), `csc_index`'s tensors, or
+    () when M = 0).
+
+    The view (a sort and two small kernels, ~0.13 ms at M = 16384) depends only on the sort keys sddmm writes,
+    so it is built on a high-priority side stream while train_bwd_dx runs, in the slots dx's finished blocks
+    free; the current stream waits for it before returning.
+    """
     device = dy_MK.device
     (m, k), (n, width) = dy_MK.shape, (w_gate_NK.shape[0], ell_cols_MW.shape[1])
     dx_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
@@ -578,13 +585,23 @@ def _light_backward(
         smem = TOKENS_PER_BLOCK * kv * 32 * 16
         sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
         _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
+        main, side = torch.cuda.current_stream(device), cuda.side_stream(device.index)
+        side.wait_stream(main)  # the keys are written
+        with torch.cuda.stream(side):
+            csc = csc_index(key_MW, n)
+        key_MW.record_stream(side)  # freed on return, maybe before the side stream is done with it
         args = (
             cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
             cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
             np.int32(m), np.int32(k), np.int32(width),
         )  # fmt: skip
         _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
-    return dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW
+        main.wait_stream(side)
+        for t in csc:  # allocated on the side stream, used and freed on this one
+            t.record_stream(main)
+    else:
+        csc = ()
+    return dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, csc
 
 
 def _light_weight_gradients(
@@ -613,14 +630,12 @@ def _cuda_backward(
     with torch.cuda.device(device):
         dy_MK = dy_MK.to(torch.bfloat16).contiguous()
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
-        dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, key_MW = _light_backward(
+        dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, csc = _light_backward(
             dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1
         )  # fmt: skip
         # The memory peaks are the sort of the transposed view's keys (its temporary buffers), then the weight
         # gradients with the view, then dW_down's transposed copy: the gradients are allocated after the sort, and
         # the view and the ELL values are freed before the copy.
-        csc = csc_index(key_MW, n) if m else ()
-        del key_MW
         # dW_gate, dW_up and dW_down^T, each its own buffer (outputs of a custom op must not alias each other), in
         # the weights' dtype: the kernels round each fp32 sum once, so bf16 weights get bf16 gradients with no fp32
         # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient

@@ -340,6 +340,18 @@ def test_backward_right_after_its_forward_waits_for_the_count_not_the_device():
     assert result.dense_rows() > 0 and all(t.grad is not None for t in leaves)
 
 
+def test_ops_follow_the_callers_stream():
+    """The op runs on the caller's current stream, here held busy before the op's kernels are issued: the
+    transposed view, built on a side stream beside train_bwd_dx, must wait for the sort keys that stream writes,
+    and the weight gradients for the view."""
+    x, wg, wu, wd = synthetic_block(4096, 2048, 5632, 28, seed=11)
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)
+        check_case(x, wg, wu, wd)
+
+
 def test_trainer_statistics_accumulate_without_a_sync():
     """What the trainer does after each micro-batch's backward: L0 histogram, fired neurons, the heavy-token
     count still on its way from the GPU. None of it may wait for the device."""
