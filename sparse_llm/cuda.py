@@ -221,7 +221,7 @@ def launch(
             kernel.kernel(tuple(grid), tuple(block), tuple(args), shared_mem, stream)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def side_stream(device_index: int) -> torch.cuda.Stream:
     """A high-priority stream of the device, for short kernels issued beside a long one on the current stream:
     the block scheduler dispatches their blocks ahead of the long kernel's pending ones, so they run in the

@@ -2,16 +2,16 @@
 
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
-0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.24x faster than the
-trainer's eager dense path at 28 non-zeros per token, 1.80x faster than that path compiled, with 0.27x of its peak
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.32x faster than the
+trainer's eager dense path at 28 non-zeros per token, 1.81x faster than that path compiled, with 0.27x of its peak
 memory during forward + backward (the block timed alone, steps issued back to back; BENCHMARKS.md). The per-layer
 dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment sets
 SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
-layers: 1.225x less device time than the dense path with its MLP block compiled too, 1.06-1.23x less wall-clock
-time (the sparse forward waits for the host; BENCHMARKS.md, 2026-11-25). A forced `kernel=twell` calls
+layers: 1.056-1.238x less wall-clock time than the dense path with its MLP block compiled too, by the host's
+speed (the sparse forward waits for the host; BENCHMARKS.md, 2026-11-25). A forced `kernel=twell` calls
 `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
@@ -68,10 +68,9 @@ rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: t
 with the gate GEMM (1/9 of that) paid on both paths the break-even is (8 N / 7) * B / F non-zeros per
 token for a row bandwidth of B bytes/s and a tensor-core rate of F flop/s (K cancels): about 49 at
 N = 5632, B = 5.5 TB/s, F = 720 TFLOP/s. On an H100 warps stream random 4 KiB rows from L2 at about 7.5 TB/s at
-best (a scratch kernel doing nothing else, BENCHMARKS.md 2026-11-25); the kernels' walks reach 5.4-7.2 TB/s, and
-the 28-non-zero block reached 2.24x (the 2.3x target needs about 2.76 ms of its 2.83). Reuse of weight rows across
-tokens (real activations are correlated, the synthetic ones are not) or tensor-core tiles are the ways past this
-bound.
+best (a scratch kernel doing nothing else, BENCHMARKS.md 2026-11-25); the kernels' walks reach 5.7-7.2 TB/s, and
+the 28-non-zero block reached 2.32x (2.70 ms against 6.25 ms). Reuse of weight rows across tokens (real
+activations are correlated, the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
 Determinism: the weight gradients of columns longer than `csc_whole_column` entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
