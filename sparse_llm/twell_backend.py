@@ -62,13 +62,15 @@ PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 
 # The fused gate GEMM + packing epilogue (0.755 ms at that shape, 500 TFLOP/s) loses to cuBLAS + packing
 # at every M measured (1 .. 16384), so twell_gate's "auto" never picks it.
 FUSED_GATE_MIN_M = 1 << 62
-# Up+down at M = 16384: 0.755 ms at 28 non-zeros per token, 1.351 ms at 56: a marginal 6.3 TB/s of
-# weight-row bytes (2 rows of K bf16 per non-zero, from L2) on top of 0.16 ms.
-UP_DOWN_GBPS = 6300.0
+# Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2). The direct route's
+# one-warp kernel at M = 16384: 0.611 ms at 28 non-zeros per token, 1.094 ms at 56 (a marginal 7.8 TB/s); whole
+# calls 1.20-1.27 and 1.68-1.72 ms (BENCHMARKS.md, 2026-11-25 14:45-15:20). 7.5 TB/s on top of a fixed 0.16 ms
+# per 16384 tokens and the gate's read prices both within 5%, on the dear side.
+UP_DOWN_GBPS = 7500.0
 UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
 # With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold
-# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796; priced as 2x.
-TAIL_FACTOR = 2.0
+# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796.
+TAIL_FACTOR = 2.2
 HBM_GBPS = 3000.0
 # Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
 CPU_FLOOR_MS = 0.22

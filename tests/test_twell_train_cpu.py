@@ -293,6 +293,22 @@ def test_opted_in_auto_trains_sparse_only_where_the_host_keeps_up(monkeypatch):
         assert (sparse_ms < SWITCH_MARGIN * dense.estimated_ms(m, 2048, 5632, 24, 60, True)) == sparse_wins
 
 
+@pytest.mark.parametrize(
+    "l0_mean, l0_max, eager_wins, compiled_wins",
+    [(28, 56, True, True), (56, 95, True, True), (60, 1173, True, False), (110, 169, False, False),
+     (155, 2015, False, False), (279, 362, False, False)],
+)  # fmt: skip
+def test_opted_in_auto_follows_the_measured_block(monkeypatch, l0_mean, l0_max, eager_wins, compiled_wins):
+    """bench_train_mlp.py on the H100 (M = 16384, BENCHMARKS.md 2026-11-25 15:05): the op beat the eager dense path
+    at 28, 56 and heavy-tailed 60 non-zeros per token (2.32x, 1.43x, 1.10x) and the compiled one at 28 and 56 only
+    (1.81x, 1.14x; 0.87x heavy-tailed); it lost at 110, heavy-tailed 155 and 279 either way."""
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+    sparse_ms = train_estimated_ms(16384, 2048, 5632, l0_mean, l0_max)
+    for compiled, wins in ((False, eager_wins), (True, compiled_wins)):
+        dense_ms = TorchFFN().estimated_ms(16384, 2048, 5632, l0_mean, l0_max, True, compiled)
+        assert (sparse_ms < SWITCH_MARGIN * dense_ms) == wins, (compiled, sparse_ms, dense_ms)
+
+
 # ---------------------------------------------------------------- host-side pieces of the GPU path
 
 
