@@ -472,8 +472,9 @@ def bench_train(
             if not args.compile:
                 result.breakdown_ms = train_breakdown(model, step, gate_ms)
             write_profile(step, result, args)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
+        print(f"train, {kernel}, micro-batch {ids.shape[0]}: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
     except NotImplementedError as exc:  # a backend without a training path says so in its error
         result.skipped = f"no training path: {exc}"
     finally:
@@ -548,6 +549,7 @@ def largest_batches(
             batch = min(max(batch + 1, math.ceil(batch * 1.5)), args.max_train_batch)
             row = bench_train(model, master, ids[:batch], best.kernel, observed, None, None, args)
             if row.skipped:
+                print(f"largest fit, {best.kernel}: stopped at micro-batch {batch} ({row.skipped})", flush=True)
                 break
             best = row
         found.append(dataclasses.replace(best, mode="train (largest fit)"))
