@@ -47,6 +47,7 @@ GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
 GATE_STAGES = 4
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
+# Warps (one per token) per block of the up+down kernels: one, so a block's registers are freed with its token.
 UP_DOWN_TOKENS_PER_BLOCK = 1
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
