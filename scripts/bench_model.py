@@ -324,8 +324,13 @@ def make_inputs(args: argparse.Namespace, rows: int, vocab_size: int) -> torch.T
 
 
 # ------------------------------------------------------------------------------------------ measurements
-def free_memory(device: torch.device) -> None:
-    """Return a variant's cached GPU blocks, so each variant's peak starts from the same state."""
+def free_memory(model: LlamaForCausalLM, device: torch.device) -> None:
+    """Drop what a variant's calls left in the model and return its cached GPU blocks, so each variant's peak
+    starts from the same state. Each SparseMLP keeps its last call's result, whose L1 sum holds that call's
+    autograd graph until a backward frees it: after a step that ran out of memory midway, the whole step's saved
+    activations, which the next variant would otherwise start with."""
+    for mlp in sparse_mlps(model):
+        mlp.last_result = None
     if device.type == "cuda":  # gc.collect() takes seconds in a big process: only where memory is measured
         gc.collect()
         torch.cuda.empty_cache()
@@ -399,7 +404,7 @@ def bench_forward(
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
     finally:
-        free_memory(device)
+        free_memory(model, device)
     return result
 
 
@@ -480,7 +485,7 @@ def bench_train(
     finally:
         del step
         model.zero_grad(set_to_none=True)
-        free_memory(device)
+        free_memory(model, device)
     return result
 
 

@@ -231,6 +231,24 @@ def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypat
     assert [r.kernel for r in results[4:]] == ["stock", "torch", "auto"]
 
 
+def test_a_step_that_runs_out_of_memory_leaves_no_activations_behind(monkeypatch):
+    """A step that fails midway (here in its backward) leaves each SparseMLP's last result, whose L1 sum holds the
+    step's autograd graph and so its saved activations: the benchmark drops them before the next variant runs."""
+
+    def backward(step, loss):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench_model.TrainStep, "backward", backward)
+    args = bench_model.parse_args(TINY + ["--modes", "train"])
+    torch.manual_seed(0)
+    config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
+    model = build_model(config, kernel="torch")
+    master = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    row = bench_model.bench_train(model, master, torch.randint(0, 50, (2, 8)), "torch", None, None, None, args)
+    assert row.skipped == "out of memory at micro-batch 2"
+    assert [m.last_result for m in sparse_mlps(model)] == [None, None]
+
+
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
     torch.manual_seed(0)
     model = build_model(
