@@ -47,8 +47,10 @@ GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
 GATE_STAGES = 4
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
-# Warps (one per token) per block of the up+down kernels: one, so a block's registers are freed with its token.
-UP_DOWN_TOKENS_PER_BLOCK = 1
+# Warps (one per token) per block of the one-warp-per-token kernels (the up+down kernels here, the training
+# kernels' walks in twell_train.py): one, so a block's registers are freed with its token rather than with the
+# slowest of several.
+TOKENS_PER_BLOCK = 1
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
@@ -439,9 +441,9 @@ def twell_up_down(
             cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_M), cuda.ptr(l0_M),
             cuda.ptr(fired_N), cuda.ptr(dense_M), _i32(m), _i32(k), _i32(n_tiles), _i32(dense_row_nnz),
         )  # fmt: skip
-        grid = (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK), splits)
-        smem = UP_DOWN_TOKENS_PER_BLOCK * (kv * 32 * 16 + UP_DOWN_WORD_BATCH * SLOTS * 4)  # x row + packed words
-        cuda.launch(kernel, grid, (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
+        grid = (math.ceil(m / TOKENS_PER_BLOCK), splits)
+        smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + UP_DOWN_WORD_BATCH * SLOTS * 4)  # x row + packed words
+        cuda.launch(kernel, grid, (32 * TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
         if splits > 1:
             reduce = cuda.get_function("twell_up_down.cu", "twell_reduce_splits", device)
             mk = m * k
@@ -509,9 +511,9 @@ def _direct_up_down(
     operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, heavy_count)
     args = (*(cuda.ptr(t) for t in operands), _i32(m), _i32(k), _i32(n), _i32(split))
     # per warp: the x row, the positives list, and the residual row when there is one
-    smem = UP_DOWN_TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
+    smem = TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
-    cuda.launch(light, (math.ceil(m / UP_DOWN_TOKENS_PER_BLOCK),), (32 * UP_DOWN_TOKENS_PER_BLOCK,), args, device,
+    cuda.launch(light, (math.ceil(m / TOKENS_PER_BLOCK),), (32 * TOKENS_PER_BLOCK,), args, device,
                 shared_mem=smem)  # fmt: skip
     outs = (y_MK, l1_M, l0_M, fired_N)
     split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, heavy_count, outs, residual_MK)

@@ -106,6 +106,7 @@ from sparse_llm.twell_backend import (
     HBM_GBPS,
     PACK_GBPS,
     TILE,
+    TOKENS_PER_BLOCK,
     UP_DOWN_GBPS,
     check_inputs,
     dense_row_split,
@@ -136,9 +137,6 @@ CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
 # than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
 WGRAD_SLOTS = 512
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
-# Warps (one per token) per block of the token kernels (train_fwd_gate, train_bwd_sddmm, train_bwd_dx). A block's
-# registers are released only when its slowest token is done, so one-warp blocks keep more warp slots working.
-TOKENS_PER_BLOCK = 1
 WGRAD_WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
