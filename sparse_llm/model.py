@@ -164,7 +164,19 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
         hidden_states = hidden_states + attended
-        return self.mlp(self.post_attention_layernorm(hidden_states), residual=hidden_states)
+        return self.mlp(autocast_input(self.post_attention_layernorm(hidden_states)), residual=hidden_states)
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype when autocast is on (the dtype every FFN path computes in), else x.
+
+    The FFN paths would cast it themselves, but the SparseMLP call runs outside the layer's compiled graph
+    (`compile_layers`): cast here, the cast fuses into the norm's kernel (which then writes bf16) and its backward
+    into the norm's backward, instead of two passes of their own over [M, K] in float32 per layer and step."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
 
 
 # Attention functions that apply the causal mask themselves when given none (`is_causal`).
