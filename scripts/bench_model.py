@@ -6,10 +6,10 @@
 
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
---max-train-batch (also find the largest training micro-batch each path fits, growing by half up to this),
---tokens (inputs from a token file), --profile-dir (a torch.profiler trace and top-kernel table per
-variant, to see inside the breakdown), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed,
---device; `--help` describes each.
+--kernels (which variants, default all four), --max-train-batch (also find the largest training
+micro-batch each path fits, growing by half up to this), --tokens (inputs from a token file), --profile-dir
+(a torch.profiler trace and top-kernel table per variant, to see inside the breakdown), --grad-ckpt,
+--energy-seconds, --warmup, --reps, --l1, --lr, --seed, --device; `--help` describes each.
 
 What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP, LlamaRMSNorm and
 LlamaAttention on the same weights: the plain dense model, no sparsity statistics and no L1 term, i.e.
@@ -20,7 +20,9 @@ kernels can run). Speeds are given as ratios to both dense paths:
 - forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
   batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
 - train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
-  bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, AdamW step.
+  bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, the loss and gradient norm read
+  on the host (the trainer's one wait per step), AdamW step; steps issued back to back, as the trainer
+  does, so the host issues the next step's forward while the device runs the update.
 - tokens/ms from the median of CUDA-event timings after warm-up; the ratio to the dense path of the
   same run; peak allocated memory (resident weights included; in train mode also gradients and AdamW
   state); energy per token from the NVML counter over >= --energy-seconds of back-to-back calls
@@ -31,7 +33,12 @@ kernels can run). Speeds are given as ratios to both dense paths:
   GEMM timed alone, times the layer count; both paths run it), the rest of the FFN (dense: up and
   down GEMMs; sparse: packing, sparse up/down, rerouted rows, statistics; in train mode also autocast's
   weight casts), other forward work (norms, embeddings, residuals, loss), and in train mode backward
-  (with any gradient-checkpointing recomputation) and optimizer (gradient clipping + AdamW).
+  (with any gradient-checkpointing recomputation) and optimizer (gradient clipping + AdamW). Eager layers
+  only: hooks around modules would split compiled graphs.
+- on a GPU, the device time of one profiled call per kernel family (GEMMs, attention, the sparse FFN
+  kernels, the optimizer, kernels fused by torch.compile, sorts, other; `benchmark.kernel_family`), the
+  time any device work ran ("busy") and the rest of the timed call's median ("idle": the device waited
+  for the host, so a faster host or fewer host calls would gain it). Compiled layers included.
 In train mode `twell` runs once the twell backend takes training=True (until then the row says why it
 was skipped), and `auto` takes a sparse path only where the backend's cost model offers one for
 training; the per-layer paths in the report show what each layer ran.
@@ -95,9 +102,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from sparse_llm.backends import get_backend
 from sparse_llm.benchmark import (
+    KERNEL_FAMILIES,
     Clock,
     PeakMemory,
     SectionTimer,
+    device_ms_by_family,
     energy_mj_per_call,
     hardware_summary,
     l0_summary,
@@ -129,7 +138,7 @@ MODES = ("forward", "train")
 STOCK = "stock"  # transformers' LlamaMLP: the plain dense baseline
 # `stock` first (it needs no statistics), then `torch`, whose L0 feeds the `auto` decisions.
 # A forced kernel that cannot run (no GPU, or no training path yet) is reported as skipped, with the reason.
-KERNELS = {"forward": (STOCK, "torch", "auto", "twell"), "train": (STOCK, "torch", "auto", "twell")}
+KERNELS = (STOCK, "torch", "auto", "twell")  # both modes
 BREAKDOWN_REPS = 3
 CALIBRATION_TOKENS = 8192  # tokens per layer used to solve the gate shift (more adds nothing but memory)
 
@@ -161,6 +170,7 @@ class VariantResult:
     mj_per_token: float | None = None
     layers: list[LayerStats] = field(default_factory=list)
     breakdown_ms: dict[str, float] = field(default_factory=dict)
+    device_ms: dict[str, float] = field(default_factory=dict)  # benchmark.device_ms_by_family of one call
     skipped: str | None = None
 
     def path_summary(self) -> str:
@@ -400,6 +410,8 @@ def bench_forward(
                     total = clock.elapsed_ms(start, clock.mark())
                     runs.append({"total": total, **split_forward(total, timer.totals_ms(), gate_ms)})
             result.breakdown_ms = median_dicts(runs)
+        with torch.inference_mode():
+            result.device_ms = device_ms_by_family(forward, device)
         write_profile(forward, result, args)
     except torch.OutOfMemoryError:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
@@ -413,7 +425,7 @@ class TrainStep:
 
     fp32 master weights; the forward under bf16 autocast (no autocast on a CPU, as train.py);
     loss = CE + l1 * L1 term (CE alone with stock MLPs, which have no L1 term); backward; clip the
-    gradient norm to 1; AdamW (train.py's optimizer).
+    gradient norm to 1; read the loss and the norm on the host; AdamW (train.py's optimizer).
     """
 
     def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float) -> None:
@@ -437,16 +449,22 @@ class TrainStep:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def update(self) -> None:
-        if defer_clipping(self.optimizer, self.model.parameters(), 1.0) is None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+    def update(self, loss: torch.Tensor) -> None:
+        norm = defer_clipping(self.optimizer, self.model.parameters(), 1.0)
+        if norm is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        # The trainer reads the loss and the gradient norm here, before the update (to stop ahead of a non-finite
+        # one): its one wait for the device per step. The host then issues the update and goes on to the next
+        # step's forward while the device runs the update.
+        torch.stack([loss.detach().float(), torch.as_tensor(norm, device=loss.device).float()]).tolist()
         self.optimizer.step()
         self.optimizer.grad_scale = None
         self.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self) -> None:
-        self.backward(self.forward())
-        self.update()
+        loss = self.forward()
+        self.backward(loss)
+        self.update(loss)
 
 
 def bench_train(
@@ -469,13 +487,16 @@ def bench_train(
     try:
         with PeakMemory(device) as peak:
             step = TrainStep(model, ids, args.l1, args.lr)
-            samples = time_samples_ms(step, args.warmup, args.reps, device)
+            # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on the
+            # device to its last, including the device's waits for the host within it (at the loss read above).
+            samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
             result.layers = layer_stats(model)
             energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
         fill_timing(result, samples, peak.gib, energy)
         if gate_ms is not None:
             if not args.compile:
                 result.breakdown_ms = train_breakdown(model, step, gate_ms)
+            result.device_ms = device_ms_by_family(step, device)
             write_profile(step, result, args)
     except torch.OutOfMemoryError as exc:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
@@ -500,7 +521,7 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
             timer.active = False  # gradient checkpointing re-runs module forwards inside backward
             step.backward(loss)
             t2 = clock.mark()
-            step.update()
+            step.update(loss)
             t3 = clock.mark()
             timer.active = True
             fwd = clock.elapsed_ms(t0, t1)
@@ -621,6 +642,24 @@ def breakdown_table(results: list[VariantResult]) -> list[str]:
     return lines
 
 
+def device_table(results: list[VariantResult]) -> list[str]:
+    """Device time of one step per kernel family, and the step's time the device sat idle waiting for the host."""
+    rows = [r for r in results if r.device_ms]
+    if not rows:
+        return []
+    families = [family for family, _ in KERNEL_FAMILIES] + ["other"]
+    lines = [
+        "| mode | kernel | ms/iter | device busy ms | device idle ms | " + "".join(f"{f} ms | " for f in families),
+        "|---|---|---|---|---|" + "---|" * len(families),
+    ]
+    for r in rows:
+        busy = r.device_ms["busy"]
+        cells = [fmt(r.ms, ".2f"), fmt(busy, ".2f"), fmt(max(0.0, r.ms - busy), ".2f")]
+        cells += [fmt(r.device_ms.get(f, 0.0), ".2f") for f in families]
+        lines.append(f"| {r.mode} | {r.kernel} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def forward_ceiling(kernel: str, dense_ms: dict[str, float]) -> str:
     """The speed-up of a dense forward if its FFN past the gate GEMM cost nothing: the most any sparse FFN
     that keeps the dense gate GEMM can give; attention and the other layers bound it."""
@@ -651,7 +690,7 @@ def layer_table(results: list[VariantResult]) -> list[str]:
 
 
 def render_report(results: list[VariantResult], header: list[str]) -> str:
-    blocks = [header, summary_table(results), breakdown_table(results), layer_table(results)]
+    blocks = [header, summary_table(results), breakdown_table(results), device_table(results), layer_table(results)]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
 
 
@@ -688,7 +727,7 @@ def report_header(
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
         f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}times: median of {args.reps} "
         f"after {args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: "
-        f"{'none (compiled layers)' if args.compile else f'median of {BREAKDOWN_REPS} instrumented passes'}. "
+        f"{'device time only (compiled layers)' if args.compile else f'median of {BREAKDOWN_REPS} passes'}. "
         "`auto` layers decide from the dense pass's L0.",
     ]
 
@@ -717,6 +756,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
     parser.add_argument("--modes", default="forward,train")
+    parser.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help="comma-separated FFN variants to run, in this order; `auto` decides from the L0 that `torch` measured",
+    )
     parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
     parser.add_argument("--json", default=None, help="write every measurement here")
     parser.add_argument("--warmup", type=int, default=3)
@@ -749,6 +793,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         parser.error(f"--modes {','.join(args.modes)}: choose from {','.join(MODES)}")
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in args.kernels if k not in KERNELS]
+    if unknown or not args.kernels:
+        parser.error(f"--kernels {','.join(args.kernels)}: choose from {','.join(KERNELS)}")
+    if "auto" in args.kernels and "torch" not in args.kernels[: args.kernels.index("auto")]:
+        parser.error("--kernels: `auto` decides from the L0 measured by `torch`: list torch before auto")
     for name in ("batch", "train_batch", "seq_len", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -763,18 +813,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def run_variants(
     mode: str,
+    kernels: Sequence[str],
     model: LlamaForCausalLM,
     ids: torch.Tensor,
     bench: Callable[[str, list[LayerStats] | None], VariantResult],
 ) -> list[VariantResult]:
-    """bench(kernel, observed) for each kernel of `mode` that can run here; the others are listed as skipped.
+    """bench(kernel, observed) for each of `kernels` that can run here; the others are listed as skipped.
 
     `observed` is the per-layer L0 of the first variant that recorded it (the `torch` pass), which the
     `auto` variant decides from.
     """
     rows: list[VariantResult] = []
     observed = None
-    for kernel in KERNELS[mode]:
+    for kernel in kernels:
         reason = kernel_unavailable_reason(kernel, model, ids.device)
         row = (
             VariantResult(mode, kernel, ids.shape[0], ids.numel(), skipped=reason)
@@ -823,6 +874,7 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         gate_ms = gate_gemm_ms(model, fwd_ids.numel(), dtype, args)
         results += run_variants(
             "forward",
+            args.kernels,
             model,
             fwd_ids,
             lambda kernel, seen: bench_forward(model, fwd_ids, kernel, seen, meter, gate_ms, args),
@@ -835,6 +887,7 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         )
         rows = run_variants(
             "train",
+            args.kernels,
             model,
             train_ids,
             lambda kernel, seen: bench_train(model, master, train_ids, kernel, seen, meter, gate_ms, args),

@@ -9,6 +9,7 @@ back-to-back calls, because the counter only advances every 20-100 ms.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from sparse_llm.energy import EnergyMeter
@@ -212,6 +214,53 @@ class SectionTimer:
         self._spans.clear()
         self._open.clear()
         return totals
+
+
+# Device kernels by what they compute, from their names (first match wins; "other" for the rest): a compiled
+# model's time has no module boundaries left to put timers at, but its kernels still say what they are.
+KERNEL_FAMILIES = (
+    ("sparse FFN", re.compile(r"^(void )?(train_|gate_up_down|twell_|transpose_cast)")),
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|compute_dot_do_o|rope_")),
+    ("GEMM", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.IGNORECASE)),
+    ("optimizer", re.compile(r"multi_tensor_apply|adam", re.IGNORECASE)),
+    ("sort", re.compile(r"RadixSort|fill_reverse_indices")),
+    ("fused by torch.compile", re.compile(r"^triton_")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The KERNEL_FAMILIES name of a device kernel (or memset / memcpy), "other" where none matches."""
+    return next((family for family, pattern in KERNEL_FAMILIES if pattern.search(name)), "other")
+
+
+def device_ms_by_family(fn: Callable[[], object], device: torch.device | str) -> dict[str, float]:
+    """Device time of one call of fn: ms per `kernel_family`, and "busy", the time any device work ran (the union
+    of the intervals: kernels that overlap count once). Empty on a CPU.
+
+    One call under torch.profiler, after the device is idle; the kernels' own times are unaffected by the
+    profiler, the host's are not, so compare "busy" with an unprofiled wall-clock time of the call: the
+    difference is time the device waited for the host.
+    """
+    if torch.device(device).type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    # Device-side spans of record_function ranges (an optimizer step, a compiled graph) cover kernels and the gaps
+    # between them: only the device work itself counts.
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
+    totals: dict[str, float] = defaultdict(float)
+    busy_us, reach = 0.0, float("-inf")
+    for start, end, name in spans:
+        totals[kernel_family(name)] += (end - start) / 1e3
+        busy_us += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return {"busy": busy_us / 1e3, **totals}
 
 
 def l0_summary(l0_M: torch.Tensor) -> tuple[float, float, float]:

@@ -10,7 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from sparse_llm.benchmark import PeakMemory, SectionTimer, energy_mj_per_call, l0_summary, time_ms, wall_ms
+from sparse_llm.benchmark import (
+    PeakMemory,
+    SectionTimer,
+    device_ms_by_family,
+    energy_mj_per_call,
+    kernel_family,
+    l0_summary,
+    time_ms,
+    wall_ms,
+)
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import recording_statistics
 from sparse_llm.model import ModelConfig, build_model, sparse_mlps
@@ -168,10 +177,44 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
 
 
+def test_kernels_option_runs_only_the_variants_named():
+    results = bench_model.main(TINY + ["--modes", "train", "--kernels", "torch,auto", "--energy-seconds", "1"])
+    assert [(r.mode, r.kernel) for r in results] == [("train", "torch"), ("train", "auto")]
+    assert all(r.skipped is None and r.device_ms == {} for r in results)  # no device times on a CPU
+
+
 def test_forward_ceiling_is_the_dense_forward_without_its_sparse_part():
     dense = {"attention": 37.0, "ffn gate GEMM": 9.25, "ffn rest": 21.75, "other fwd": 12.0, "total": 80.0}
     line = bench_model.forward_ceiling("torch", dense)
     assert "the `torch` forward would take 58.25 of 80.00 ms (1.373x)" in line and "attention 37.00 ms" in line
+
+
+def test_kernel_families_name_what_the_device_ran():
+    names = {
+        "void train_fwd_gate<8>(__nv_bfloat16 const*)": "sparse FFN",
+        "gate_up_down_light<8>": "sparse FFN",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "GEMM",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "void rope_rotate_half<__nv_bfloat16, float, 8>(": "attention",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel<": "sort",
+        "triton_per_fused__fused_rms_norm_backward_add_0": "fused by torch.compile",
+        "Memset (Device)": "other",
+    }
+    assert {name: kernel_family(name) for name in names} == names
+    assert device_ms_by_family(lambda: None, "cpu") == {}
+
+
+def test_device_table_gives_the_idle_time_of_the_timed_step():
+    row = bench_model.VariantResult("train", "twell", 4, 8192, ms=230.0)
+    row.device_ms = {"busy": 195.5, "GEMM": 55.0, "sparse FFN": 39.0, "other": 101.5}
+    lines = bench_model.device_table([row, bench_model.VariantResult("train", "torch", 4, 8192, ms=250.0)])
+    assert len(lines) == 3  # the row without device times is left out
+    cells = [c.strip() for c in lines[2].strip().strip("|").split("|")]
+    header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
+    got = dict(zip(header, cells, strict=True))
+    assert got["device busy ms"] == "195.50" and got["device idle ms"] == "34.50"
+    assert got["GEMM ms"] == "55.00" and got["attention ms"] == "0.00" and got["other ms"] == "101.50"
 
 
 def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
@@ -192,6 +235,8 @@ def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
         (["--density-l0", "10", "--checkpoint", "x"], "not allowed with"),
         (["--energy-seconds", "0.5"], "--energy-seconds"),
         (["--batch", "0"], "--batch"),
+        (["--kernels", "torch,fast"], "--kernels torch,fast: choose from stock,torch,auto,twell"),
+        (["--kernels", "auto,torch"], "list torch before auto"),
     ],
 )
 def test_bad_arguments_are_named(extra, message, capsys):
