@@ -129,7 +129,7 @@ from sparse_llm.model import (
 )
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import defer_clipping, make_optimizer
+from sparse_llm.training import FrozenHeap, defer_clipping, make_optimizer
 from sparse_llm.twell_train import OPT_IN_ENV, training_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,11 +425,14 @@ class TrainStep:
 
     fp32 master weights; the forward under bf16 autocast (no autocast on a CPU, as train.py);
     loss = CE + l1 * L1 term (CE alone with stock MLPs, which have no L1 term); backward; clip the
-    gradient norm to 1; read the loss and the norm on the host; AdamW (train.py's optimizer).
+    gradient norm to 1; read the loss and the norm on the host; AdamW (train.py's optimizer); then `after()`
+    (the trainer's `FrozenHeap.freeze`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float) -> None:
-        self.model, self.ids, self.l1 = model, ids, l1
+    def __init__(
+        self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float, after: Callable[[], None] = lambda: None
+    ) -> None:
+        self.model, self.ids, self.l1, self.after = model, ids, l1, after
         cfg = TrainConfig()
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
@@ -465,6 +468,7 @@ class TrainStep:
         loss = self.forward()
         self.backward(loss)
         self.update(loss)
+        self.after()
 
 
 def bench_train(
@@ -485,19 +489,20 @@ def bench_train(
     set_kernel(model, kernel, observed)
     step: TrainStep | None = None
     try:
-        with PeakMemory(device) as peak:
-            step = TrainStep(model, ids, args.l1, args.lr)
-            # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on the
-            # device to its last, including the device's waits for the host within it (at the loss read above).
-            samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
-            result.layers = layer_stats(model)
-            energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
-        fill_timing(result, samples, peak.gib, energy)
-        if gate_ms is not None:
-            if not args.compile:
-                result.breakdown_ms = train_breakdown(model, step, gate_ms)
-            result.device_ms = device_ms_by_family(step, device)
-            write_profile(step, result, args)
+        with FrozenHeap() as heap:  # as the trainer runs its steps
+            with PeakMemory(device) as peak:
+                step = TrainStep(model, ids, args.l1, args.lr, after=heap.freeze)
+                # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on
+                # the device to its last, including the device's waits for the host within it (at the loss read).
+                samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
+                result.layers = layer_stats(model)
+                energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
+            fill_timing(result, samples, peak.gib, energy)
+            if gate_ms is not None:
+                if not args.compile:
+                    result.breakdown_ms = train_breakdown(model, step, gate_ms)
+                result.device_ms = device_ms_by_family(step, device)
+                write_profile(step, result, args)
     except torch.OutOfMemoryError as exc:
         result.skipped = f"out of memory at micro-batch {ids.shape[0]}"
         print(f"train, {kernel}, micro-batch {ids.shape[0]}: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ devices. Loss per micro-batch = CE + l1(step) * L1 term (sparse_llm/sparsity.py)
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -131,6 +132,35 @@ def defer_clipping(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.
     # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the step divides by its inverse.
     optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
     return norm
+
+
+class FrozenHeap:
+    """Context for a training loop: `freeze()`, called after each step, leaves every object alive after the first
+    step out of the later passes of Python's cyclic garbage collector (gc.freeze); leaving the context gives them
+    back to it.
+
+    By then the model, its compiled code and the libraries' caches are hundreds of thousands of objects that live as
+    long as the run, and every full collection walked them all again: 0.3 s of host time in a compiled 2B model,
+    every ten steps or so, which the device waits through wherever the host sets a step's pace. Objects freed by
+    their reference counts are freed as before; only reference cycles among the frozen objects wait for the end.
+    """
+
+    def __init__(self) -> None:
+        self.frozen = False
+
+    def __enter__(self) -> FrozenHeap:
+        return self
+
+    def freeze(self) -> None:
+        if not self.frozen:
+            gc.collect()  # what is garbage already is not kept
+            gc.freeze()
+            self.frozen = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
 
 
 def check_compile_setup(backend: str, fsdp: bool) -> None:
@@ -413,9 +443,10 @@ class Trainer:
         self.model.train()
         window = MeasureWindow(self.energy, self.acc.device)
         try:
-            with StopSignals() as stop:
+            with StopSignals() as stop, FrozenHeap() as heap:
                 while self.step < t.max_steps:
                     saved, stop_agreed = self._train_step(window, telemetry, stop)
+                    heap.freeze()
                     if stop_agreed and self.step < t.max_steps:
                         checkpoint = saved or self._save()
                         raise TrainingStopped(stop.requested, self.step, str(checkpoint))

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import gc
 import os
 import signal
 
@@ -14,7 +15,7 @@ from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, register_configs
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
-from sparse_llm.training import NonFiniteLossError, Trainer, cosine_with_warmup, plan_batches, train
+from sparse_llm.training import FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, plan_batches, train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -176,6 +177,30 @@ def test_validation_runs_on_its_own_schedule(tmp_path):
           tmp_path)
     with_val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/ce" in r]
     assert with_val == [2, 4, 6]
+
+
+def test_frozen_heap_leaves_the_objects_of_the_first_step_out_of_collections_until_it_exits():
+    assert gc.get_freeze_count() == 0
+    with FrozenHeap() as heap:
+        assert gc.get_freeze_count() == 0  # nothing frozen before the first step has run
+        heap.freeze()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        cycle: list = []
+        cycle.append(cycle)  # garbage made after the freeze is still collected
+        del cycle
+        assert gc.collect() >= 1
+        heap.freeze()  # once only
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_trainer_freezes_after_its_first_step_and_gives_the_objects_back(tmp_path, monkeypatch):
+    calls = []
+    real_freeze = FrozenHeap.freeze
+    monkeypatch.setattr(FrozenHeap, "freeze", lambda self: (calls.append(1), real_freeze(self)))
+    train(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
+    assert len(calls) == 3 and gc.get_freeze_count() == 0
 
 
 def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
