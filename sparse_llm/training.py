@@ -147,12 +147,14 @@ class FrozenHeap:
 
     def __init__(self) -> None:
         self.frozen = False
+        self.caller_froze = False  # objects the caller froze itself: theirs to give back, so this does nothing
 
     def __enter__(self) -> FrozenHeap:
+        self.caller_froze = gc.get_freeze_count() > 0
         return self
 
     def freeze(self) -> None:
-        if not self.frozen:
+        if not self.frozen and not self.caller_froze:
             gc.collect()  # what is garbage already is not kept
             gc.freeze()
             self.frozen = True

@@ -195,6 +195,17 @@ def test_frozen_heap_leaves_the_objects_of_the_first_step_out_of_collections_unt
     assert gc.get_freeze_count() == 0
 
 
+def test_frozen_heap_leaves_a_callers_own_freeze_alone():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with FrozenHeap() as heap:
+            heap.freeze()
+        assert gc.get_freeze_count() == frozen  # neither frozen again nor given back
+    finally:
+        gc.unfreeze()
+
+
 def test_the_trainer_freezes_after_its_first_step_and_gives_the_objects_back(tmp_path, monkeypatch):
     calls = []
     real_freeze = FrozenHeap.freeze
