@@ -653,10 +653,8 @@ def device_table(results: list[VariantResult]) -> list[str]:
     if not rows:
         return []
     families = [family for family, _ in KERNEL_FAMILIES] + ["other"]
-    lines = [
-        "| mode | kernel | ms/iter | device busy ms | device idle ms | " + "".join(f"{f} ms | " for f in families),
-        "|---|---|---|---|---|" + "---|" * len(families),
-    ]
+    columns = ["mode", "kernel", "ms/iter", "device busy ms", "device idle ms", *(f"{f} ms" for f in families)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         busy = r.device_ms["busy"]
         cells = [fmt(r.ms, ".2f"), fmt(busy, ".2f"), fmt(max(0.0, r.ms - busy), ".2f")]

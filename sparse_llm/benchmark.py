@@ -233,6 +233,19 @@ def kernel_family(name: str) -> str:
     return next((family for family, pattern in KERNEL_FAMILIES if pattern.search(name)), "other")
 
 
+def _profiled_call(fn: Callable[[], object], device: torch.device | str) -> profile:
+    """One call of fn under torch.profiler (host activity, and the device's on a GPU), started and ended with the
+    device idle so that the profile holds exactly this call's work."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return prof
+
+
 def device_ms_by_family(fn: Callable[[], object], device: torch.device | str) -> dict[str, float]:
     """Device time of one call of fn: ms per `kernel_family`, and "busy", the time any device work ran (the union
     of the intervals: kernels that overlap count once). Empty on a CPU.
@@ -243,10 +256,7 @@ def device_ms_by_family(fn: Callable[[], object], device: torch.device | str) ->
     """
     if torch.device(device).type != "cuda":
         return {}
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
+    prof = _profiled_call(fn, device)
     # Device-side spans of record_function ranges (an optimizer step, a compiled graph) cover kernels and the gaps
     # between them: only the device work itself counts.
     spans = sorted(
@@ -290,12 +300,7 @@ def profile_once(
     CPU), which names the kernels that a module-level breakdown lumps together. CUDA kernels launched
     outside torch (CuPy) are recorded too: CUPTI sees every kernel on the device.
     """
-    cuda = torch.device(device).type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = _profiled_call(fn, device)
     prof.export_chrome_trace(str(trace_path))
-    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)

@@ -10,8 +10,9 @@ SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
-layers: 1.056-1.238x less wall-clock time than the dense path with its MLP block compiled too, by the host's
-speed (the sparse forward waits for the host; BENCHMARKS.md, 2026-11-25). A forced `kernel=twell` calls
+layers: 1.24x less device time than the dense path with its MLP block compiled too, 1.18-1.25x less wall-clock
+time (the step waits for the host), and 1.358x the dense path's throughput when each runs its largest micro-batch
+(8 x 2048 tokens against 6; BENCHMARKS.md, 2026-11-25 16:10-16:50). A forced `kernel=twell` calls
 `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
