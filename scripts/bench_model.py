@@ -20,9 +20,10 @@ kernels can run). Speeds are given as ratios to both dense paths:
 - forward: the core model (embeddings + decoder layers + final norm, no lm_head, no KV cache) on
   batch x seq_len tokens in bf16 under inference_mode, as the paper's throughput numbers are taken.
 - train: one full step at the same micro-batch, as train.py runs it on a GPU: fp32 master weights,
-  bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, the loss and gradient norm read
-  on the host (the trainer's one wait per step), AdamW step; steps issued back to back, as the trainer
-  does, so the host issues the next step's forward while the device runs the update.
+  bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, AdamW step (skipped on the
+  device if the loss or norm is not finite), then the previous step's loss and gradient norm read on the
+  host (the trainer's one wait per step); steps issued back to back, as the trainer does, so the host can
+  run up to a step ahead of the device.
 - tokens/ms from the median of CUDA-event timings after warm-up; the ratio to the dense path of the
   same run; peak allocated memory (resident weights included; in train mode also gradients and AdamW
   state); energy per token from the NVML counter over >= --energy-seconds of back-to-back calls
@@ -129,7 +130,7 @@ from sparse_llm.model import (
 )
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import FrozenHeap, defer_clipping, make_optimizer
+from sparse_llm.training import FrozenHeap, HostCopy, defer_clipping, make_optimizer, skip_update_if_non_finite
 from sparse_llm.twell_train import OPT_IN_ENV, training_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,8 +426,10 @@ class TrainStep:
 
     fp32 master weights; the forward under bf16 autocast (no autocast on a CPU, as train.py);
     loss = CE + l1 * L1 term (CE alone with stock MLPs, which have no L1 term); backward; clip the
-    gradient norm to 1; read the loss and the norm on the host; AdamW (train.py's optimizer); then `after()`
-    (the trainer's `FrozenHeap.freeze`).
+    gradient norm to 1; AdamW (train.py's optimizer), skipped on the device if the loss or the norm is not
+    finite; then read the previous step's loss and norm on the host and call `after()` (the trainer's
+    `FrozenHeap.freeze`). As in the trainer, the host waits for the device once per step, for the step before
+    the one it has just issued, so it can run up to a step ahead.
     """
 
     def __init__(
@@ -441,6 +444,7 @@ class TrainStep:
         self.autocast: Callable[[], AbstractContextManager] = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
         )
+        self.unread: HostCopy | None = None  # the last step's loss and gradient norm, on their way to the host
 
     def forward(self) -> torch.Tensor:
         with self.autocast():
@@ -456,13 +460,17 @@ class TrainStep:
         norm = defer_clipping(self.optimizer, self.model.parameters(), 1.0)
         if norm is None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        # The trainer reads the loss and the gradient norm here, before the update (to stop ahead of a non-finite
-        # one): its one wait for the device per step. The host then issues the update and goes on to the next
-        # step's forward while the device runs the update.
-        torch.stack([loss.detach().float(), torch.as_tensor(norm, device=loss.device).float()]).tolist()
+        values = torch.stack([loss.detach().float(), torch.as_tensor(norm, device=loss.device).float()])
+        if not skip_update_if_non_finite(self.optimizer, values):
+            raise RuntimeError("The benchmark's training step needs a fused AdamW (train.py's on CPU and CUDA).")
+        readout = HostCopy(values)
         self.optimizer.step()
         self.optimizer.grad_scale = None
+        self.optimizer.found_inf = None
         self.optimizer.zero_grad(set_to_none=True)
+        earlier, self.unread = self.unread, readout
+        if earlier is not None:
+            earlier.tolist()
 
     def __call__(self) -> None:
         loss = self.forward()
@@ -493,7 +501,7 @@ def bench_train(
             with PeakMemory(device) as peak:
                 step = TrainStep(model, ids, args.l1, args.lr, after=heap.freeze)
                 # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on
-                # the device to its last, including the device's waits for the host within it (at the loss read).
+                # the device to its last, including any wait of the device for the host within it.
                 samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
                 result.layers = layer_stats(model)
                 energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None

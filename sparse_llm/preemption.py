@@ -1,4 +1,4 @@
-"""A graceful stop on SIGTERM / SIGUSR1: finish the optimizer step, write a checkpoint, exit.
+"""A graceful stop on SIGTERM / SIGUSR1: finish the optimizer steps in flight, write a checkpoint, exit.
 
 Schedulers send SIGTERM before they kill a job (SLURM's `--signal=USR1@<seconds>` sends SIGUSR1), and
 `timeout` sends SIGTERM. Without a handler the process dies mid-step and every step since the last periodic
@@ -54,7 +54,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is None:
             self.requested = signum
-            log.warning("%s received: stopping after this optimizer step with a checkpoint (Ctrl-C stops at once).",
+            log.warning("%s received: stopping within two optimizer steps with a checkpoint (Ctrl-C stops at once).",
                         signal.Signals(signum).name)
 
     def __enter__(self) -> StopSignals:

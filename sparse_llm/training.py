@@ -95,8 +95,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     precision = cfg.trainer.mixed_precision
     if precision == "auto":
         precision = "no" if use_cpu else "bf16"
-    if precision not in ("no", "bf16", "fp16"):
-        raise ValueError(f"trainer.mixed_precision={precision!r}; use auto, bf16 or no.")
+    if precision not in ("no", "bf16"):
+        # fp16 would need loss scaling, whose deliberately skipped overflow steps this loop would take for a
+        # diverged run (NonFiniteLossError).
+        raise ValueError(f"trainer.mixed_precision={precision!r}; use auto, bf16 or no (fp16 is not supported).")
     # cpu=True is needed on CUDA-less machines, or a multi-process launch degrades to independent runs.
     return Accelerator(cpu=use_cpu, mixed_precision=precision)
 
@@ -104,14 +106,15 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not on norms).
 
-    On CUDA the fused AdamW: one kernel per parameter group where the default multi-tensor one runs a dozen
-    passes over the optimizer state (72 of 391 ms in a 2B training step).
+    The fused AdamW on CUDA and CPU: one kernel per parameter group where the default multi-tensor one runs a
+    dozen passes over the optimizer state (72 of 391 ms in a 2B training step), and it can skip a non-finite
+    update without the host looking (`skip_update_if_non_finite`).
     """
     t = cfg.trainer
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda" or None  # None: torch's default (foreach) elsewhere
+    fused = device.type in ("cuda", "cpu") or None  # None: torch's default (foreach) elsewhere
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
@@ -132,6 +135,67 @@ def defer_clipping(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.
     # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the step divides by its inverse.
     optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
     return norm
+
+
+def skip_update_if_non_finite(optimizer: torch.optim.Optimizer, values: torch.Tensor) -> bool:
+    """Have the optimizer's next step leave the weights and its own state untouched when any of `values` (the
+    step's loss terms and gradient norm, on the device) is not finite; returns False where the optimizer cannot
+    (then check on the host before stepping).
+
+    A fused AdamW skips its whole update, on the device, where its `found_inf` tensor is non-zero (the hook
+    GradScaler skips overflowed steps through), so the host need not wait for the backward before issuing the
+    update. Clear it after the step: `optimizer.found_inf = None`.
+    """
+    fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+    if not fused or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    optimizer.found_inf = (~values.isfinite().all()).float()
+    return True
+
+
+class HostCopy:
+    """A device tensor's values on their way to host memory, copied behind the work issued so far: `tolist()`
+    waits for that work and the copy, not for anything issued after them."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values_host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self.values_host.copy_(values, non_blocking=True)
+        self.landed = None
+        if values.is_cuda:
+            self.landed = torch.cuda.Event()
+            self.landed.record()
+
+    def tolist(self) -> list[Any]:
+        if self.landed is not None:
+            self.landed.synchronize()
+        return self.values_host.tolist()
+
+
+@dataclass
+class StepReadout:
+    """One optimizer step's metrics: what the host knew when it issued the step, and the device's values on
+    their way (`values`: mean CE and L1 term over ranks, the ranks' stop votes, the gradient norm)."""
+
+    step: int
+    values: HostCopy
+    l1_coeff: float
+    lr: float
+    reinit_neurons: int = 0
+
+    def read(self) -> tuple[dict[str, Any], bool]:
+        """The step's metrics and whether any rank voted to stop; NonFiniteLossError if its loss or gradient norm
+        is not finite (its update was skipped: `skip_update_if_non_finite`, or the host's check before it)."""
+        ce, l1, votes, norm = self.values.tolist()
+        loss = ce + self.l1_coeff * l1
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise NonFiniteLossError(
+                f"Step {self.step}: loss {loss} (CE {ce}, L1 term {l1}), gradient norm {norm}. Its update was not "
+                "applied and the last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or a "
+                "longer trainer.warmup_steps."
+            )
+        metrics = {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": self.l1_coeff, "grad_norm": norm,
+                   "lr": self.lr, "reinit_neurons": self.reinit_neurons}
+        return metrics, votes > 0
 
 
 class FrozenHeap:
@@ -284,6 +348,7 @@ class Trainer:
         self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
         self.energy = EnergyMeter(self.acc.device)
         self.step = 0
+        self._unread: StepReadout | None = None  # the step issued last, when its metrics are still to be read
 
     def _check_setup(self) -> None:
         """Fail at start, not hours in, on settings that cannot work together."""
@@ -356,8 +421,12 @@ class Trainer:
         self.tracker.accumulate(results)
         return out.loss.detach(), l1.detach()
 
-    def _optimizer_step(self, stop: StopSignals) -> tuple[dict[str, Any], bool]:
-        """One update: its metrics, and whether any rank has received a stop signal by the end of it."""
+    def _optimizer_step(self, stop: StopSignals) -> StepReadout:
+        """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.
+
+        With a fused optimizer nothing here waits for the device: a non-finite step's update is skipped on the
+        device, and the host goes on to the next step while the device runs this one (`_read_steps`).
+        """
         coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
         ce_sum = torch.zeros((), device=self.acc.device)
         l1_sum = torch.zeros((), device=self.acc.device)
@@ -372,31 +441,40 @@ class Trainer:
             grad_norm = defer_clipping(optimizer, self.model.parameters(), self.cfg.trainer.grad_clip)
         if grad_norm is None:
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes:
-        # stop before a bad update reaches the weights, and stop every rank at the same step.
+        # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes.
         world = self.acc.num_processes
         stop_vote = torch.tensor(float(stop.requested is not None), device=self.acc.device)
         summed = self._reduce(torch.stack([ce_sum / self.plan.accumulation, l1_sum / self.plan.accumulation,
                                            stop_vote]), "sum")
-        ce_total, l1_total, votes, norm = torch.cat(
-            [summed, torch.as_tensor(grad_norm, device=summed.device, dtype=summed.dtype).reshape(1)]).tolist()
-        ce, l1 = ce_total / world, l1_total / world
-        loss = ce + coeff * l1
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise NonFiniteLossError(
-                f"Step {self.step + 1}: loss {loss} (CE {ce}, L1 term {l1}), gradient norm {norm}. No update was "
-                "applied and the last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or "
-                "a longer trainer.warmup_steps."
-            )
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
+        values = torch.cat([summed[:2] / world, summed[2:],
+                            torch.as_tensor(grad_norm, device=summed.device, dtype=summed.dtype).reshape(1)])
+        readout = StepReadout(self.step + 1, HostCopy(values), coeff, self.scheduler.get_last_lr()[0])
+        if not skip_update_if_non_finite(optimizer, values):
+            readout.read()  # stops here, before a non-finite update reaches the weights
         self.optimizer.step()
-        optimizer.grad_scale = None  # the deferred clip applied to this step only
+        optimizer.grad_scale = None  # the deferred clip and the skip applied to this step only
+        optimizer.found_inf = None
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        reinit = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
-        metrics = {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": coeff, "grad_norm": norm, "lr": lr,
-                   "reinit_neurons": reinit}
-        return metrics, votes > 0
+        readout.reinit_neurons = self.tracker.end_optimizer_step(self.step, self.cfg.seed)
+        return readout
+
+    def _read_steps(self, issued: StepReadout, now: bool) -> tuple[dict[str, Any] | None, bool]:
+        """Read the step issued before `issued`, and `issued` itself when `now` (else keep it for the next call).
+
+        Returns the metrics of the latest step read (None if none was), and whether any rank voted to stop in the
+        steps read. Read one step late, a step's values have landed or are about to while the device already
+        runs the next one: the host stays a step ahead instead of draining the device at every step. Steps that
+        are logged, validated, saved or last are read at once. Every rank reads the same steps, so all see
+        the same votes and stop at the same step.
+        """
+        earlier, self._unread = self._unread, None if now else issued
+        metrics, stop = None, False
+        for readout in (earlier, issued if now else None):
+            if readout is not None:
+                metrics, voted = readout.read()
+                stop = stop or voted
+        return metrics, stop
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -463,13 +541,15 @@ class Trainer:
         Returns the checkpoint's path if one was due, and whether the ranks agreed to stop (see _optimizer_step).
         """
         t = self.cfg.trainer
-        metrics, stop_agreed = self._optimizer_step(stop)
+        issued = self._optimizer_step(stop)
         self.step += 1
         window.steps += 1
-        telemetry.advance(self.step, {"loss": f"{metrics['loss']:.3f}"})
         logging_now = telemetry.should_log(self.step)
         val_now = self._is_due(t.val_every)
         save_now = bool(self.cfg.checkpoint.every) and self.step % self.cfg.checkpoint.every == 0
+        last = self.step == t.max_steps
+        metrics, stop_agreed = self._read_steps(issued, now=logging_now or val_now or save_now or last)
+        telemetry.advance(self.step, metrics and {"loss": f"{metrics['loss']:.3f}"})
         if logging_now:
             metrics.update(self._window_metrics(window))
         elif val_now or save_now:

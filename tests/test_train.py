@@ -15,7 +15,8 @@ from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, register_configs
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
-from sparse_llm.training import FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, plan_batches, train
+from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
+                                 plan_batches, skip_update_if_non_finite, train)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -71,7 +72,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkeypatch):
     common = ["trainer.max_steps=6", "checkpoint.every=0", "trainer.global_batch=8", "trainer.micro_batch=4"]
     train(small_config(*common), tmp_path / "full")
-    # The signal arrives during step 3 (as from a scheduler); no periodic checkpoint is due before the end.
+    # The signal arrives during step 3 (as from a scheduler); no periodic checkpoint is due before the end. Step 3's
+    # stop votes are read after step 4 is issued (its metrics are not logged: the host runs a step ahead), so the
+    # run stops after step 4.
     step_fn = Trainer._optimizer_step
 
     def signalled_step(trainer, stop):
@@ -80,10 +83,10 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkey
         return step_fn(trainer, stop)
 
     monkeypatch.setattr(Trainer, "_optimizer_step", signalled_step)
-    with pytest.raises(TrainingStopped, match="SIGTERM after step 3") as stopped:
+    with pytest.raises(TrainingStopped, match="SIGTERM after step 4") as stopped:
         train(small_config(*common), tmp_path / "cut")
     assert stopped.value.exit_code == 128 + signal.SIGTERM
-    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_3"]
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_4"]
     assert not (tmp_path / "cut" / "final").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
     monkeypatch.setattr(Trainer, "_optimizer_step", step_fn)
@@ -110,12 +113,41 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
         Trainer(small_config("trainer.compile=true", "trainer.compile_backend=inductr"), tmp_path)
 
 
-def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
+def test_non_finite_loss_stops_with_a_clear_message_and_no_update(tmp_path):
+    # Step 1 is not logged (logging.every=2), so its values are read after step 2 is issued: both updates must
+    # have been skipped on the device.
     trainer = Trainer(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
     with torch.no_grad():
         trainer.model.model.embed_tokens.weight.fill_(float("nan"))
-    with pytest.raises(NonFiniteLossError, match="checkpoint"):
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(NonFiniteLossError, match="Step 1: .*checkpoint"):
         trainer.run()
+    assert trainer.step == 2
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]) or (p.isnan().all() and before[name].isnan().all()), name
+
+
+def test_a_non_finite_step_leaves_weights_and_optimizer_state_alone():
+    layer = torch.nn.Linear(4, 3)
+    optimizer = make_optimizer(layer, small_config(), torch.device("cpu"))
+
+    def step(loss_value: float) -> tuple[list[bool], dict[str, torch.Tensor]]:
+        """Which parameters one step moved, and AdamW's state of the weight after it."""
+        before = [p.detach().clone() for p in layer.parameters()]
+        layer(torch.randn(2, 4)).sum().backward()
+        assert skip_update_if_non_finite(optimizer, torch.tensor([loss_value, 0.5]))
+        optimizer.step()
+        optimizer.found_inf = None
+        optimizer.zero_grad()
+        moved = [not torch.equal(p, b) for p, b in zip(layer.parameters(), before, strict=True)]
+        return moved, {k: v.clone() for k, v in optimizer.state[layer.weight].items()}
+
+    moved, state = step(1.0)
+    assert all(moved)
+    moved, state_after_inf = step(float("inf"))
+    assert not any(moved)
+    assert state.keys() == state_after_inf.keys()
+    assert all(torch.equal(state[k], state_after_inf[k]) for k in state)
 
 
 def test_resume_from_a_missing_path_names_it(tmp_path):
