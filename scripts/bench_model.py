@@ -433,9 +433,10 @@ class TrainStep:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float, after: Callable[[], None] = lambda: None
+        self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float, after: Callable[[], None] = lambda: None,
+        cuda_graphs: bool = False,
     ) -> None:
-        self.model, self.ids, self.l1, self.after = model, ids, l1, after
+        self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
         cfg = TrainConfig()
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
@@ -447,6 +448,8 @@ class TrainStep:
         self.unread: HostCopy | None = None  # the last step's loss and gradient norm, on their way to the host
 
     def forward(self) -> torch.Tensor:
+        if self.cuda_graphs:  # as the trainer: the last backward is done, its graphs' outputs are free
+            torch.compiler.cudagraph_mark_step_begin()
         with self.autocast():
             out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
             if not self.mlps:
@@ -499,13 +502,13 @@ def bench_train(
     try:
         with FrozenHeap() as heap:  # as the trainer runs its steps
             with PeakMemory(device) as peak:
-                step = TrainStep(model, ids, args.l1, args.lr, after=heap.freeze)
+                step = TrainStep(model, ids, args.l1, args.lr, after=heap.freeze, cuda_graphs=args.cuda_graphs)
                 # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on
                 # the device to its last, including any wait of the device for the host within it.
                 samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
                 result.layers = layer_stats(model)
                 energy = energy_mj_per_call(meter, step, args.energy_seconds) if meter is not None else None
-            fill_timing(result, samples, peak.gib, energy)
+            fill_timing(result, samples, peak.reserved_gib if args.cuda_graphs else peak.gib, energy)
             if gate_ms is not None:
                 if not args.compile:
                     result.breakdown_ms = train_breakdown(model, step, gate_ms)
@@ -736,7 +739,9 @@ def report_header(
         "L0 statistics from one extra pass (timed calls skip them, as generation does); "
         f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
-        f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}times: median of {args.reps} "
+        f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}"
+        f"{'compiled parts replayed as CUDA graphs, peak memory = peak reserve (graph pools included); ' if args.cuda_graphs else ''}"
+        f"times: median of {args.reps} "
         f"after {args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: "
         f"{'device time only (compiled layers)' if args.compile else f'median of {BREAKDOWN_REPS} passes'}. "
         "`auto` layers decide from the dense pass's L0.",
@@ -792,6 +797,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "the per-section breakdown is skipped (its module hooks would split the compiled graphs)",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --compile: replay each compiled layer part as a CUDA graph (torch.compile mode reduce-overhead)",
+    )
+    parser.add_argument(
         "--profile-dir", default=None, help="also profile one call per variant: Chrome trace + top-ops table here"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -815,6 +825,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.density_l0 is not None and args.checkpoint:
         parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+    if args.cuda_graphs and not args.compile:
+        parser.error("--cuda-graphs replays the compiled layers: add --compile")
     if args.max_train_batch and args.max_train_batch <= args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or above --train-batch ({args.train_batch})")
     if args.energy_seconds < 1.0:
@@ -867,7 +879,7 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.compile:
-        compile_layers(model)
+        compile_layers(model, cuda_graphs=args.cuda_graphs)
     # Training variants start from these weights; kept on the host so they cost no GPU memory.
     master = (
         {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if "train" in args.modes else {}

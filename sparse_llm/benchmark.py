@@ -146,11 +146,14 @@ class PeakMemory:
     """Peak allocated device memory (GiB) inside a `with` block; `gib` is None on a CPU.
 
     Counts what the torch caching allocator hands out (tensors), not its reserve or the CUDA context.
+    `reserved_gib`: the peak of its reserve, which also holds the memory pools of CUDA graphs (their replays
+    reuse the pool's memory without allocating, so `gib` does not see it).
     """
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.gib: float | None = None
+        self.reserved_gib: float | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -162,6 +165,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.reserved_gib = torch.cuda.max_memory_reserved(self.device) / 2**30
 
 
 class SectionTimer:

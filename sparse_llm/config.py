@@ -45,6 +45,10 @@ class TrainerConfig:
     # model one). Not under FSDP.
     compile: bool = False
     compile_backend: str = "inductor"
+    # With compile (inductor): replay each layer's compiled parts as CUDA graphs (torch.compile mode
+    # "reduce-overhead"), taking their launch work off the host, for steps the host cannot issue as fast as the GPU
+    # runs them (sparse FFNs). Not with gradient checkpointing.
+    cuda_graphs: bool = False
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
     val_every: int = 100  # optimizer steps between validation passes (0: never)
     val_batches: int = 8  # micro-batches per validation pass

@@ -290,7 +290,7 @@ def load_pretrained(
     return sparsify(model, kernel)
 
 
-def compile_layers(model: LlamaForCausalLM, backend: str = "inductor") -> LlamaForCausalLM:
+def compile_layers(model: LlamaForCausalLM, backend: str = "inductor", cuda_graphs: bool = False) -> LlamaForCausalLM:
     """torch.compile every decoder layer in place (`nn.Module.compile`; parameters and state-dict keys unchanged).
 
     A layer's norms, attention (projections, rotary embedding, the attention kernel) and residual adds become a
@@ -301,7 +301,7 @@ def compile_layers(model: LlamaForCausalLM, backend: str = "inductor") -> LlamaF
     traces without generating kernels, for debugging).
     """
     for layer in model.model.layers:
-        layer.compile(backend=backend)
+        layer.compile(backend=backend, mode="reduce-overhead" if cuda_graphs else None)
         if isinstance(layer.mlp, SparseMLP):
             layer.mlp.compile_backend = backend
     return model

@@ -229,9 +229,17 @@ class FrozenHeap:
             self.frozen = False
 
 
-def check_compile_setup(backend: str, fsdp: bool) -> None:
-    """Raise ValueError on a trainer.compile setting that cannot run: an unknown backend, or FSDP (its sharded
-    parameters under per-layer compiled graphs are not supported here)."""
+def check_compile_setup(backend: str, fsdp: bool, cuda_graphs: bool = False,
+                        gradient_checkpointing: bool = False) -> None:
+    """Raise ValueError on a trainer.compile setting that cannot run: an unknown backend, FSDP (its sharded
+    parameters under per-layer compiled graphs are not supported here), or CUDA graphs without inductor or with
+    gradient checkpointing (whose recomputed forwards would replay a layer's graph while its outputs await the
+    backward)."""
+    if cuda_graphs and backend != "inductor":
+        raise ValueError(f"trainer.cuda_graphs=true needs trainer.compile_backend=inductor (not {backend!r}).")
+    if cuda_graphs and gradient_checkpointing:
+        raise ValueError("trainer.cuda_graphs=true does not work with trainer.gradient_checkpointing=true; turn "
+                         "one of them off.")
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         raise ValueError(
             f"trainer.compile_backend={backend!r} is not a torch.compile backend; use one of "
@@ -334,7 +342,7 @@ class Trainer:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if t.compile:
-            compile_layers(model, t.compile_backend)
+            compile_layers(model, t.compile_backend, t.cuda_graphs)
             log.info("trainer.compile: the first step compiles the decoder layers (%s; about a minute on a GPU host, "
                      "once per micro-batch shape)", t.compile_backend)
         self.n_params = count_parameters(model)
@@ -358,8 +366,12 @@ class Trainer:
             if reason is not None:
                 raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
                                  "Use kernel=auto or kernel=torch.")
-        if cfg.trainer.compile:
-            check_compile_setup(cfg.trainer.compile_backend, self.acc.distributed_type == DistributedType.FSDP)
+        t = cfg.trainer
+        if t.cuda_graphs and not t.compile:
+            raise ValueError("trainer.cuda_graphs=true replays the compiled layers: set trainer.compile=true too.")
+        if t.compile:
+            check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP, t.cuda_graphs,
+                                t.gradient_checkpointing)
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
                              "use the DDP config or set sparsity.reinit_dead=false.")
@@ -410,8 +422,14 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------------------------ loop
-    def _micro_step(self, batch: torch.Tensor, coeff: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro_step(self, batch: torch.Tensor, coeff: float, first: bool, sync: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         no_sync = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
+        if self.cfg.trainer.cuda_graphs and first:
+            # The last update has run: the graphs' outputs of the last step may be overwritten from here on. Not
+            # between micro-batches: the first one's weight gradients are outputs of its backward graphs, which the
+            # next ones add into.
+            torch.compiler.cudagraph_mark_step_begin()
         with no_sync, self.acc.autocast():
             out = self.model(input_ids=batch, labels=batch, use_cache=False)
             results = self.tracker.collect()
@@ -432,7 +450,7 @@ class Trainer:
         l1_sum = torch.zeros((), device=self.acc.device)
         for micro in range(self.plan.accumulation):
             batch = self.loader.next_batch().to(self.acc.device, non_blocking=True)
-            ce, l1 = self._micro_step(batch, coeff, sync=micro == self.plan.accumulation - 1)
+            ce, l1 = self._micro_step(batch, coeff, first=micro == 0, sync=micro == self.plan.accumulation - 1)
             ce_sum += ce
             l1_sum += l1
         optimizer = self.optimizer.optimizer  # the torch optimizer inside accelerate's wrapper

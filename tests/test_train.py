@@ -113,6 +113,20 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
         Trainer(small_config("trainer.compile=true", "trainer.compile_backend=inductr"), tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["trainer.cuda_graphs=true"], "trainer.compile=true"),
+        (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.compile_backend=aot_eager"], "inductor"),
+        (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.gradient_checkpointing=true"],
+         "gradient_checkpointing"),
+    ],
+)
+def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=named):
+        Trainer(small_config(*overrides), tmp_path)
+
+
 def test_non_finite_loss_stops_with_a_clear_message_and_no_update(tmp_path):
     # Step 1 is not logged (logging.every=2), so its values are read after step 2 is issued: both updates must
     # have been skipped on the device.
