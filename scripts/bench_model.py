@@ -827,6 +827,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
     if args.cuda_graphs and not args.compile:
         parser.error("--cuda-graphs replays the compiled layers: add --compile")
+    if args.cuda_graphs and args.grad_ckpt:
+        parser.error("--cuda-graphs is not supported with --grad-ckpt (as trainer.cuda_graphs)")
     if args.max_train_batch and args.max_train_batch <= args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or above --train-batch ({args.train_batch})")
     if args.energy_seconds < 1.0:

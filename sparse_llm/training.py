@@ -233,12 +233,12 @@ def check_compile_setup(backend: str, fsdp: bool, cuda_graphs: bool = False,
                         gradient_checkpointing: bool = False) -> None:
     """Raise ValueError on a trainer.compile setting that cannot run: an unknown backend, FSDP (its sharded
     parameters under per-layer compiled graphs are not supported here), or CUDA graphs without inductor or with
-    gradient checkpointing (whose recomputed forwards would replay a layer's graph while its outputs await the
-    backward)."""
+    gradient checkpointing (not tried together: its recomputed forwards would replay a layer's graph in the
+    middle of the backward)."""
     if cuda_graphs and backend != "inductor":
         raise ValueError(f"trainer.cuda_graphs=true needs trainer.compile_backend=inductor (not {backend!r}).")
     if cuda_graphs and gradient_checkpointing:
-        raise ValueError("trainer.cuda_graphs=true does not work with trainer.gradient_checkpointing=true; turn "
+        raise ValueError("trainer.cuda_graphs=true is not supported with trainer.gradient_checkpointing=true; turn "
                          "one of them off.")
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         raise ValueError(

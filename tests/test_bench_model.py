@@ -237,6 +237,8 @@ def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
         (["--batch", "0"], "--batch"),
         (["--kernels", "torch,fast"], "--kernels torch,fast: choose from stock,torch,auto,twell"),
         (["--kernels", "auto,torch"], "list torch before auto"),
+        (["--cuda-graphs"], "add --compile"),
+        (["--cuda-graphs", "--compile", "--grad-ckpt"], "not supported with --grad-ckpt"),
     ],
 )
 def test_bad_arguments_are_named(extra, message, capsys):
