@@ -343,8 +343,8 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if t.compile:
             compile_layers(model, t.compile_backend, t.cuda_graphs)
-            log.info("trainer.compile: the first step compiles the decoder layers (%s; about a minute on a GPU host, "
-                     "once per micro-batch shape)", t.compile_backend)
+            log.info("trainer.compile: the first step compiles the decoder layers (%s%s; about a minute on a GPU host, "
+                     "once per micro-batch shape)", t.compile_backend, ", replayed as CUDA graphs" if t.cuda_graphs else "")
         self.n_params = count_parameters(model)
         self.hf_config = model.config
         optimizer = make_optimizer(model, cfg, self.acc.device)
