@@ -246,9 +246,12 @@ def test_frozen_heap_leaves_a_callers_own_freeze_alone():
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        fresh = [[] for _ in range(10_000)]  # tracked objects a second freeze would take in
         with FrozenHeap() as heap:
             heap.freeze()
-        assert gc.get_freeze_count() == frozen  # neither frozen again nor given back
+        # Neither frozen again (+10k) nor given back (0); frozen objects that die meanwhile leave the count.
+        assert frozen - 100 <= gc.get_freeze_count() <= frozen
+        del fresh
     finally:
         gc.unfreeze()
 
