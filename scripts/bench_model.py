@@ -37,7 +37,8 @@ kernels can run). Speeds are given as ratios to both dense paths:
   (with any gradient-checkpointing recomputation) and optimizer (gradient clipping + AdamW). Eager layers
   only: hooks around modules would split compiled graphs.
 - on a GPU, the device time of one profiled call per kernel family (GEMMs, attention, the sparse FFN
-  kernels, the optimizer, kernels fused by torch.compile, sorts, other; `benchmark.kernel_family`), the
+  kernels, the optimizer, CUDA graphs' input copies, kernels fused by torch.compile, sorts, other;
+  `benchmark.kernel_family`), the
   time any device work ran ("busy") and the rest of the timed call's median ("idle": the device waited
   for the host, so a faster host or fewer host calls would gain it). Compiled layers included.
 In train mode `twell` runs once the twell backend takes training=True (until then the row says why it

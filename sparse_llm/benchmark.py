@@ -226,6 +226,8 @@ KERNEL_FAMILIES = (
     ("sparse FFN", re.compile(r"^(void )?(train_|gate_up_down|twell_|transpose_cast)")),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|compute_dot_do_o|rope_")),
     ("GEMM", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.IGNORECASE)),
+    # CUDA graphs copy inputs made outside them into their own buffers with a multi-tensor copy (torch 2.11).
+    ("graph input copies", re.compile(r"multi_tensor_apply_kernel<.*Copy<")),
     ("optimizer", re.compile(r"multi_tensor_apply|adam", re.IGNORECASE)),
     ("sort", re.compile(r"RadixSort|fill_reverse_indices")),
     ("fused by torch.compile", re.compile(r"^triton_")),

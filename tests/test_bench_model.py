@@ -197,6 +197,9 @@ def test_kernel_families_name_what_the_device_ran():
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
         "void rope_rotate_half<__nv_bfloat16, float, 8>(": "attention",
         "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<2>, at::native::(anonymous namespace)::UnaryOpFunctor<float, 2, 1, 1>, "
+        "at::native::Copy<float, float> >(at::na": "graph input copies",
         "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel<": "sort",
         "triton_per_fused__fused_rms_norm_backward_add_0": "fused by torch.compile",
         "Memset (Device)": "other",
