@@ -372,6 +372,9 @@ class Trainer:
         if t.compile:
             check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP, t.cuda_graphs,
                                 t.gradient_checkpointing)
+        if t.cuda_graphs and self.acc.device.type != "cuda":
+            raise ValueError(f"trainer.cuda_graphs=true needs a CUDA GPU; this run is on {self.acc.device.type}. "
+                             "Leave it off for runs without a GPU.")
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
                              "use the DDP config or set sparsity.reinit_dead=false.")

@@ -121,6 +121,7 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
         (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.compile_backend=aot_eager"], "inductor"),
         (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.gradient_checkpointing=true"],
          "gradient_checkpointing"),
+        (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.cpu=true"], "needs a CUDA GPU"),
     ],
 )
 def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, named):
