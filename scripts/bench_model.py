@@ -830,6 +830,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--cuda-graphs replays the compiled layers: add --compile")
     if args.cuda_graphs and args.grad_ckpt:
         parser.error("--cuda-graphs is not supported with --grad-ckpt (as trainer.cuda_graphs)")
+    if args.cuda_graphs and torch.device(args.device).type != "cuda":
+        parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")
     if args.max_train_batch and args.max_train_batch <= args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or above --train-batch ({args.train_batch})")
     if args.energy_seconds < 1.0:

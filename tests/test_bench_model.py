@@ -242,6 +242,7 @@ def test_report_settings_show_the_sparse_training_opt_in(monkeypatch):
         (["--kernels", "auto,torch"], "list torch before auto"),
         (["--cuda-graphs"], "add --compile"),
         (["--cuda-graphs", "--compile", "--grad-ckpt"], "not supported with --grad-ckpt"),
+        (["--cuda-graphs", "--compile", "--device", "cpu"], "needs a CUDA GPU"),
     ],
 )
 def test_bad_arguments_are_named(extra, message, capsys):
