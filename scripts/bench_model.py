@@ -434,7 +434,12 @@ class TrainStep:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, ids: torch.Tensor, l1: float, lr: float, after: Callable[[], None] = lambda: None,
+        self,
+        model: LlamaForCausalLM,
+        ids: torch.Tensor,
+        l1: float,
+        lr: float,
+        after: Callable[[], None] = lambda: None,
         cuda_graphs: bool = False,
     ) -> None:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
@@ -741,12 +746,15 @@ def report_header(
         f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
         f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}"
-        f"{'compiled parts replayed as CUDA graphs, peak memory = peak reserve (graph pools included); ' if args.cuda_graphs else ''}"
+        f"{GRAPHS_NOTE if args.cuda_graphs else ''}"
         f"times: median of {args.reps} "
         f"after {args.warmup} warm-up; energy over >= {args.energy_seconds} s windows; breakdown: "
         f"{'device time only (compiled layers)' if args.compile else f'median of {BREAKDOWN_REPS} passes'}. "
         "`auto` layers decide from the dense pass's L0.",
     ]
+
+
+GRAPHS_NOTE = "compiled parts replayed as CUDA graphs, peak memory = peak reserve (graph pools included); "
 
 
 # -------------------------------------------------------------------------------------------------- main

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from sparse_llm import checkpoint as ckpt
 from sparse_llm.backends import get_backend
-from sparse_llm.config import TrainConfig
+from sparse_llm.config import TrainConfig, TrainerConfig
 from sparse_llm.data import build_token_data
 from sparse_llm.dispatch import validate_kernel
 from sparse_llm.energy import EnergyMeter
@@ -229,17 +229,9 @@ class FrozenHeap:
             self.frozen = False
 
 
-def check_compile_setup(backend: str, fsdp: bool, cuda_graphs: bool = False,
-                        gradient_checkpointing: bool = False) -> None:
-    """Raise ValueError on a trainer.compile setting that cannot run: an unknown backend, FSDP (its sharded
-    parameters under per-layer compiled graphs are not supported here), or CUDA graphs without inductor or with
-    gradient checkpointing (not tried together: its recomputed forwards would replay a layer's graph in the
-    middle of the backward)."""
-    if cuda_graphs and backend != "inductor":
-        raise ValueError(f"trainer.cuda_graphs=true needs trainer.compile_backend=inductor (not {backend!r}).")
-    if cuda_graphs and gradient_checkpointing:
-        raise ValueError("trainer.cuda_graphs=true is not supported with trainer.gradient_checkpointing=true; turn "
-                         "one of them off.")
+def check_compile_setup(backend: str, fsdp: bool) -> None:
+    """Raise ValueError on a trainer.compile setting that cannot run: an unknown backend, or FSDP (its sharded
+    parameters under per-layer compiled graphs are not supported here)."""
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         raise ValueError(
             f"trainer.compile_backend={backend!r} is not a torch.compile backend; use one of "
@@ -249,6 +241,24 @@ def check_compile_setup(backend: str, fsdp: bool, cuda_graphs: bool = False,
         raise ValueError(
             "trainer.compile=true is not supported under FSDP; use the DDP config or trainer.compile=false."
         )
+
+
+def check_cuda_graphs_setup(t: TrainerConfig, device: torch.device) -> None:
+    """Raise ValueError where trainer.cuda_graphs=true (settings `t`) cannot run: without compiled layers, with a
+    backend other than inductor, with gradient checkpointing (not tried together: its recomputed forwards would
+    replay a layer's graph in the middle of the backward), or without a CUDA GPU."""
+    if not t.compile:
+        raise ValueError("trainer.cuda_graphs=true replays the compiled layers: set trainer.compile=true too.")
+    if t.compile_backend != "inductor":
+        raise ValueError(
+            f"trainer.cuda_graphs=true needs trainer.compile_backend=inductor (not {t.compile_backend!r})."
+        )
+    if t.gradient_checkpointing:
+        raise ValueError("trainer.cuda_graphs=true is not supported with trainer.gradient_checkpointing=true; turn "
+                         "one of them off.")
+    if device.type != "cuda":
+        raise ValueError(f"trainer.cuda_graphs=true needs a CUDA GPU; this run is on {device.type}. Leave it off "
+                         "for runs without a GPU.")
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -344,7 +354,8 @@ class Trainer:
         if t.compile:
             compile_layers(model, t.compile_backend, t.cuda_graphs)
             log.info("trainer.compile: the first step compiles the decoder layers (%s%s; about a minute on a GPU host, "
-                     "once per micro-batch shape)", t.compile_backend, ", replayed as CUDA graphs" if t.cuda_graphs else "")
+                     "once per micro-batch shape)", t.compile_backend,
+                     ", replayed as CUDA graphs" if t.cuda_graphs else "")
         self.n_params = count_parameters(model)
         self.hf_config = model.config
         optimizer = make_optimizer(model, cfg, self.acc.device)
@@ -367,14 +378,10 @@ class Trainer:
                 raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
                                  "Use kernel=auto or kernel=torch.")
         t = cfg.trainer
-        if t.cuda_graphs and not t.compile:
-            raise ValueError("trainer.cuda_graphs=true replays the compiled layers: set trainer.compile=true too.")
         if t.compile:
-            check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP, t.cuda_graphs,
-                                t.gradient_checkpointing)
-        if t.cuda_graphs and self.acc.device.type != "cuda":
-            raise ValueError(f"trainer.cuda_graphs=true needs a CUDA GPU; this run is on {self.acc.device.type}. "
-                             "Leave it off for runs without a GPU.")
+            check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP)
+        if t.cuda_graphs:
+            check_cuda_graphs_setup(t, self.acc.device)
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
                              "use the DDP config or set sparsity.reinit_dead=false.")
