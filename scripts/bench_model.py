@@ -583,11 +583,12 @@ def largest_batches(
     ids: torch.Tensor,
     measured: list[VariantResult],
     observed: list[LayerStats] | None,
+    meter: EnergyMeter,
     args: argparse.Namespace,
 ) -> list[VariantResult]:
     """Per training kernel that ran at --train-batch (`measured`), the largest micro-batch that fits in
     memory, growing it by half (rounded up, ending at --max-train-batch: 4, 6, 8 or 2, 3, 5, 8) until it runs out,
-    with its throughput (the measured row itself where the first step already runs out of memory); ids
+    with its throughput and energy (the measured row itself where the first step already runs out of memory); ids
     [>= max_train_batch, T] holds the inputs. Steps of a half, not doublings: a sparse path that saves a third of
     the memory fits 1.5x the batch, which doubling would miss."""
     found = []
@@ -595,7 +596,7 @@ def largest_batches(
         batch = best.batch
         while batch < args.max_train_batch:
             batch = min(max(batch + 1, math.ceil(batch * 1.5)), args.max_train_batch)
-            row = bench_train(model, master, ids[:batch], best.kernel, observed, None, None, args)
+            row = bench_train(model, master, ids[:batch], best.kernel, observed, meter, None, args)
             if row.skipped:
                 print(f"largest fit, {best.kernel}: stopped at micro-batch {batch} ({row.skipped})", flush=True)
                 break
@@ -931,7 +932,8 @@ def run(args: argparse.Namespace) -> tuple[list[VariantResult], str]:
         results += rows
         if args.max_train_batch:
             ran = [r for r in rows if not r.skipped]
-            results += largest_batches(model, master, ids, ran, next((r.layers for r in rows if r.layers), None), args)
+            observed = next((r.layers for r in rows if r.layers), None)
+            results += largest_batches(model, master, ids, ran, observed, meter, args)
     meter.close()
     return results, render_report(results, header)
 

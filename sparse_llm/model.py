@@ -142,7 +142,14 @@ class FusedDecoderLayer(LlamaDecoderLayer):
     """`LlamaDecoderLayer` (same computation) whose FFN residual add happens in the SparseMLP call: under
     `compile_layers` the layer's graph then ends at the FFN, where tracing stops anyway, instead of a second compiled
     graph that only adds the residual (its own host call forward and backward in every layer), and the sparse
-    inference kernels add the residual as they write their output (no pass of its own)."""
+    inference kernels add the residual as they write their output (no pass of its own).
+
+    With `defer_ffn_add=True` the layer instead returns (hidden_states, ffn_output) without adding them, and the
+    next layer adds its `ffn_output` argument first (`CausalLlamaModel` does this in training). The training kernels
+    cannot add the residual as they write y; left to the next layer, the add (a float32 residual stream under
+    autocast) fuses into that layer's compiled norm, and the FFN output's gradient arrives from its compiled
+    backward already in bf16, instead of two eager passes over [M, K] per layer and step.
+    """
 
     def forward(
         self,
@@ -152,9 +159,15 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         past_key_values: Any = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ffn_output: torch.Tensor | None = None,
+        defer_ffn_add: bool = False,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if ffn_output is not None:  # the previous layer's FFN output, deferred to here
+            hidden_states = hidden_states + ffn_output
         if not isinstance(self.mlp, SparseMLP):
+            if defer_ffn_add:
+                raise ValueError("defer_ffn_add=True needs the layer's MLP to be a SparseMLP (see sparse_llm.sparsify)")
             return super().forward(
                 hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
@@ -164,7 +177,10 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
         hidden_states = hidden_states + attended
-        return self.mlp(autocast_input(self.post_attention_layernorm(hidden_states)), residual=hidden_states)
+        ffn_input = autocast_input(self.post_attention_layernorm(hidden_states))
+        if defer_ffn_add:
+            return hidden_states, self.mlp(ffn_input)
+        return self.mlp(ffn_input, residual=hidden_states)
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -217,11 +233,24 @@ class CausalLlamaModel(LlamaModel):
         hidden_BSK = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         position_ids = torch.arange(hidden_BSK.shape[1], device=hidden_BSK.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden_BSK, position_ids=position_ids)
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_BSK = layer(
-                hidden_BSK, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
-                past_key_values=None, use_cache=False,
-            )  # fmt: skip
+        layers = self.layers[: self.config.num_hidden_layers]
+        common = dict(
+            attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
+            past_key_values=None, use_cache=False,
+        )  # fmt: skip
+        # In training each layer leaves its FFN output for the next one to add (FusedDecoderLayer); inference keeps
+        # the add in the FFN call, where the sparse inference kernels fold it into their output.
+        defer = torch.is_grad_enabled() and all(
+            isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp, SparseMLP) for layer in layers
+        )
+        ffn_output_BSK = None
+        for layer in layers:
+            if defer:
+                hidden_BSK, ffn_output_BSK = layer(hidden_BSK, ffn_output=ffn_output_BSK, defer_ffn_add=True, **common)
+            else:
+                hidden_BSK = layer(hidden_BSK, **common)
+        if ffn_output_BSK is not None:
+            hidden_BSK = hidden_BSK + ffn_output_BSK
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_BSK), past_key_values=None)
 
 

@@ -340,3 +340,33 @@ def test_sparse_mlp_adds_the_residual_it_is_given():
     assert torch.equal(residual.grad, torch.ones_like(residual))
     with pytest.raises(ValueError, match="residual has shape"):
         mlp(x, residual=residual[:, :3])
+
+
+def test_training_forward_leaves_each_ffn_add_to_the_next_layer():
+    """With gradients on, every SparseMLP is called without the residual (the next layer, or the model after the last
+    one, adds its output); without, with it. Both give the same logits, bit for bit; a layer whose MLP is not a
+    SparseMLP refuses to defer."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(6)
+    model = build_model(TINY, kernel="torch").train()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    residual_given = []
+    for mlp in sparse_mlps(model):
+        mlp.register_forward_pre_hook(
+            lambda module, args, kwargs: residual_given.append(kwargs.get("residual") is not None), with_kwargs=True
+        )
+    training_logits = model(ids, use_cache=False).logits
+    assert residual_given == [False] * TINY.num_layers
+    residual_given.clear()
+    with torch.no_grad():
+        inference_logits = model(ids, use_cache=False).logits
+    assert residual_given == [True] * TINY.num_layers
+    torch.testing.assert_close(training_logits, inference_logits, rtol=0, atol=0)
+
+    layer = model.model.layers[0]
+    layer.mlp = LlamaMLP(llama_config(TINY))
+    with pytest.raises(ValueError, match="defer_ffn_add=True needs the layer's MLP to be a SparseMLP"):
+        layer(torch.randn(2, 16, TINY.hidden_size), position_embeddings=model.model.rotary_emb(
+            torch.randn(2, 16, TINY.hidden_size), torch.arange(16)[None]), defer_ffn_add=True)
+    assert model(ids, use_cache=False).logits.shape == training_logits.shape  # a stock MLP in a layer: no deferring
