@@ -528,6 +528,10 @@ def bench_train(
     finally:
         del step
         model.zero_grad(set_to_none=True)
+        if args.cuda_graphs:
+            # The graphs' memory pools outlive the variant's tensors; drop them with the compiled code (the next
+            # variant compiles again), so that its peak reserve does not count this variant's pools.
+            torch._dynamo.reset()
         free_memory(model, device)
     return result
 
