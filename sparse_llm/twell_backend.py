@@ -71,6 +71,14 @@ FUSED_GATE_MIN_M = 1 << 62
 # per 16384 tokens and the gate's read prices both within 5%, on the dear side.
 UP_DOWN_GBPS = 7500.0
 UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
+# That rate holds while the walked rows mostly stay in the 50 MB L2 (K = 2048, N = 5632: 44 MiB of w_up + w_down
+# rows). Wider blocks walk rows from HBM: one pass of the direct route, H100, 2026-11-26, 28 / 56 non-zeros per token,
+# streamed 7.1 / 7.4 TB/s over 22 MiB of rows, 6.1 / 6.9 over 44, 4.6 / 5.3 over 66, 3.9-4.5 / 4.2-5.1 over 86-96,
+# 3.2-3.4 / 3.5-3.7 over 132-224 (K x N from 2048 x 2816 to 4096 x 14336; BENCHMARKS.md). Priced as: the share of
+# the rows beyond L2_ROW_BYTES comes from HBM at ROW_HBM_GBPS, and the slower of that and the L2 rate sets the pace
+# (row_slowdown; within the measurements' spread, on the dear side).
+L2_ROW_BYTES = 30 * 2**20
+ROW_HBM_GBPS = 2840.0
 # With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold
 # make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796.
 TAIL_FACTOR = 2.2
@@ -91,6 +99,14 @@ SPLIT_BELOW_M = 2048
 def _gemm_ms(m: int, k: int, n: int, tflops: float) -> float:
     """A GEMM's time: the larger of its flop time and the time to stream its [N, K] weight from HBM."""
     return max(2.0 * m * k * n / (tflops * 1e9), 2 * k * n / (HBM_GBPS * 1e6))
+
+
+def row_slowdown(footprint_bytes: float) -> float:
+    """How many times longer than at UP_DOWN_GBPS a walk takes to stream rows drawn at random from footprint_bytes
+    of distinct rows: 1 while most of them stay in L2, then the time of the share beyond L2_ROW_BYTES at
+    ROW_HBM_GBPS (the constants above)."""
+    miss = max(0.0, 1.0 - L2_ROW_BYTES / footprint_bytes) if footprint_bytes > 0 else 0.0
+    return max(1.0, miss * UP_DOWN_GBPS / ROW_HBM_GBPS)
 
 
 def dense_ms(m: int, k: int, n: int) -> float:
@@ -123,14 +139,15 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     """Predicted time of one inference call of the twell backend ("direct" route; see the constants above).
 
     The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
-    rate; tokens above DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under
+    rate (slower once the block's rows outgrow L2: `row_slowdown`); tokens above DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under
     it set the call's tail. The up + down constants were measured on the TwELL kernel, whose fixed cost
     per token includes the packed words the direct route does not read: a conservative price.
     """
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
-    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * (TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0)
+    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes)
+    up_down *= TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
     up_down += m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
     up_down = max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
     return max(gate + up_down, CPU_FLOOR_MS)

@@ -111,6 +111,7 @@ from sparse_llm.twell_backend import (
     UP_DOWN_GBPS,
     check_inputs,
     dense_row_split,
+    row_slowdown,
     shape_unsupported_reason,
     split_token_up_down,
     transposed_copy,
@@ -142,6 +143,7 @@ WGRAD_WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
 TRAIN_MS_PER_TOKEN = 0.18 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
+CALIBRATION_MKN = (16384, 2048, 5632)  # the block train_estimated_ms was fitted on
 # A heavy-tailed layer's light tokens just under the ELL width make the walks' tail: its light rows cost this much
 # more than a uniform layer's (fitted on h60: mean 60, max 1173 non-zeros per token).
 TRAIN_TAIL_FACTOR = 1.4
@@ -182,11 +184,18 @@ def training_opted_in() -> bool:
     return os.environ.get(OPT_IN_ENV) == "1"
 
 
+def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
+    """`row_slowdown` of a walk over footprint_bytes of rows relative to the same walk at the calibration block (whose
+    rate the fitted constants hold), never below 1: narrower blocks are not priced cheaper than the calibration."""
+    return max(1.0, row_slowdown(footprint_bytes) / row_slowdown(calibration_bytes))
+
+
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """Predicted ms of one forward + backward, or None (not opted in, or a shape the kernels cannot take).
 
     The gate (cuBLAS + packing), weight rows streamed per light non-zero (2 forward, 3 backward, 2
-    gathered token rows for the weight gradients) at the inference kernel's row rate, the fp32
+    gathered token rows for the weight gradients) at the inference kernel's row rate (slower where a walk's rows
+    outgrow L2 more than at the calibration block: `_walk_slowdown`), the fp32
     weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what
     the rest does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at
     M = 16384, K = 2048, N = 5632 (scripts/bench_train_mlp.py, 2026-11-25 15:05: u28 2.70 ms, u56 4.38,
@@ -200,7 +209,13 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     gate = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9) + m * n * 2.5 / (PACK_GBPS * 1e6)
     heavy_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
     light_entries = m * (1.0 - heavy_fraction) * light_mean
-    rows = light_entries * (2 + 3 + 2) * 2 * k / (UP_DOWN_GBPS * 1e6)
+    cal_m, cal_k, cal_n = CALIBRATION_MKN
+    rows_per_entry = (
+        2 * _walk_slowdown(4 * n * k, 4 * cal_n * cal_k)  # forward: w_up and w_down rows
+        + 3 * _walk_slowdown(6 * n * k, 6 * cal_n * cal_k)  # backward: w_down, w_up and w_gate rows
+        + 2 * _walk_slowdown(4 * m * k, 4 * cal_m * cal_k)  # weight gradients: the tokens' x and dy rows
+    )
+    rows = light_entries * rows_per_entry * 2 * k / (UP_DOWN_GBPS * 1e6)
     rows *= TRAIN_TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from sparse_llm import cuda, doctor, twell_backend
 from sparse_llm.backends import TorchFFN, get_backend
 from sparse_llm.twell_backend import (
+    CUBLAS_GEMM_TFLOPS,
     TransposeCache,
     TwellFFN,
     check_inputs,
@@ -28,6 +29,7 @@ from sparse_llm.twell_backend import (
     dense_row_split,
     dense_row_stats,
     gate_route_for,
+    row_slowdown,
     splits_for,
     synthetic_block,
     twell_estimated_ms,
@@ -190,6 +192,37 @@ def test_dispatch_picks_sparse_only_where_it_pays():
     assert sparse.estimated_ms(m, k, n, 28, 1353, False) > 0.95 * dense.estimated_ms(m, k, n, 28, 1353, False)
     assert sparse.estimated_ms(m, k, n, 560, 700, False) > dense.estimated_ms(m, k, n, 560, 700, False)
     assert sparse.estimated_ms(1, k, n, 28, 28, False) > dense.estimated_ms(1, k, n, 28, 28, False)
+
+
+# One pass of the direct route's walk on the H100 (2026-11-26, BENCHMARKS.md): (M, K, N, non-zeros per token, ms).
+MEASURED_WALKS = [
+    (16384, 2048, 5632, 28.0, 0.615), (16384, 2048, 5632, 56.2, 1.094),
+    (16384, 2048, 11264, 27.7, 0.963), (16384, 2048, 11264, 56.1, 1.692),
+    (16384, 2048, 16896, 55.6, 2.038), (8192, 4096, 5504, 57.2, 1.519),
+    (8192, 4096, 11008, 28.6, 1.145), (8192, 4096, 11008, 57.4, 2.068),
+    (8192, 4096, 14336, 57.0, 2.209), (16384, 3072, 8192, 55.6, 2.636),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, k, n, l0, walk_ms", MEASURED_WALKS)
+def test_cost_model_prices_walks_whose_rows_outgrow_l2(m, k, n, l0, walk_ms):
+    """The walk's price (the call's minus its gate GEMM) is never below the measured time and at most 1.3x it, from
+    blocks whose rows fit L2 to ones five times larger (the constant L2 rate priced the widest at 0.6x)."""
+    gate_ms = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)  # compute-bound at these sizes
+    predicted = twell_estimated_ms(m, k, n, l0, 2 * l0) - gate_ms
+    assert walk_ms <= predicted <= 1.3 * walk_ms
+
+
+def test_dispatch_keeps_wide_blocks_dense_where_their_walk_loses():
+    """K = 4096, N = 11008 (172 MiB of w_up + w_down rows) on the H100: the kernels took 4.22 ms against dense 6.53 at
+    28 non-zeros per token, 6.49 vs 6.48 at 57, 10.1 vs 6.46 at 114 (scripts/bench_mlp.py, 2026-11-26). Between 57
+    and 114 the walk's HBM-bound rows lose; an L2-rate price had sent them to the kernels up to ~100."""
+    sparse, dense = TwellFFN(), TorchFFN()
+    m, k, n = 16384, 4096, 11008
+    assert sparse.estimated_ms(m, k, n, 28, 45, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 45, False)
+    assert sparse.estimated_ms(m, k, n, 80, 120, False) > 0.95 * dense.estimated_ms(m, k, n, 80, 120, False)
+    assert row_slowdown(4 * 2048 * 5632) == 1.0  # the paper's block (two bf16 rows of K per neuron) stays in L2
+    assert row_slowdown(4 * 4096 * 11008) > 2.0
 
 
 def test_dense_row_split():
