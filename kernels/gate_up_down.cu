@@ -18,11 +18,42 @@
 //                        warp order), so the result is deterministic.
 // Every token's y row, l1[m] (sum |h|) and l0[m] (h != 0 count) are written exactly once, by one of the two
 // kernels; fired[n] (zeroed by the caller) is set to 1 where h != 0. torch reference: formats.gated_mlp_ref.
+// Column parts: a call covers the gate columns [col_begin, col_end). A block whose weight rows outgrow L2 is walked
+// in parts, one call each, so that each part's rows stay in L2 while every token passes over them. A part that is
+// not FIRST_PART starts from the fp32 running sums the previous part left in `partial` (y, l1 and l0), so a light
+// token's sums take the same steps as in one pass; a part that is not LAST_PART leaves its y sums there.
 // With a residual (non-null [M, K]), y = residual + the block's output, rounded as the two unfused bf16 steps
 // (the decoder layer's residual add, which would otherwise be its own pass over [M, K] three times).
 #include "up_down_common.cuh"
 
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
+constexpr int FIRST_PART = 1;    // `part` flags: no earlier part (sums start at zero) ...
+constexpr int LAST_PART = 2;     // ... and no later part (y is stored in bf16, with the residual)
+
+// This lane's pieces of a token's fp32 running y sums (lane l owns columns v * 256 + 8l .. + 7 of piece v).
+template <int KV>
+__device__ __forceinline__ void load_partial(float (&acc)[KV][8], const float *row, int lane, int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        const float4 lo = col < K ? reinterpret_cast<const float4 *>(row + col)[0] : make_float4(0, 0, 0, 0);
+        const float4 hi = col < K ? reinterpret_cast<const float4 *>(row + col)[1] : make_float4(0, 0, 0, 0);
+        acc[v][0] = lo.x, acc[v][1] = lo.y, acc[v][2] = lo.z, acc[v][3] = lo.w;
+        acc[v][4] = hi.x, acc[v][5] = hi.y, acc[v][6] = hi.z, acc[v][7] = hi.w;
+    }
+}
+
+template <int KV>
+__device__ __forceinline__ void store_partial(float *row, const float (&acc)[KV][8], int lane, int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        if (col < K) {
+            reinterpret_cast<float4 *>(row + col)[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+            reinterpret_cast<float4 *>(row + col)[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+        }
+    }
+}
 // Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
 // more registers per thread, so 8.
 template <int KV>
@@ -52,7 +83,8 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
     int *__restrict__ heavy_rows,                // [M] out: heavy tokens, first heavy_count[0] valid
     int *__restrict__ heavy_count,               // [1] zeroed
-    int M, int K, int N, int split_nnz) {
+    float *__restrict__ partial,                 // [M, K] fp32 running y sums between parts, or null (one part)
+    int M, int K, int N, int split_nnz, int col_begin, int col_end, int part) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
     const int warps = blockDim.x / 32;
@@ -61,32 +93,46 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     extern __shared__ uint4 smem[];
     uint4 *x_smem = smem + warp * KV * 32;
     uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * LIST_CAP;
-    const int total = list_gate_row(gate + m * N, N / 256, list, LIST_CAP, lane);
+    const int total = list_gate_row(gate + m * N + col_begin, (col_end - col_begin) / 256, list, LIST_CAP, lane);
     if (total > split_nnz) {
         if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
         return;
     }
 
     // The residual row is fetched during the walk; each lane reads back its own pieces.
-    if (residual != nullptr) prefetch_row_async<KV>(residual_row<KV>(smem, warp, warps), residual + m * K, lane, K);
+    const bool last = part & LAST_PART;
+    if (last && residual != nullptr) {
+        prefetch_row_async<KV>(residual_row<KV>(smem, warp, warps), residual + m * K, lane, K);
+    }
     stage_row<KV>(x_smem, x + m * K, lane, K);
     __syncwarp();  // the list and x are written by all lanes, read by all lanes
     const uint64_t keep = l2_keep_policy();
     float acc[KV][8];
-    zero_acc<KV>(acc);
     float l1_sum = 0.0f;
     int l0_sum = 0;
+    if (part & FIRST_PART) {
+        zero_acc<KV>(acc);
+    } else {
+        load_partial<KV>(acc, partial + m * K, lane, K);
+        l1_sum = l1[m];
+        l0_sum = l0[m];
+    }
     for (int j = 0; j < total; ++j) {
         const uint32_t entry = list[j];
-        up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t, fired,
-                          lane, K, keep);
+        up_down_entry<KV>(col_begin + twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up,
+                          w_down_t, fired, lane, K, keep);
     }
-    if (residual != nullptr) {
-        cp_async_wait_all();
+    if (!last) {
+        store_partial<KV>(partial + m * K, acc, lane, K);
+    } else {
+        if (residual != nullptr) {
+            cp_async_wait_all();
 #pragma unroll
-        for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp, warps)[v * 32 + lane]);
+            for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp, warps)[v * 32 + lane]);
+        }
+        store_row_bf16<KV>(y + m * K, acc, lane, K);
     }
-    store_row_bf16<KV>(y + m * K, acc, lane, K);
+    __syncwarp();  // every lane has read l1[m] and l0[m] before lane 0 overwrites them
     if (lane == 0) {
         l1[m] = l1_sum;
         l0[m] = l0_sum;
@@ -108,24 +154,25 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     int *__restrict__ fired,                     // [N] set to 1 where h != 0
     const int *__restrict__ heavy_rows,          // [M] from gate_up_down_light
     const int *__restrict__ heavy_count,         // [1]
-    int K, int N) {
+    float *__restrict__ partial,                 // [M, K] fp32 running y sums between parts, or null (one part)
+    int K, int N, int col_begin, int col_end, int part) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
     extern __shared__ uint4 smem[];
     uint4 *x_smem = smem;
     constexpr int WARPS = heavy_warps<KV>();
     constexpr int HALF = WARPS / 2;
-    float *partial = reinterpret_cast<float *>(smem + KV * 32);
-    uint32_t *list = reinterpret_cast<uint32_t *>(partial + HALF * KV * 256) + warp * 256;
+    float *warp_rows = reinterpret_cast<float *>(smem + KV * 32);
+    uint32_t *list = reinterpret_cast<uint32_t *>(warp_rows + HALF * KV * 256) + warp * 256;
     float *warp_l1 = reinterpret_cast<float *>(list - warp * 256 + WARPS * 256);
     int *warp_l0 = reinterpret_cast<int *>(warp_l1 + WARPS);
-    const int chunks = N / 256;
+    const int chunks = (col_end - col_begin) / 256;
     const int count = *heavy_count;
     const uint64_t keep = l2_keep_policy();
 
     for (int i = blockIdx.x; i < count; i += gridDim.x) {
         const long long m = heavy_rows[i];
-        const __nv_bfloat16 *row = gate + m * N;
+        const __nv_bfloat16 *row = gate + m * N + col_begin;
         stage_row<KV, WARPS * 32>(x_smem, x + m * K, threadIdx.x, K);
         __syncthreads();  // x staged (and the previous token's partial rows consumed)
 
@@ -138,8 +185,8 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
             __syncwarp();
             for (int j = 0; j < here; ++j) {
                 const uint32_t entry = list[j];
-                up_down_entry<KV>(twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up, w_down_t,
-                                  fired, lane, K, keep);
+                up_down_entry<KV>(col_begin + twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum,
+                                  w_up, w_down_t, fired, lane, K, keep);
             }
             __syncwarp();  // the list is rewritten by the next chunk
         }
@@ -149,7 +196,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
         }
         // Partial rows in column order (lane l's piece v holds columns v * 256 + 8l .. + 7): the upper half
         // of the warps writes, the lower half adds its own and writes the pair's sum.
-        float *mine = partial + (warp % HALF) * KV * 256 + lane * 8;
+        float *mine = warp_rows + (warp % HALF) * KV * 256 + lane * 8;
         if (warp >= HALF) {
 #pragma unroll
             for (int v = 0; v < KV; ++v) {
@@ -173,14 +220,27 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
             for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
             for (int w = 0; w < HALF; ++w) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) sum[j] += partial[w * KV * 256 + col + j];
+                for (int j = 0; j < 8; ++j) sum[j] += warp_rows[w * KV * 256 + col + j];
             }
-            if (residual != nullptr) add_residual8(sum, __ldcs(reinterpret_cast<const uint4 *>(residual + m * K + col)));
-            __stcs(reinterpret_cast<uint4 *>(y + m * K + col), pack_bf16x8(sum));
+            float *running = partial + m * K + col;  // (only dereferenced when there are several parts)
+            if (!(part & FIRST_PART)) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += running[j];
+            }
+            if (part & LAST_PART) {
+                if (residual != nullptr) {
+                    add_residual8(sum, __ldcs(reinterpret_cast<const uint4 *>(residual + m * K + col)));
+                }
+                __stcs(reinterpret_cast<uint4 *>(y + m * K + col), pack_bf16x8(sum));
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) running[j] = sum[j];
+            }
         }
         if (threadIdx.x == 0) {
-            float l1_total = 0.0f;
-            int l0_total = 0;
+            const bool first = part & FIRST_PART;
+            float l1_total = first ? 0.0f : l1[m];
+            int l0_total = first ? 0 : l0[m];
             for (int w = 0; w < WARPS; ++w) {
                 l1_total += warp_l1[w];
                 l0_total += warp_l0[w];
@@ -197,11 +257,13 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     template __global__ void gate_up_down_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
-                                                    int *, int *, int *, int, int, int, int);                  \
+                                                    int *, int *, int *, float *, int, int, int, int, int, int, \
+                                                    int);                                                      \
     template __global__ void gate_up_down_heavy<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
-                                                    int *, const int *, const int *, int, int);
+                                                    int *, const int *, const int *, float *, int, int, int,   \
+                                                    int, int);
 GATE_UP_DOWN(1)
 GATE_UP_DOWN(8)
 GATE_UP_DOWN(16)

@@ -55,6 +55,15 @@ UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_B
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
+FIRST_PART, LAST_PART = 1, 2  # `part` flags of the gate_up_down.cu kernels
+# The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
+# parts, one pass per part, so that more of each part's rows stay in L2 while all tokens go over them (the walk's
+# rate falls once its rows outgrow L2; see row_slowdown below). Each part costs the tokens' fixed work again and a
+# round trip of their fp32 sums, which more parts pay for only at higher densities. On the H100 (BENCHMARKS.md,
+# 2026-11-26), from 66 to 224 MiB of rows, two parts walked 1.08-1.32x faster than one at 56 non-zeros per token
+# and 1.00-1.16x at 28; three parts won more at 56 (up to 1.36x) but lost up to 10% at 20 non-zeros.
+ONE_PASS_ROW_BYTES = 48 * 2**20
+WIDE_BLOCK_PARTS = 2
 
 # ------------------------------------------------------------------------------------------------
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
@@ -139,16 +148,18 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     """Predicted time of one inference call of the twell backend ("direct" route; see the constants above).
 
     The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
-    rate (slower once the block's rows outgrow L2: `row_slowdown`); tokens above DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under
+    rate (slower once a column part's rows outgrow L2: `row_slowdown`, `column_parts`); tokens above DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under
     it set the call's tail. The up + down constants were measured on the TwELL kernel, whose fixed cost
     per token includes the packed words the direct route does not read: a conservative price.
     """
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
-    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes)
+    parts = len(column_parts(k, n))
+    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
     up_down *= TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
-    up_down += m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
+    up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
+    up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
     up_down = max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
     return max(gate + up_down, CPU_FLOOR_MS)
 
@@ -469,6 +480,21 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
+def column_parts(k: int, n: int, parts: int | None = None) -> list[tuple[int, int]]:
+    """The gate column ranges [begin, end), multiples of TILE, that the direct route walks one after the other.
+
+    parts=None: one range while the block's w_up + w_down rows (4 K bytes per neuron) fit ONE_PASS_ROW_BYTES, else
+    WIDE_BLOCK_PARTS. An int asks for that many (1 .. N / TILE).
+    """
+    tiles = n // TILE
+    if parts is None:
+        parts = 1 if 4 * k * n <= ONE_PASS_ROW_BYTES else min(tiles, WIDE_BLOCK_PARTS)
+    elif not 1 <= parts <= max(tiles, 1):
+        raise ValueError(f"parts={parts}: the gate's {n} columns split into 1 to {max(tiles, 1)} parts of {TILE}")
+    bounds = [TILE * (tiles * i // parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def direct_up_down(
     x_MK: torch.Tensor,
     gate_MN: torch.Tensor,
@@ -476,6 +502,7 @@ def direct_up_down(
     w_down_t_NK: torch.Tensor,
     split_nnz: int = DENSE_ROW_NNZ,
     residual_MK: torch.Tensor | None = None,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T (kernels/gate_up_down.cu).
 
@@ -485,6 +512,8 @@ def direct_up_down(
         split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are split over a block
             of warps. Below SPLIT_BELOW_M tokens every token with a positive is split, to fill the GPU.
         residual_MK: bf16 [M, K] added to y by the kernels (a decoder layer's residual stream), or None.
+        parts: column parts walked one after the other (`column_parts`; None: by the weights' size). A token
+            that stays on the one-warp path gets the same bits whatever the parts.
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
@@ -503,49 +532,61 @@ def direct_up_down(
         *([("residual_MK", residual_MK, (m, k), "the residual stream [M, K], bf16, contiguous")]
           if residual_MK is not None else []),
     ])  # fmt: skip
-    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK)
+    columns = column_parts(k, n, parts)  # checks `parts`
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns)
 
 
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None = None,
+    residual_MK: torch.Tensor | None = None, columns: list[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`direct_up_down` on operands already validated (the block op checks its inputs once)."""
+    """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
+    column parts (`column_parts`; None: by the weights' size)."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
+    columns = column_parts(k, n) if columns is None else columns
     device = x_MK.device
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = torch.empty(m, dtype=torch.float32, device=device)
     l0_M = torch.empty(m, dtype=torch.int32, device=device)
-    zeroed = torch.zeros(n + 1, dtype=torch.int32, device=device)  # one fill: fired_N | heavy count
-    fired_N, heavy_count = zeroed[:n], zeroed[n:]
+    zeroed = torch.zeros(n + len(columns), dtype=torch.int32, device=device)  # one fill: fired_N | heavy counts
+    fired_N, heavy_counts = zeroed[:n], zeroed[n:]
     if m == 0:
         return y_MK, l1_M, l0_M, fired_N
     heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
+    # the y sums carried from one part to the next
+    partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
     light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
-    operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, heavy_count)
-    args = (*(cuda.ptr(t) for t in operands), _i32(m), _i32(k), _i32(n), _i32(split))
     # per warp: the x row, the positives list, and the residual row when there is one
     smem = TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
-    cuda.launch(light, (math.ceil(m / TOKENS_PER_BLOCK),), (32 * TOKENS_PER_BLOCK,), args, device,
-                shared_mem=smem)  # fmt: skip
     outs = (y_MK, l1_M, l0_M, fired_N)
-    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, heavy_count, outs, residual_MK)
+    for i, (begin, end) in enumerate(columns):
+        part = (FIRST_PART if i == 0 else 0) | (LAST_PART if i == len(columns) - 1 else 0)
+        count_1 = heavy_counts[i : i + 1]
+        operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
+                    partial_MK)  # fmt: skip
+        args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)))
+        cuda.launch(light, (math.ceil(m / TOKENS_PER_BLOCK),), (32 * TOKENS_PER_BLOCK,), args, device,
+                    shared_mem=smem)  # fmt: skip
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK,
+                            partial_MK, (begin, end), part)  # fmt: skip
     return y_MK, l1_M, l0_M, fired_N
 
 
 def split_token_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    residual_MK: torch.Tensor | None = None,
+    residual_MK: torch.Tensor | None = None, partial_MK: torch.Tensor | None = None,
+    columns: tuple[int, int] | None = None, part: int = FIRST_PART | LAST_PART,
 ) -> None:  # fmt: skip
     """Writes the y, l1 and l0 rows of the tokens rows_M[: count_1[0]] and sets their fired neurons, each token
     split over a block of warps (gate_up_down_heavy). rows_M: int32 [M]; count_1: int32 [1], read on the device,
     so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down` allocates them; y rows
-    include residual_MK's (bf16 [M, K]) when given."""
+    include residual_MK's (bf16 [M, K]) when given. For one column part of several (`_direct_up_down`): columns
+    = (begin, end), part = its FIRST_PART / LAST_PART flags, partial_MK = the fp32 y sums carried between parts."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     device = x_MK.device
@@ -557,8 +598,9 @@ def split_token_up_down(
     cuda.set_dynamic_smem(heavy, smem)
     blocks = min(m, cuda.sm_count(device))  # one block per SM
     y_MK, *stats = outs
-    operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, *stats, rows_M, count_1)
-    args = (*(cuda.ptr(t) for t in operands), _i32(k), _i32(n))
+    begin, end = (0, n) if columns is None else columns
+    operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, *stats, rows_M, count_1, partial_MK)
+    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (k, n, begin, end, part)))
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 

@@ -239,6 +239,43 @@ def test_direct_split_and_one_warp_paths_agree():
     assert fired_full.dtype == torch.int32 and set(fired_full.unique().tolist()) <= {0, 1}
 
 
+@pytest.mark.parametrize("k", [1024, 4096])
+def test_direct_column_parts_give_the_one_pass_bits(k):
+    """Walking the gate columns in parts, as wide blocks are walked, carries each token's fp32 sums from part to part:
+    tokens on the one-warp path (4096 tokens, none heavy) get the one-pass y, l1, l0 and fired bit for bit, with the
+    residual folded in on the last part."""
+    m = 4096
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, k, 3072, nnz_mean=40, seed=k + 5)
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    residual_MK = torch.randn(m, k, device="cuda").bfloat16()
+    one = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=1)
+    assert one[2].max() <= 128  # every token on the one-warp path
+    for parts in (2, 3, 12):
+        poison(((m, k), torch.bfloat16), ((m, k), torch.float32), ((m,), torch.float32))
+        got = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts)
+        for name, a, b in zip(("y", "l1", "l0", "fired"), got, one):
+            assert torch.equal(a, b), f"{name} differs with {parts} parts"
+
+
+@pytest.mark.parametrize("m", [17, 4096])
+def test_direct_column_parts_with_heavy_tokens(m):
+    """Parts with a heavy tail (tokens split over warps in some parts and not in others) and at 17 tokens (every
+    token split over warps): y within the reference tolerance, the same l0 and fired as one pass."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=56, sigma=0.6, seed=m + 21)
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    one = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, parts=1)
+    if m > 17:
+        assert one[2].max() > 128  # some tokens take the split kernel
+    poison(((m, 2048), torch.bfloat16), ((m, 2048), torch.float32))
+    y_MK, l1_M, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, parts=5)
+    assert_close_to_ref(y_MK, *block)
+    assert torch.equal(l0_M, one[2]) and torch.equal(fired_N, one[3])
+    assert torch.allclose(l1_M, one[1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("route", ["direct", "cublas"])
 @pytest.mark.parametrize("m, k", [(17, 2048), (4096, 2048), (4096, 4096)])
 def test_residual_is_added_as_adding_it_after(route, m, k):
