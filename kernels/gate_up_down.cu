@@ -54,6 +54,7 @@ __device__ __forceinline__ void store_partial(float *row, const float (&acc)[KV]
         }
     }
 }
+
 // Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
 // more registers per thread, so 8.
 template <int KV>
