@@ -149,8 +149,9 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
 
     The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
     rate (slower once a column part's rows outgrow L2: `row_slowdown`, `column_parts`); tokens above
-    DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under it set the call's tail. The up + down constants were measured on the TwELL kernel, whose fixed cost
-    per token includes the packed words the direct route does not read: a conservative price.
+    DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under it set the call's
+    tail. The up + down constants were measured on the TwELL kernel, whose fixed cost per token includes the
+    packed words the direct route does not read: a conservative price.
     """
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
