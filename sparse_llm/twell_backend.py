@@ -63,8 +63,13 @@ FIRST_PART, LAST_PART = 1, 2  # `part` flags of the gate_up_down.cu kernels
 # round trip of their fp32 sums, which more parts pay for only at higher densities. On the H100 (BENCHMARKS.md,
 # 2026-11-26), from 66 to 224 MiB of rows, two parts walked 1.08-1.32x faster than one at 56 non-zeros per token
 # and 1.00-1.16x at 28; three parts won more at 56 (up to 1.36x) but lost up to 10% at 20 non-zeros.
+# Three parts where the rows reach THREE_PART_ROW_BYTES and the layer's recent mean non-zeros per token (known to
+# the dispatch, not to the launch) reach THREE_PART_MIN_L0: 1.06-1.13x faster walks than two at 56 non-zeros over
+# 132-224 MiB of rows, 0.975-1.01x at 28.
 ONE_PASS_ROW_BYTES = 48 * 2**20
 WIDE_BLOCK_PARTS = 2
+THREE_PART_ROW_BYTES = 128 * 2**20
+THREE_PART_MIN_L0 = 45.0
 
 # ------------------------------------------------------------------------------------------------
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
@@ -157,7 +162,7 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
-    parts = len(column_parts(k, n))
+    parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
     up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
     up_down *= TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
     up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
@@ -482,15 +487,23 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
-def column_parts(k: int, n: int, parts: int | None = None) -> list[tuple[int, int]]:
+def column_parts(k: int, n: int, parts: int | None = None, l0_mean: float | None = None) -> list[tuple[int, int]]:
     """The gate column ranges [begin, end), multiples of TILE, that the direct route walks one after the other.
 
     parts=None: one range while the block's w_up + w_down rows (4 K bytes per neuron) fit ONE_PASS_ROW_BYTES, else
-    WIDE_BLOCK_PARTS. An int asks for that many (1 .. N / TILE).
+    WIDE_BLOCK_PARTS, or three for rows of THREE_PART_ROW_BYTES and more at a known l0_mean (the layer's recent mean
+    non-zeros per token) of THREE_PART_MIN_L0 and more. An int asks for that many (1 .. N / TILE).
     """
     tiles = n // TILE
     if parts is None:
-        parts = 1 if 4 * k * n <= ONE_PASS_ROW_BYTES else min(tiles, WIDE_BLOCK_PARTS)
+        rows_bytes = 4 * k * n
+        dense_enough = l0_mean is not None and l0_mean >= THREE_PART_MIN_L0
+        if rows_bytes <= ONE_PASS_ROW_BYTES:
+            parts = 1
+        elif rows_bytes >= THREE_PART_ROW_BYTES and dense_enough:
+            parts = min(tiles, 3)
+        else:
+            parts = min(tiles, WIDE_BLOCK_PARTS)
     elif not 1 <= parts <= max(tiles, 1):
         raise ValueError(f"parts={parts}: the gate's {n} columns split into 1 to {max(tiles, 1)} parts of {TILE}")
     bounds = [TILE * (tiles * i // parts) for i in range(parts + 1)]
@@ -620,6 +633,7 @@ def twell_gated_mlp(
     gate_route: str = "auto",
     dense_row_nnz: int = DENSE_ROW_NNZ,
     residual_MK: torch.Tensor | None = None,
+    l0_mean_hint: float | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -630,6 +644,8 @@ def twell_gated_mlp(
             ("direct") or computed by dense GEMMs (TwELL routes), either way cheaper for them.
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
+        l0_mean_hint: the layer's recent mean non-zeros per token, or None: sets how many column parts the
+            "direct" route walks a block that outgrows L2 in (`column_parts`).
 
     Returns:
         FFNResult. "direct": path "twell-direct", overflow_rows 0 (no token is recomputed). TwELL routes:
@@ -643,8 +659,9 @@ def twell_gated_mlp(
         gate_MN = F.linear(x_MK, w_gate_NK)
         fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
+        columns = column_parts(x_MK.shape[1], w_gate_NK.shape[0], l0_mean=l0_mean_hint)
         y_MK, l1_M, l0_M, fired_N = _direct_up_down(
-            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused
+            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused, columns
         )  # fmt: skip
         if residual_MK is not None and fused is None:
             y_MK = residual_MK + y_MK
@@ -708,7 +725,8 @@ class TwellFFN(FFNBackend):
         return training or bf16 or _bf16_autocast(x_MK.device.type)
 
     def forward(
-        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None
+        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
+        l0_mean=None,
     ):  # fmt: skip
         # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
@@ -738,7 +756,7 @@ class TwellFFN(FFNBackend):
                 f"{str(x_MK.dtype).removeprefix('torch.')} and weights {weight_dtypes}. Load the model with "
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
-        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK)
+        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_mean_hint=l0_mean)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)

@@ -6,6 +6,7 @@ import torch
 from sparse_llm import backends
 from sparse_llm.backends import FFNBackend, TorchFFN
 from sparse_llm.dispatch import LayerDispatcher
+from sparse_llm.mlp import SparseMLP
 
 
 class FakeSparse(FFNBackend):
@@ -76,3 +77,23 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
     assert dispatcher.choose(x, w, True).name == "fake"
     dispatcher.current = "torch"
     assert dispatcher.choose(x, w, True, compiled=True).name == "torch"
+
+
+def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
+    """The layer's last observed mean non-zeros per token reach the backend (the twell kernels pick their column
+    parts by it); before any observation the backend gets None."""
+    seen = []
+    forward = TorchFFN.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs["l0_mean"])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchFFN, "forward", recording)
+    mlp = SparseMLP(64, 256, kernel="torch")
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        mlp(x)
+        observed = mlp.dispatcher.l0_mean
+        mlp(x)
+    assert seen[0] is None and observed is not None and seen[1] == observed

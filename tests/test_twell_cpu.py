@@ -195,18 +195,19 @@ def test_dispatch_picks_sparse_only_where_it_pays():
     assert sparse.estimated_ms(1, k, n, 28, 28, False) > dense.estimated_ms(1, k, n, 28, 28, False)
 
 
-# The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives (one
-# pass at 44 MiB of rows, two from 66 to 224): (M, K, N, non-zeros per token, ms).
+# The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives at that
+# density (one pass at 44 MiB of rows, two from 66 to 224, three from 128 at 56 non-zeros, which the price takes
+# for two): (M, K, N, non-zeros per token, ms).
 MEASURED_WALKS = [
     (16384, 2048, 5632, 28.0, 0.613), (16384, 2048, 5632, 56.2, 1.087),
     (16384, 2048, 8448, 27.8, 0.724), (16384, 2048, 8448, 57.4, 1.183),
     (16384, 2048, 11264, 27.7, 0.839), (16384, 2048, 11264, 56.1, 1.303),
-    (16384, 2048, 16896, 28.1, 1.133), (16384, 2048, 16896, 55.6, 1.713),
+    (16384, 2048, 16896, 28.1, 1.133), (16384, 2048, 16896, 55.6, 1.518),
     (16384, 3072, 8192, 28.2, 1.285), (16384, 3072, 8192, 55.6, 2.018),
     (8192, 4096, 5632, 28.1, 0.788), (8192, 4096, 5632, 56.2, 1.265),
-    (8192, 4096, 11008, 20.3, 0.899), (8192, 4096, 11008, 57.4, 1.866),
-    (16384, 4096, 11008, 28.5, 2.206), (16384, 4096, 11008, 57.4, 3.779),
-    (8192, 4096, 14336, 20.5, 0.992), (8192, 4096, 14336, 57.0, 2.077),
+    (8192, 4096, 11008, 20.3, 0.899), (8192, 4096, 11008, 57.4, 1.719),
+    (16384, 4096, 11008, 28.5, 2.206), (16384, 4096, 11008, 57.4, 3.413),
+    (8192, 4096, 14336, 20.5, 0.992), (8192, 4096, 14336, 57.0, 1.959),
 ]  # fmt: skip
 
 
@@ -233,11 +234,14 @@ def test_dispatch_keeps_wide_blocks_dense_where_their_walk_loses():
 
 
 def test_column_parts():
-    """Blocks whose w_up + w_down rows fit L2 are walked in one pass, wider ones in two; parts are tile-aligned and
-    cover every column once."""
+    """Blocks whose w_up + w_down rows fit L2 are walked in one pass, wider ones in two (three for the widest at a
+    known density of 45 non-zeros per token or more); parts are tile-aligned and cover every column once."""
     assert column_parts(2048, 5632) == [(0, 5632)]  # 44 MiB of rows: the paper's block
     assert column_parts(2048, 11264) == [(0, 5632), (5632, 11264)]
     assert column_parts(4096, 14336) == [(0, 7168), (7168, 14336)]
+    assert column_parts(4096, 14336, l0_mean=28) == column_parts(4096, 14336)
+    assert len(column_parts(4096, 14336, l0_mean=56)) == 3  # denser layers of blocks beyond 128 MiB of rows
+    assert len(column_parts(2048, 11264, l0_mean=56)) == 2  # 88 MiB
     assert column_parts(1024, 3072, parts=3) == [(0, 1024), (1024, 2048), (2048, 3072)]
     assert column_parts(256, 512, parts=2) == [(0, 256), (256, 512)]
     with pytest.raises(ValueError, match="parts=3"):
@@ -307,7 +311,7 @@ def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
     monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     seen = []
     monkeypatch.setattr(
-        twell_backend, "twell_gated_mlp", lambda *tensors, residual_MK: seen.append([t.dtype for t in tensors])
+        twell_backend, "twell_gated_mlp", lambda *tensors, **_: seen.append([t.dtype for t in tensors])
     )  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16):
         TwellFFN().forward(*(t.float() for t in block()), training=False)
