@@ -8,7 +8,7 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   than DENSE_ROW_NNZ positives is handed, on the device, to a kernel that splits it over a block of warps.
   There is no slot capacity, so no token is ever recomputed, and nothing is read back to the host: the
   call has no device-to-host synchronisation. A block whose w_up + w_down rows outgrow L2 is walked in two
-  column parts (`column_parts`), each token's fp32 sums carried from the first to the second.
+  or three column parts (`column_parts`), each token's fp32 sums carried from one part to the next.
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
