@@ -95,8 +95,14 @@ UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
 L2_ROW_BYTES = 30 * 2**20
 ROW_HBM_GBPS = 2840.0
 # With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold
-# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796.
+# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796. The factor grows with the share
+# of the layer's non-zeros held by tokens above DENSE_ROW_NNZ (`heavy_share`) and is whole from TAIL_FULL_SHARE up:
+# the heavy tails measured (H100, mean 28-112, max 1353-2631, K x N 2048 x 5632 to 4096 x 11008) hold 0.2-0.6 of
+# their non-zeros there and are priced 1.03-1.4x their measured time; a mild tail such as mean 80 / max 142 (0.003
+# of the non-zeros above 128) runs at the uniform rate: at 2048 x 11264 2.76 ms, 1.28x faster than dense, and the
+# old price of the whole factor for any token above the threshold (4.7 ms) kept it dense.
 TAIL_FACTOR = 2.2
+TAIL_FULL_SHARE = 0.15
 HBM_GBPS = 3000.0
 # Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
 CPU_FLOOR_MS = 0.22
@@ -137,17 +143,30 @@ def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float,
     OVERFLOW_NNZ_PER_TILE per tile (likely overflow). A heuristic: it only has to be right enough to
     price heavy-tailed layers.
     """
+    return _lognormal_split(min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles), l0_mean, l0_max)
+
+
+def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ) -> float:
+    """The share of a layer's non-zeros held by tokens with more than `threshold` of them, under dense_row_split's
+    log-normal model (0 when no token exceeds it)."""
+    heavy_fraction, light_mean = _lognormal_split(threshold, l0_mean, l0_max)
+    if l0_mean <= 0:
+        return 0.0
+    return max(0.0, 1.0 - light_mean * (1.0 - heavy_fraction) / l0_mean)
+
+
+def _lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[float, float]:
+    """(fraction of tokens above threshold, mean non-zeros of the others) for log-normal non-zeros per token."""
     if l0_mean <= 0:
         return 0.0, 0.0
-    threshold = min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles)
     if l0_max <= threshold:
         return 0.0, l0_mean
     sigma = max(math.log(max(l0_max, l0_mean) / l0_mean) / 3.5, 1e-3)
     mu = math.log(l0_mean) - sigma * sigma / 2
     z = (math.log(threshold) - mu) / sigma
-    dense_fraction = 0.5 * math.erfc(z / math.sqrt(2))
+    above = 0.5 * math.erfc(z / math.sqrt(2))
     light_mass = l0_mean * 0.5 * math.erfc(-(z - sigma) / math.sqrt(2))  # E[L; L <= threshold]
-    return dense_fraction, light_mass / max(1.0 - dense_fraction, 1e-9)
+    return above, light_mass / max(1.0 - above, 1e-9)
 
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
@@ -156,7 +175,7 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
     rate (slower once a column part's rows outgrow L2: `row_slowdown`, `column_parts`); tokens above
     DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under it set the call's
-    tail. The up + down constants were measured on the TwELL kernel, whose fixed cost per token includes the
+    tail, as much as the tail holds of the non-zeros (TAIL_FACTOR). The up + down constants were measured on the TwELL kernel, whose fixed cost per token includes the
     packed words the direct route does not read: a conservative price.
     """
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
@@ -164,7 +183,7 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     nonzeros = m * l0_mean
     parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
     up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
-    up_down *= TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
+    up_down *= 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
     up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
     up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
     up_down = max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once

@@ -30,6 +30,7 @@ from sparse_llm.twell_backend import (
     dense_row_split,
     dense_row_stats,
     gate_route_for,
+    heavy_share,
     row_slowdown,
     splits_for,
     synthetic_block,
@@ -231,6 +232,22 @@ def test_dispatch_keeps_wide_blocks_dense_where_their_walk_loses():
     assert sparse.estimated_ms(m, k, n, 80, 120, False) > 0.95 * dense.estimated_ms(m, k, n, 80, 120, False)
     assert row_slowdown(4 * 2048 * 5632) == 1.0  # the paper's block (two bf16 rows of K per neuron) stays in L2
     assert row_slowdown(4 * 4096 * 11008) > 2.0
+
+
+def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
+    """The heavy-tail factor follows the share of the non-zeros in tokens above DENSE_ROW_NNZ, not a step at it: at
+    K = 2048, N = 11264 a layer of mean 80 / max 142 (a few tokens just over 128) ran in 2.76 ms against dense 3.53
+    (H100, 2026-11-26) but was priced with the whole factor (4.7 ms) and kept dense; heavy tails keep the factor
+    (mean 28 / max 1353 at the paper's block: 1.79 ms measured, 1.84 priced), and at K = 4096, N = 11008 the mean
+    82 / max 142 layer, 0.86x dense with the kernels, stays dense."""
+    sparse, dense = TwellFFN(), TorchFFN()
+    m = 16384
+    assert sparse.estimated_ms(m, 2048, 11264, 80, 142, False) < 0.95 * dense.estimated_ms(m, 2048, 11264, 80, 142, False)
+    assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) > 0.95 * dense.estimated_ms(m, 4096, 11008, 82, 142, False)
+    assert 1.7 < twell_estimated_ms(m, 2048, 5632, 28, 1353) < 2.0
+    at, over = twell_estimated_ms(m, 2048, 5632, 80, 128), twell_estimated_ms(m, 2048, 5632, 80, 131)
+    assert at <= over < 1.02 * at  # no step at the threshold
+    assert heavy_share(28, 100) == 0.0 and 0.1 < heavy_share(28, 1353) < 0.3 < heavy_share(112, 1788) < 1.0
 
 
 def test_column_parts():
