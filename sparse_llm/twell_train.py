@@ -103,14 +103,15 @@ from sparse_llm.formats import (
 )
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
-    DENSE_ROW_NNZ,
     HBM_GBPS,
     PACK_GBPS,
+    TAIL_FULL_SHARE,
     TILE,
     TOKENS_PER_BLOCK,
     UP_DOWN_GBPS,
     check_inputs,
     dense_row_split,
+    heavy_share,
     row_slowdown,
     shape_unsupported_reason,
     split_token_up_down,
@@ -145,7 +146,8 @@ WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradien
 TRAIN_MS_PER_TOKEN = 0.18 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
 CALIBRATION_MKN = (16384, 2048, 5632)  # the block train_estimated_ms was fitted on
 # A heavy-tailed layer's light tokens just under the ELL width make the walks' tail: its light rows cost this much
-# more than a uniform layer's (fitted on h60: mean 60, max 1173 non-zeros per token).
+# more than a uniform layer's (fitted on h60: mean 60, max 1173 non-zeros per token), in proportion to the tail's
+# share of the non-zeros up to TAIL_FULL_SHARE, as in the inference price (h60, h79 and h154 hold 0.32-0.74).
 TRAIN_TAIL_FACTOR = 1.4
 # The host's time per layer call that a model step sees. Issuing one forward + backward with the L1 loss term (a few
 # dozen torch ops and CuPy launches, and the autograd around them) took 3.1-3.2 ms, measured with the GPU kept busy
@@ -216,7 +218,7 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
         + 2 * _walk_slowdown(4 * m * k, 4 * cal_m * cal_k)  # weight gradients: the tokens' x and dy rows
     )
     rows = light_entries * rows_per_entry * 2 * k / (UP_DOWN_GBPS * 1e6)
-    rows *= TRAIN_TAIL_FACTOR if l0_max > DENSE_ROW_NNZ else 1.0
+    rows *= 1.0 + (TRAIN_TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
     device_ms = gate + rows + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN

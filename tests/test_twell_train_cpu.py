@@ -301,6 +301,15 @@ def test_cost_model_prices_wide_blocks_walks_from_hbm(monkeypatch, l0_mean, l0_m
     assert 0.9 * measured_ms <= train_estimated_ms(8192, 4096, 11008, l0_mean, l0_max) <= 1.3 * measured_ms
 
 
+def test_training_tail_price_has_no_step_at_the_threshold(monkeypatch):
+    """The light rows' tail factor follows the share of the non-zeros above 128 (as in the inference price): a few
+    tokens just over it do not price the whole layer 1.4x dearer, a heavy tail still does (h60 fitted it)."""
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+    at, over = train_estimated_ms(16384, 2048, 5632, 80, 128), train_estimated_ms(16384, 2048, 5632, 80, 131)
+    assert at <= over < 1.01 * at
+    assert 5.6 < train_estimated_ms(16384, 2048, 5632, 60, 1173) < 6.1  # measured 5.70 ms
+
+
 @pytest.mark.parametrize(
     "l0_mean, l0_max, eager_wins, compiled_wins",
     [(28, 56, True, True), (56, 95, True, True), (60, 1173, True, False), (110, 169, False, False),
