@@ -27,33 +27,6 @@
 #include "up_down_common.cuh"
 
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
-constexpr int FIRST_PART = 1;    // `part` flags: no earlier part (sums start at zero) ...
-constexpr int LAST_PART = 2;     // ... and no later part (y is stored in bf16, with the residual)
-
-// This lane's pieces of a token's fp32 running y sums (lane l owns columns v * 256 + 8l .. + 7 of piece v).
-template <int KV>
-__device__ __forceinline__ void load_partial(float (&acc)[KV][8], const float *row, int lane, int K) {
-#pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        const int col = v * 256 + lane * 8;
-        const float4 lo = col < K ? reinterpret_cast<const float4 *>(row + col)[0] : make_float4(0, 0, 0, 0);
-        const float4 hi = col < K ? reinterpret_cast<const float4 *>(row + col)[1] : make_float4(0, 0, 0, 0);
-        acc[v][0] = lo.x, acc[v][1] = lo.y, acc[v][2] = lo.z, acc[v][3] = lo.w;
-        acc[v][4] = hi.x, acc[v][5] = hi.y, acc[v][6] = hi.z, acc[v][7] = hi.w;
-    }
-}
-
-template <int KV>
-__device__ __forceinline__ void store_partial(float *row, const float (&acc)[KV][8], int lane, int K) {
-#pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        const int col = v * 256 + lane * 8;
-        if (col < K) {
-            reinterpret_cast<float4 *>(row + col)[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-            reinterpret_cast<float4 *>(row + col)[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
-        }
-    }
-}
 
 // Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
 // more registers per thread, so 8.

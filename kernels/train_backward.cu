@@ -8,6 +8,10 @@
 //                     (int16 where N fits, so the radix sort makes two passes over them rather than four).
 //   train_bwd_dx    : per light token, dx[m] = sum over its entries of du * w_up[n] + dg * w_gate[n],
 //                     summed in one fp32 accumulator before rounding.
+//                     Both walk the entries of the columns [col_begin, col_end) only (entries_in): a block whose
+//                     rows outgrow L2 is walked in column parts, one launch each; dx's fp32 sums are carried
+//                     from part to part in `partial` (the one-pass steps, so the same bits), sddmm writes the
+//                     sort keys in its first part.
 //                     torch reference of both: formats.hybrid_gated_mlp_backward_ref (hybrid_sddmm, the L1
 //                     shift, hybrid_mul, hybrid_matmul). Two kernels rather than one so that each streams
 //                     only the weight rows it needs: w_down (N x K) then w_up and w_gate (2 x N x K), working
@@ -33,13 +37,15 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
     __nv_bfloat16 *__restrict__ ell_du,          // [M, W] out
     __nv_bfloat16 *__restrict__ ell_dg,          // [M, W] out
     Key *__restrict__ csc_key,                   // [M, W] out: column of a light token's entry, else N
-    int M, int N, int K, int W) {
+    int M, int N, int K, int W, int col_begin, int col_end, int part) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (m >= M) return;  // whole warp
     // Sort keys of the transposed (CSC) view for the weight gradients: unused slots and heavy tokens sort last.
     const int used = heavy[m] ? 0 : ell_count[m];
-    for (int s = lane; s < W; s += 32) csc_key[m * W + s] = static_cast<Key>(s < used ? ell_cols[m * W + s] : N);
+    if (part & FIRST_PART) {
+        for (int s = lane; s < W; s += 32) csc_key[m * W + s] = static_cast<Key>(s < used ? ell_cols[m * W + s] : N);
+    }
     if (heavy[m]) return;  // whole warp
     extern __shared__ uint4 smem[];
     uint4 *dy_row = smem + (threadIdx.x / 32) * KV * 32;
@@ -75,7 +81,8 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
             ell_dg[at] = __float2bfloat16_rn(my_dg);
         }
     };
-    walk_entries<KV, 1>(EllColumn{ell_cols + row0}, ell_count[m], down, lane, K, begin, step, finish);
+    const EntryRange range = entries_in(ell_cols + row0, used, col_begin, col_end, N, lane);
+    walk_entries<KV, 1>(EllColumn{ell_cols + row0}, range.first, range.end, down, lane, K, begin, step, finish);
 }
 
 // Column starts of the transposed view from the E sort keys in ascending order (a column per light entry, N
@@ -172,13 +179,18 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
     const int *__restrict__ ell_count,         // [M]
     const bool *__restrict__ heavy,            // [M] heavy tokens are skipped
     __nv_bfloat16 *__restrict__ dx,            // [M, K] out (light rows)
-    int M, int K, int W) {
+    float *__restrict__ partial,               // [M, K] fp32 running dx sums between column parts, or null (one part)
+    int M, int N, int K, int W, int col_begin, int col_end, int part) {
     const int lane = threadIdx.x & 31;
     const long long m = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (m >= M || heavy[m]) return;  // whole warp
     const long long row0 = m * W;
     float acc[KV][8];
-    zero_acc<KV>(acc);
+    if (part & FIRST_PART) {
+        zero_acc<KV>(acc);
+    } else {
+        load_partial<KV>(acc, partial + m * K, lane, K);
+    }
     float my_du = 0.0f, my_dg = 0.0f;
     // Up to K = 2048 an entry's two weight rows are requested together; wider rows load w_gate[n] after
     // the w_up axpy, to stay within the register file.
@@ -204,8 +216,13 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
         }
     };
     auto finish = [](int, int) {};
-    walk_entries<KV, R>(EllColumn{ell_cols + row0}, ell_count[m], mats, lane, K, begin, step, finish);
-    store_row_bf16<KV>(dx + m * K, acc, lane, K);
+    const EntryRange range = entries_in(ell_cols + row0, ell_count[m], col_begin, col_end, N, lane);
+    walk_entries<KV, R>(EllColumn{ell_cols + row0}, range.first, range.end, mats, lane, K, begin, step, finish);
+    if (part & LAST_PART) {
+        store_row_bf16<KV>(dx + m * K, acc, lane, K);
+    } else {
+        store_partial<KV>(partial + m * K, acc, lane, K);
+    }
 }
 
 // Eight fp32 sums stored as `Out` at p (fp32, or bf16 rounded once).
@@ -394,11 +411,13 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     template __global__ void train_bwd_sddmm<KV, KEY>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,  \
                                                       const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,  \
                                                       const bool *, const float *, __nv_bfloat16 *,               \
-                                                      __nv_bfloat16 *, __nv_bfloat16 *, KEY *, int, int, int, int);
+                                                      __nv_bfloat16 *, __nv_bfloat16 *, KEY *, int, int, int, int,   \
+                                                      int, int, int);
 #define TRAIN_BWD_DX(KV)                                                                                           \
     template __global__ void train_bwd_dx<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
                                               const __nv_bfloat16 *, const __nv_bfloat16 *, const int *,          \
-                                              const bool *, __nv_bfloat16 *, int, int, int);
+                                              const bool *, __nv_bfloat16 *, float *, int, int, int, int, int,    \
+                                              int, int);
 #define TRAIN_CSC_WGRAD(KW, NV, OUT)                                                                              \
     template __global__ void train_csc_wgrad<KW, NV, OUT>(                                                        \
         const long long *, const long long *, const long long *, const int *, const int *, const __nv_bfloat16 *, \

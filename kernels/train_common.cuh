@@ -17,18 +17,18 @@ __device__ __forceinline__ int warp_sum_int(int v) {
     return v;
 }
 
-// Walks one token's ELL entries (count of them; col_at(s) is the column of entry s) 32 at a time.
+// Walks one token's ELL entries first .. end - 1 (col_at(s) is the column of entry s) 32 at a time.
 // begin(base, here) lets lane j load what it needs of entry base + j; then for each entry j of the batch the
 // R weight rows of its column n (row n of mats[0 .. R), evict_last in L2) are requested together and
 // step(j, n, rows) runs on the whole warp; finish(base, here) lets lane j store its results. Rows in flight
 // come from many resident warps rather than from prefetching within one: a second set of rows in registers
 // costs more warps than it adds.
 template <int KV, int R, typename ColAt, typename Begin, typename Step, typename Finish>
-__device__ __forceinline__ void walk_entries(ColAt &&col_at, int count, const __nv_bfloat16 *const (&mats)[R],
+__device__ __forceinline__ void walk_entries(ColAt &&col_at, int first, int end, const __nv_bfloat16 *const (&mats)[R],
                                              int lane, int K, Begin &&begin, Step &&step, Finish &&finish) {
     const uint64_t keep = l2_keep_policy();
-    for (int base = 0; base < count; base += 32) {
-        const int here = min(32, count - base);
+    for (int base = first; base < end; base += 32) {
+        const int here = min(32, end - base);
         const int my_col = lane < here ? col_at(base + lane) : 0;
         begin(base, here);
         for (int j = 0; j < here; ++j) {
@@ -47,5 +47,24 @@ struct EllColumn {
     const int *__restrict__ cols;
     __device__ __forceinline__ int operator()(int s) const { return __ldcs(cols + s); }
 };
+
+// Column parts: a backward walk over weights that outgrow L2 runs once per range of columns [col_begin, col_end),
+// so each pass draws on that range's rows only. A token's entries ascend by column, so a part's are a contiguous
+// run of its ELL row: entries [first, end) (the whole row when the range covers every column).
+struct EntryRange {
+    int first, end;
+};
+__device__ __forceinline__ EntryRange entries_in(const int *__restrict__ cols, int count, int col_begin, int col_end,
+                                                 int N, int lane) {
+    if (col_begin == 0 && col_end == N) return {0, count};
+    int before = 0, inside = 0;
+    for (int s = lane; s < count; s += 32) {
+        const int c = cols[s];
+        before += c < col_begin;
+        inside += c >= col_begin && c < col_end;
+    }
+    before = warp_sum_int(before);
+    return {before, before + warp_sum_int(inside)};
+}
 
 #endif  // TRAIN_COMMON_CUH

@@ -10,6 +10,10 @@
 //                    gate row; the backward recomputes its gradients densely (sparse_llm/twell_train.py).
 //                    torch reference: formats.pack_hybrid(relu(gate), W), hybrid_sddmm, hybrid_mul,
 //                    hybrid_matmul, hybrid_abs_sum.
+//                    Column parts (a block whose w_up + w_down rows outgrow L2): one launch per range of columns
+//                    [col_begin, col_end). The first lists the row, writes the whole ELL row and walks its range's
+//                    entries; later parts read the ELL row back and walk theirs, the y, |h| and h != 0 sums carried
+//                    in `partial`, l1[m] and l0[m] (the one-pass steps, so the same bits).
 #include "train_common.cuh"
 
 // Up to K = 2048 both weight rows of an entry are requested together; wider rows load w_down_t[n] after the
@@ -32,7 +36,8 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     float *__restrict__ l1,                      // [M] out (light rows): sum |h|
     int *__restrict__ l0,                        // [M] out (light rows): #(h != 0)
     int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
-    int M, int K, int N, int W) {
+    float *__restrict__ partial,                 // [M, K] fp32 running y sums between column parts, or null
+    int M, int K, int N, int W, int col_begin, int col_end, int part) {
     constexpr bool kBothRows = KV <= 8;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
@@ -43,42 +48,80 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     uint4 *x_row = smem + warp * KV * 32;
     uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + static_cast<long long>(warp) * W;
 
-    const int total = list_gate_row(gate + m * N, N / 256, list, W, lane);
-    const bool is_heavy = total > W;
     const long long row0 = m * W;
-    if (lane == 0) {
-        ell_count[m] = total;
-        heavy[m] = is_heavy;
-        if (is_heavy) heavy_list[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
+    const bool first_part = part & FIRST_PART;
+    // The first part lists the whole gate row and writes the token's ELL row; later parts read it back.
+    int total;
+    if (first_part) {
+        total = list_gate_row(gate + m * N, N / 256, list, W, lane);
+        const bool is_heavy = total > W;
+        if (lane == 0) {
+            ell_count[m] = total;
+            heavy[m] = is_heavy;
+            if (is_heavy) heavy_list[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
+        }
+        // Zero padding (column 0, value 0) past the entries, over the whole row of a heavy token, as formats.py
+        // lays it out: the saved state is deterministic without a separate fill.
+        for (int s = is_heavy ? lane : total + lane; s < W; s += 32) {
+            ell_cols[row0 + s] = 0;
+            ell_g[row0 + s] = __float2bfloat16_rn(0.0f);
+            ell_u[row0 + s] = __float2bfloat16_rn(0.0f);
+        }
+        if (is_heavy) return;  // whole warp
+        __syncwarp();  // the list is written by all lanes and read by all
+    } else {
+        if (heavy[m]) return;  // whole warp
+        total = ell_count[m];
     }
-    // Zero padding (column 0, value 0) past the entries, over the whole row of a heavy token, as formats.py
-    // lays it out: the saved state is deterministic without a separate fill.
-    for (int s = is_heavy ? lane : total + lane; s < W; s += 32) {
-        ell_cols[row0 + s] = 0;
-        ell_g[row0 + s] = __float2bfloat16_rn(0.0f);
-        ell_u[row0 + s] = __float2bfloat16_rn(0.0f);
+    // This part's entries: all of them in one pass, else those of the columns [col_begin, col_end), contiguous
+    // since the entries ascend by column. The first part writes the columns and values of the later parts' entries.
+    int first = 0, end = total;
+    if (col_begin != 0 || col_end != N) {
+        int before = 0, inside = 0;
+        for (int s = lane; s < total; s += 32) {
+            const int c = first_part ? twell_col(list[s]) : ell_cols[row0 + s];
+            before += c < col_begin;
+            inside += c >= col_begin && c < col_end;
+        }
+        first = warp_sum_int(before);
+        end = first + warp_sum_int(inside);
+        if (first_part) {
+            for (int s = end + lane; s < total; s += 32) {
+                ell_cols[row0 + s] = twell_col(list[s]);
+                ell_g[row0 + s] = __ushort_as_bfloat16(static_cast<unsigned short>(list[s] >> 16));
+            }
+        }
     }
-    if (is_heavy) return;  // whole warp
     stage_row<KV>(x_row, x + m * K, lane, K);
-    __syncwarp();  // the list and the x row are written by all lanes and read by all
+    __syncwarp();  // the x row is written by all lanes and read by all
 
     float acc[KV][8];
-    zero_acc<KV>(acc);
     float l1_sum = 0.0f;
     int l0_sum = 0;
+    if (first_part) {
+        zero_acc<KV>(acc);
+    } else {
+        load_partial<KV>(acc, partial + m * K, lane, K);
+        l1_sum = l1[m];
+        l0_sum = l0[m];
+    }
     float my_g = 0.0f, my_u = 0.0f;
     const uint64_t keep = l2_keep_policy();
     const __nv_bfloat16 *const both[2] = {w_up, w_down_t};
     const __nv_bfloat16 *const up_only[1] = {w_up};
-    auto column = [list](int s) { return twell_col(list[s]); };
+    auto column = [&](int s) { return first_part ? twell_col(list[s]) : ell_cols[row0 + s]; };
     auto begin = [&](int base, int here) {
         my_g = 0.0f;
         my_u = 0.0f;
         if (lane < here) {
-            const uint32_t entry = list[base + lane];
-            my_g = twell_value(entry);
-            ell_cols[row0 + base + lane] = twell_col(entry);
-            ell_g[row0 + base + lane] = __ushort_as_bfloat16(static_cast<unsigned short>(entry >> 16));
+            if (first_part) {
+                const uint32_t entry = list[base + lane];
+                my_g = twell_value(entry);
+                ell_cols[row0 + base + lane] = twell_col(entry);
+                ell_g[row0 + base + lane] = __ushort_as_bfloat16(static_cast<unsigned short>(entry >> 16));
+            } else {
+                my_g = bf16_load(ell_g + row0 + base + lane);
+            }
         }
     };
     auto step = [&](int j, long long n, const uint4 (&rows)[kBothRows ? 2 : 1][KV]) {
@@ -103,11 +146,16 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
         if (lane < here) ell_u[row0 + base + lane] = __float2bfloat16_rn(my_u);
     };
     if constexpr (kBothRows) {
-        walk_entries<KV, 2>(column, total, both, lane, K, begin, step, finish);
+        walk_entries<KV, 2>(column, first, end, both, lane, K, begin, step, finish);
     } else {
-        walk_entries<KV, 1>(column, total, up_only, lane, K, begin, step, finish);
+        walk_entries<KV, 1>(column, first, end, up_only, lane, K, begin, step, finish);
     }
-    store_row_bf16<KV>(y + m * K, acc, lane, K);
+    if (part & LAST_PART) {
+        store_row_bf16<KV>(y + m * K, acc, lane, K);
+    } else {
+        store_partial<KV>(partial + m * K, acc, lane, K);
+    }
+    __syncwarp();  // every lane has read l1[m] and l0[m] before lane 0 overwrites them
     if (lane == 0) {
         l1[m] = l1_sum;
         l0[m] = l0_sum;
@@ -119,7 +167,8 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     template __global__ void train_fwd_gate<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                 \
                                                 const __nv_bfloat16 *, const __nv_bfloat16 *, int *,          \
                                                 __nv_bfloat16 *, __nv_bfloat16 *, int *, bool *, int *, int *, \
-                                                __nv_bfloat16 *, float *, int *, int *, int, int, int, int);
+                                                __nv_bfloat16 *, float *, int *, int *, float *, int, int, int, int, \
+                                                int, int, int);
 TRAIN_FWD_GATE(1)
 TRAIN_FWD_GATE(8)
 TRAIN_FWD_GATE(16)

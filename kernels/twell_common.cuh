@@ -226,6 +226,38 @@ __device__ __forceinline__ void add_residual8(float (&v)[8], const uint4 &residu
     for (int j = 0; j < 8; ++j) v[j] = r[j] + __bfloat162float(__float2bfloat16_rn(v[j]));
 }
 
+// `part` flags of the kernels that walk a weight block in column parts, one launch per part: FIRST_PART (no earlier
+// part: sums start at zero, once-per-call outputs are written) and LAST_PART (no later part: sums are stored in
+// bf16 rather than carried in an fp32 row).
+[[maybe_unused]] constexpr int FIRST_PART = 1;
+[[maybe_unused]] constexpr int LAST_PART = 2;
+
+// This lane's pieces of a K-wide fp32 row of running sums (lane l owns columns v * 256 + 8l .. + 7 of piece v),
+// carried in memory from one column part of a walk to the next.
+template <int KV>
+__device__ __forceinline__ void load_partial(float (&acc)[KV][8], const float *row, int lane, int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        const float4 lo = col < K ? reinterpret_cast<const float4 *>(row + col)[0] : make_float4(0, 0, 0, 0);
+        const float4 hi = col < K ? reinterpret_cast<const float4 *>(row + col)[1] : make_float4(0, 0, 0, 0);
+        acc[v][0] = lo.x, acc[v][1] = lo.y, acc[v][2] = lo.z, acc[v][3] = lo.w;
+        acc[v][4] = hi.x, acc[v][5] = hi.y, acc[v][6] = hi.z, acc[v][7] = hi.w;
+    }
+}
+
+template <int KV>
+__device__ __forceinline__ void store_partial(float *row, const float (&acc)[KV][8], int lane, int K) {
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        if (col < K) {
+            reinterpret_cast<float4 *>(row + col)[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+            reinterpret_cast<float4 *>(row + col)[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+        }
+    }
+}
+
 // 16-byte asynchronous copy from global to shared memory (dst: a shared-space address); src_bytes = 0 fills the
 // destination with zeros instead of reading src.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {

@@ -506,16 +506,19 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
-def column_parts(k: int, n: int, parts: int | None = None, l0_mean: float | None = None) -> list[tuple[int, int]]:
-    """The gate column ranges [begin, end), multiples of TILE, that the direct route walks one after the other.
+def column_parts(
+    k: int, n: int, parts: int | None = None, l0_mean: float | None = None, rows_per_neuron: int = 2
+) -> list[tuple[int, int]]:
+    """The gate column ranges [begin, end), multiples of TILE, that a walk over the block's weight rows takes one after
+    the other (the direct route's w_up + w_down; the training backward's w_down, then w_up + w_gate).
 
-    parts=None: one range while the block's w_up + w_down rows (4 K bytes per neuron) fit ONE_PASS_ROW_BYTES, else
-    WIDE_BLOCK_PARTS, or three for rows of THREE_PART_ROW_BYTES and more at a known l0_mean (the layer's recent mean
-    non-zeros per token) of THREE_PART_MIN_L0 and more. An int asks for that many (1 .. N / TILE).
+    parts=None: one range while the walk's rows (rows_per_neuron bf16 rows of K per neuron) fit ONE_PASS_ROW_BYTES,
+    else WIDE_BLOCK_PARTS, or three for rows of THREE_PART_ROW_BYTES and more at a known l0_mean (the layer's recent
+    mean non-zeros per token) of THREE_PART_MIN_L0 and more. An int asks for that many (1 .. N / TILE).
     """
     tiles = n // TILE
     if parts is None:
-        rows_bytes = 4 * k * n
+        rows_bytes = rows_per_neuron * 2 * k * n
         dense_enough = l0_mean is not None and l0_mean >= THREE_PART_MIN_L0
         if rows_bytes <= ONE_PASS_ROW_BYTES:
             parts = 1

@@ -52,6 +52,9 @@ backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the e
           rows are stored from registers, the chunks of a longer one are summed in fp32 scratch rows and stored
           by the last)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed; with heavy tokens the weight
           gradients are summed in fp32 first).
+A block whose weight rows outgrow L2 (`walk_column_parts`: more than 48 MiB of rows per walk, e.g. K = 4096, N = 11008)
+has train_fwd_gate, train_bwd_sddmm and train_bwd_dx walk it in column parts, one launch per part, each drawing on
+its part's rows only; y's and dx's fp32 sums are carried from part to part, so the results are the one-pass bits.
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
 the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
@@ -103,13 +106,16 @@ from sparse_llm.formats import (
 )
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
+    FIRST_PART,
     HBM_GBPS,
+    LAST_PART,
     PACK_GBPS,
     TAIL_FULL_SHARE,
     TILE,
     TOKENS_PER_BLOCK,
     UP_DOWN_GBPS,
     check_inputs,
+    column_parts,
     dense_row_split,
     heavy_share,
     row_slowdown,
@@ -436,15 +442,16 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         if m:
             gate_MN = F.linear(x_MK, w_gate_NK)
             kv = _pieces(k)
-            args = (
-                cuda.ptr(gate_MN), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW),
-                cuda.ptr(ell_g_MW), cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M),
-                cuda.ptr(heavy_list), cuda.ptr(heavy_count), cuda.ptr(y_MK), cuda.ptr(l1_M), cuda.ptr(l0_M),
-                cuda.ptr(fired_N), np.int32(m), np.int32(k), np.int32(n), np.int32(width),
-            )  # fmt: skip
+            columns = walk_column_parts(k, n)[0]
+            # y's fp32 sums carried from one column part to the next
+            partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
+            operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M,
+                        heavy_list, heavy_count, y_MK, l1_M, l0_M, fired_N, partial_MK)  # fmt: skip
             smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
             blocks = math.ceil(m / TOKENS_PER_BLOCK)
-            _launch("train_forward.cu", f"train_fwd_gate<{kv}>", blocks, TOKENS_PER_BLOCK, args, device, smem)
+            for (begin, end), part in _parts(columns):
+                args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
+                _launch("train_forward.cu", f"train_fwd_gate<{kv}>", blocks, TOKENS_PER_BLOCK, args, device, smem)
             heavy_counts.copy_(heavy_count, non_blocking=True)
             # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
             # read on the device, so the host goes on without waiting.
@@ -578,6 +585,21 @@ def _csc_wgrad(
     _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, WGRAD_WARPS_PER_BLOCK, args, device)
 
 
+Columns = list[tuple[int, int]]
+
+
+def walk_column_parts(k: int, n: int) -> tuple[Columns, Columns, Columns]:
+    """The column parts (`column_parts`) of the three weight walks: the forward's over w_up and w_down (two rows per
+    neuron), sddmm's over w_down (one), dx's over w_up and w_gate (two). One part each while their rows fit L2."""
+    return column_parts(k, n), column_parts(k, n, rows_per_neuron=1), column_parts(k, n)
+
+
+def _parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
+    """Each column range with its FIRST_PART / LAST_PART flags."""
+    last = len(columns) - 1
+    return [(c, (FIRST_PART if i == 0 else 0) | (LAST_PART if i == last else 0)) for i, c in enumerate(columns)]
+
+
 def _light_backward(
     dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
@@ -597,26 +619,25 @@ def _light_backward(
     if m:
         kv = _pieces(k)
         blocks = math.ceil(m / TOKENS_PER_BLOCK)
-        args = (
-            cuda.ptr(dy_MK), cuda.ptr(w_down_t_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_g_MW),
-            cuda.ptr(ell_u_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dl1_1),
-            cuda.ptr(ell_h_MW), cuda.ptr(ell_du_MW), cuda.ptr(ell_dg_MW), cuda.ptr(key_MW),
-            np.int32(m), np.int32(n), np.int32(k), np.int32(width),
-        )  # fmt: skip
+        _, sddmm_columns, dx_columns = walk_column_parts(k, n)
+        operands = (dy_MK, w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, dl1_1, ell_h_MW,
+                    ell_du_MW, ell_dg_MW, key_MW)  # fmt: skip
         smem = TOKENS_PER_BLOCK * kv * 32 * 16
         sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
-        _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
+        for (begin, end), part in _parts(sddmm_columns):
+            args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
+            _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
         main, side = torch.cuda.current_stream(device), cuda.side_stream(device.index)
         side.wait_stream(main)  # the keys are written
         with torch.cuda.stream(side):
             csc = csc_index(key_MW, n)
         key_MW.record_stream(side)  # freed on return, maybe before the side stream is done with it
-        args = (
-            cuda.ptr(w_gate_NK), cuda.ptr(w_up_NK), cuda.ptr(ell_cols_MW), cuda.ptr(ell_du_MW),
-            cuda.ptr(ell_dg_MW), cuda.ptr(ell_count_M), cuda.ptr(heavy_M), cuda.ptr(dx_MK),
-            np.int32(m), np.int32(k), np.int32(width),
-        )  # fmt: skip
-        _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
+        # dx's fp32 sums carried from one column part to the next
+        partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(dx_columns) > 1 else None
+        operands = (w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK, partial_MK)
+        for (begin, end), part in _parts(dx_columns):
+            args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
+            _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
         main.wait_stream(side)
         for t in csc:  # allocated on the side stream, used and freed on this one
             t.record_stream(main)

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"t
 
 if REASON is None:
     from sparse_llm import twell_train
-    from sparse_llm.twell_backend import synthetic_block
+    from sparse_llm.twell_backend import column_parts, synthetic_block
     from sparse_llm.twell_train import (
         STATE_NAMES,
         _csc_wgrad,
@@ -182,6 +182,34 @@ def test_without_l1_gradient():
 @pytest.mark.parametrize("m", [1, 129, 1000])
 def test_general_shapes(m, k, n):
     check_case(*synthetic_block(m, k, n, n * 0.02, sigma=0.3, seed=k + n + m))
+
+
+@pytest.mark.parametrize("forward_parts, sddmm_parts, dx_parts", [(2, 2, 2), (3, 3, 5)])
+def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts, dx_parts, monkeypatch):
+    """A block whose rows outgrow L2 walks them in column parts (the forward over w_up and w_down, sddmm over w_down,
+    dx over w_up and w_gate), y's and dx's fp32 sums carried from part to part. Forced on a small heavy-tailed block
+    (backup rows included): y, l1, l0, fired, the saved state and dx bit for bit as in one pass, and every gradient
+    within the reference budget (the weight gradients come from the entries sddmm writes part by part, and from the
+    sort keys it writes in its first)."""
+    block = synthetic_block(2048, 1024, 3072, 40, sigma=0.5, seed=7)
+    dy = torch.randn(block[0].shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    dy = dy.bfloat16().float()
+    x, wg, wu, wd = block
+    one, one_grads = ours_run(*block, dy, DL1, 128)
+    saved_one = twell_train_forward_op(x, wg, wu, wd, 128)[4:9]  # ELL columns, counts, heavy flags, g, u
+    monkeypatch.setattr(
+        twell_train, "walk_column_parts",
+        lambda k, n: tuple(column_parts(k, n, parts=p) for p in (forward_parts, sddmm_parts, dx_parts)),
+    )  # fmt: skip
+    parts, parts_grads = ours_run(*block, dy, DL1, 128)
+    assert parts.dense_rows() > 0
+    assert torch.equal(parts.y_MK, one.y_MK) and torch.equal(parts.l0_M, one.l0_M)
+    assert torch.equal(parts.l1_sum, one.l1_sum) and torch.equal(parts.fired_N, one.fired_N)
+    saved_parts = twell_train_forward_op(x, wg, wu, wd, 128)[4:9]
+    for name, a, b in zip(STATE_NAMES, saved_parts, saved_one):
+        assert torch.equal(a, b), f"saved {name} differs"
+    assert torch.equal(parts_grads[0], one_grads[0]), "dx differs between one pass and column parts"
+    check_case(*block)
 
 
 def test_more_than_65536_tokens():
