@@ -9,14 +9,18 @@ Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M 
 piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
-residual; the training op forward and backward with a narrow and the default ELL width; both transposes.
+residual and in column parts; the training op forward and backward with a narrow and the default ELL width, and
+in column parts; both transposes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparse_llm.twell_backend import synthetic_block, transposed_copy, twell_gated_mlp
+import torch.nn.functional as F
+
+from sparse_llm import twell_train
+from sparse_llm.twell_backend import column_parts, direct_up_down, synthetic_block, transposed_copy, twell_gated_mlp
 from sparse_llm.twell_train import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
@@ -32,10 +36,20 @@ def main() -> None:
                 for dense_row_nnz in (8, 1 << 30):
                     twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
             twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
+            if n >= 512:  # the walks of blocks wider than L2, in column parts
+                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
             (result.y_MK.float().sum() + result.l1_sum).backward()
+        if n >= 512:  # the training walks in column parts, as a block wider than L2 takes them
+            one_pass = twell_train.walk_column_parts
+            twell_train.walk_column_parts = lambda k, n: tuple(column_parts(k, n, parts=p) for p in (2, 2, 2))
+            try:
+                result = twell_train_ffn(*leaves, width=128)
+                (result.y_MK.float().sum() + result.l1_sum).backward()
+            finally:
+                twell_train.walk_column_parts = one_pass
         masters = [x.clone().requires_grad_(), *(w.float().requires_grad_() for w in (wg, wu, wd))]
         with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 master weights: casts and fp32 gradients
             result = twell_train_ffn(*masters, width=4)
