@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
             ell_dg[at] = __float2bfloat16_rn(my_dg);
         }
     };
-    const EntryRange range = entries_in(ell_cols + row0, used, col_begin, col_end, N, lane);
+    const EntryRange range = entries_in(EllColumn{ell_cols + row0}, used, col_begin, col_end, N, lane);
     walk_entries<KV, 1>(EllColumn{ell_cols + row0}, range.first, range.end, down, lane, K, begin, step, finish);
 }
 
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
         }
     };
     auto finish = [](int, int) {};
-    const EntryRange range = entries_in(ell_cols + row0, ell_count[m], col_begin, col_end, N, lane);
+    const EntryRange range = entries_in(EllColumn{ell_cols + row0}, ell_count[m], col_begin, col_end, N, lane);
     walk_entries<KV, R>(EllColumn{ell_cols + row0}, range.first, range.end, mats, lane, K, begin, step, finish);
     if (part & LAST_PART) {
         store_row_bf16<KV>(dx + m * K, acc, lane, K);

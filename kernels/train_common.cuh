@@ -48,18 +48,19 @@ struct EllColumn {
     __device__ __forceinline__ int operator()(int s) const { return __ldcs(cols + s); }
 };
 
-// Column parts: a backward walk over weights that outgrow L2 runs once per range of columns [col_begin, col_end),
-// so each pass draws on that range's rows only. A token's entries ascend by column, so a part's are a contiguous
-// run of its ELL row: entries [first, end) (the whole row when the range covers every column).
+// Column parts: a walk over weights that outgrow L2 runs once per range of columns [col_begin, col_end), so each pass
+// draws on that range's rows only. A token's entries ascend by column, so a part's are a contiguous run of them:
+// entries [first, end) of the `count` (col_at(s) is the column of entry s; all of them when the range is every column).
 struct EntryRange {
     int first, end;
 };
-__device__ __forceinline__ EntryRange entries_in(const int *__restrict__ cols, int count, int col_begin, int col_end,
-                                                 int N, int lane) {
+template <typename ColAt>
+__device__ __forceinline__ EntryRange entries_in(ColAt &&col_at, int count, int col_begin, int col_end, int N,
+                                                 int lane) {
     if (col_begin == 0 && col_end == N) return {0, count};
     int before = 0, inside = 0;
     for (int s = lane; s < count; s += 32) {
-        const int c = cols[s];
+        const int c = col_at(s);
         before += c < col_begin;
         inside += c >= col_begin && c < col_end;
     }

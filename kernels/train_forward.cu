@@ -73,23 +73,14 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
         if (heavy[m]) return;  // whole warp
         total = ell_count[m];
     }
-    // This part's entries: all of them in one pass, else those of the columns [col_begin, col_end), contiguous
-    // since the entries ascend by column. The first part writes the columns and values of the later parts' entries.
-    int first = 0, end = total;
-    if (col_begin != 0 || col_end != N) {
-        int before = 0, inside = 0;
-        for (int s = lane; s < total; s += 32) {
-            const int c = first_part ? twell_col(list[s]) : ell_cols[row0 + s];
-            before += c < col_begin;
-            inside += c >= col_begin && c < col_end;
-        }
-        first = warp_sum_int(before);
-        end = first + warp_sum_int(inside);
-        if (first_part) {
-            for (int s = end + lane; s < total; s += 32) {
-                ell_cols[row0 + s] = twell_col(list[s]);
-                ell_g[row0 + s] = __ushort_as_bfloat16(static_cast<unsigned short>(list[s] >> 16));
-            }
+    // This part's entries (all of them in one pass). The first part also writes the columns and values of the
+    // later parts' entries.
+    auto column = [&](int s) { return first_part ? twell_col(list[s]) : ell_cols[row0 + s]; };
+    const EntryRange range = entries_in(column, total, col_begin, col_end, N, lane);
+    if (first_part) {
+        for (int s = range.end + lane; s < total; s += 32) {
+            ell_cols[row0 + s] = twell_col(list[s]);
+            ell_g[row0 + s] = __ushort_as_bfloat16(static_cast<unsigned short>(list[s] >> 16));
         }
     }
     stage_row<KV>(x_row, x + m * K, lane, K);
@@ -109,7 +100,6 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     const uint64_t keep = l2_keep_policy();
     const __nv_bfloat16 *const both[2] = {w_up, w_down_t};
     const __nv_bfloat16 *const up_only[1] = {w_up};
-    auto column = [&](int s) { return first_part ? twell_col(list[s]) : ell_cols[row0 + s]; };
     auto begin = [&](int base, int here) {
         my_g = 0.0f;
         my_u = 0.0f;
@@ -146,9 +136,9 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
         if (lane < here) ell_u[row0 + base + lane] = __float2bfloat16_rn(my_u);
     };
     if constexpr (kBothRows) {
-        walk_entries<KV, 2>(column, first, end, both, lane, K, begin, step, finish);
+        walk_entries<KV, 2>(column, range.first, range.end, both, lane, K, begin, step, finish);
     } else {
-        walk_entries<KV, 1>(column, first, end, up_only, lane, K, begin, step, finish);
+        walk_entries<KV, 1>(column, range.first, range.end, up_only, lane, K, begin, step, finish);
     }
     if (part & LAST_PART) {
         store_row_bf16<KV>(y + m * K, acc, lane, K);
