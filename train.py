@@ -35,10 +35,11 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         final = train(typed, run_dir)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        # A problem with the input: the message says what and how to fix it; a traceback adds nothing.
+        # A problem with the input (or a data source out of reach): the message says what and how to fix it; a
+        # traceback adds nothing.
         log.error("%s: %s  (HYDRA_FULL_ERROR=1 shows the traceback)", type(err).__name__, err)
         sys.exit(2)
     except TrainingStopped as stopped:

@@ -426,10 +426,13 @@ class Trainer:
                         "from it. Raise trainer.max_steps to train on.", self.step, self.cfg.trainer.max_steps)
 
     def _save(self) -> Path:
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.acc, self.model, self.data.tokenizer, self.run_dir, self.step, self._trainer_state(),
             {"sparsity": self.tracker.state_dict()}, self.cfg.checkpoint.keep_last,
         )
+        if self.acc.is_main_process:
+            log.info("Checkpoint: %s", path)
+        return path
 
     # ------------------------------------------------------------------------------------------ loop
     def _micro_step(self, batch: torch.Tensor, coeff: float, first: bool, sync: bool

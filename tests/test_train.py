@@ -271,9 +271,12 @@ def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
         Trainer(small_config("trainer.max_steps=2"), tmp_path)
 
 
-def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path):
-    train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
+def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="sparse_llm.training"):
+        train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Checkpoint: ")]
+    assert [Path(m.split(": ", 1)[1]).name for m in saved] == ["step_2", "step_4", "step_6"]  # the run's log says so
     (tmp_path / "checkpoints" / "step_8.partial").mkdir()  # a write that crashed half-way
     from sparse_llm.checkpoint import resolve_resume
 
