@@ -56,7 +56,7 @@ UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_B
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
-FIRST_PART, LAST_PART = 1, 2  # `part` flags of the gate_up_down.cu kernels
+FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
 # parts, one pass per part, so that more of each part's rows stay in L2 while all tokens go over them (the walk's
 # rate falls once its rows outgrow L2; see row_slowdown below). Each part costs the tokens' fixed work again and a
@@ -149,9 +149,9 @@ def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float,
 def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ) -> float:
     """The share of a layer's non-zeros held by tokens with more than `threshold` of them, under dense_row_split's
     log-normal model (0 when no token exceeds it)."""
-    heavy_fraction, light_mean = _lognormal_split(threshold, l0_mean, l0_max)
     if l0_mean <= 0:
         return 0.0
+    heavy_fraction, light_mean = _lognormal_split(threshold, l0_mean, l0_max)
     return max(0.0, 1.0 - light_mean * (1.0 - heavy_fraction) / l0_mean)
 
 
@@ -175,8 +175,9 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
     rate (slower once a column part's rows outgrow L2: `row_slowdown`, `column_parts`); tokens above
     DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under it set the call's
-    tail, as much as the tail holds of the non-zeros (TAIL_FACTOR). The up + down constants were measured on the TwELL kernel, whose fixed cost per token includes the
-    packed words the direct route does not read: a conservative price.
+    tail, as much as the tail holds of the non-zeros (TAIL_FACTOR). The up + down constants were measured on
+    the TwELL kernel, whose fixed cost per token includes the packed words the direct route does not read: a
+    conservative price.
     """
     gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
@@ -506,9 +507,12 @@ def twell_up_down(
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
+Columns = list[tuple[int, int]]  # column ranges [begin, end) of a walk in parts
+
+
 def column_parts(
     k: int, n: int, parts: int | None = None, l0_mean: float | None = None, rows_per_neuron: int = 2
-) -> list[tuple[int, int]]:
+) -> Columns:
     """The gate column ranges [begin, end), multiples of TILE, that a walk over the block's weight rows takes one after
     the other (the direct route's w_up + w_down; the training backward's w_down, then w_up + w_gate).
 
@@ -530,6 +534,12 @@ def column_parts(
         raise ValueError(f"parts={parts}: the gate's {n} columns split into 1 to {max(tiles, 1)} parts of {TILE}")
     bounds = [TILE * (tiles * i // parts) for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def flagged_parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
+    """Each column range of a walk in parts with its FIRST_PART / LAST_PART flags, in walking order."""
+    last = len(columns) - 1
+    return [(c, (FIRST_PART if i == 0 else 0) | (LAST_PART if i == last else 0)) for i, c in enumerate(columns)]
 
 
 def direct_up_down(
@@ -600,8 +610,7 @@ def _direct_up_down(
     smem = TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
     outs = (y_MK, l1_M, l0_M, fired_N)
-    for i, (begin, end) in enumerate(columns):
-        part = (FIRST_PART if i == 0 else 0) | (LAST_PART if i == len(columns) - 1 else 0)
+    for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
         operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
                     partial_MK)  # fmt: skip

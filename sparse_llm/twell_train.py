@@ -106,17 +106,17 @@ from sparse_llm.formats import (
 )
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
-    FIRST_PART,
     HBM_GBPS,
-    LAST_PART,
     PACK_GBPS,
     TAIL_FULL_SHARE,
     TILE,
     TOKENS_PER_BLOCK,
     UP_DOWN_GBPS,
+    Columns,
     check_inputs,
     column_parts,
     dense_row_split,
+    flagged_parts,
     heavy_share,
     row_slowdown,
     shape_unsupported_reason,
@@ -449,7 +449,7 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
                         heavy_list, heavy_count, y_MK, l1_M, l0_M, fired_N, partial_MK)  # fmt: skip
             smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
             blocks = math.ceil(m / TOKENS_PER_BLOCK)
-            for (begin, end), part in _parts(columns):
+            for (begin, end), part in flagged_parts(columns):
                 args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
                 _launch("train_forward.cu", f"train_fwd_gate<{kv}>", blocks, TOKENS_PER_BLOCK, args, device, smem)
             heavy_counts.copy_(heavy_count, non_blocking=True)
@@ -585,19 +585,10 @@ def _csc_wgrad(
     _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, WGRAD_WARPS_PER_BLOCK, args, device)
 
 
-Columns = list[tuple[int, int]]
-
-
 def walk_column_parts(k: int, n: int) -> tuple[Columns, Columns, Columns]:
     """The column parts (`column_parts`) of the three weight walks: the forward's over w_up and w_down (two rows per
     neuron), sddmm's over w_down (one), dx's over w_up and w_gate (two). One part each while their rows fit L2."""
     return column_parts(k, n), column_parts(k, n, rows_per_neuron=1), column_parts(k, n)
-
-
-def _parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
-    """Each column range with its FIRST_PART / LAST_PART flags."""
-    last = len(columns) - 1
-    return [(c, (FIRST_PART if i == 0 else 0) | (LAST_PART if i == last else 0)) for i, c in enumerate(columns)]
 
 
 def _light_backward(
@@ -624,7 +615,7 @@ def _light_backward(
                     ell_du_MW, ell_dg_MW, key_MW)  # fmt: skip
         smem = TOKENS_PER_BLOCK * kv * 32 * 16
         sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
-        for (begin, end), part in _parts(sddmm_columns):
+        for (begin, end), part in flagged_parts(sddmm_columns):
             args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
             _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
         main, side = torch.cuda.current_stream(device), cuda.side_stream(device.index)
@@ -635,7 +626,7 @@ def _light_backward(
         # dx's fp32 sums carried from one column part to the next
         partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(dx_columns) > 1 else None
         operands = (w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK, partial_MK)
-        for (begin, end), part in _parts(dx_columns):
+        for (begin, end), part in flagged_parts(dx_columns):
             args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
             _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
         main.wait_stream(side)

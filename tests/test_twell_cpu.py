@@ -29,6 +29,7 @@ from sparse_llm.twell_backend import (
     dense_ms,
     dense_row_split,
     dense_row_stats,
+    flagged_parts,
     gate_route_for,
     heavy_share,
     row_slowdown,
@@ -263,6 +264,9 @@ def test_column_parts():
     assert column_parts(256, 512, parts=2) == [(0, 256), (256, 512)]
     with pytest.raises(ValueError, match="parts=3"):
         column_parts(256, 512, parts=3)
+    # the kernels' FIRST_PART / LAST_PART flags: one pass is both, the middle of three neither
+    assert flagged_parts([(0, 5632)]) == [((0, 5632), 3)]
+    assert [flags for _, flags in flagged_parts(column_parts(2048, 5632, parts=3))] == [1, 0, 2]
 
 
 def test_dense_row_split():
