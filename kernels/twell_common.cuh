@@ -50,6 +50,20 @@ __device__ __forceinline__ uint64_t l2_keep_policy() {
     return policy;
 }
 
+// L2 policy for data each reader needs once (e.g. a weight slice copied to shared memory): evict it first.
+__device__ __forceinline__ uint64_t l2_stream_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+// 4-byte read-only load under an L2 cache policy.
+__device__ __forceinline__ uint32_t load_u32_policy(const uint32_t *ptr, uint64_t policy) {
+    uint32_t v;
+    asm("ld.global.nc.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v) : "l"(ptr), "l"(policy));
+    return v;
+}
+
 // 16-byte read-only load of ptr + OFFSET bytes under an L2 cache policy. The constant offset goes into
 // the instruction, so all pieces of a row share one address register.
 template <int OFFSET>
@@ -262,6 +276,11 @@ __device__ __forceinline__ void store_partial(float *row, const float (&acc)[KV]
 // destination with zeros instead of reading src.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// cp_async_16 of a whole 16-byte piece under an L2 cache policy.
+__device__ __forceinline__ void cp_async_16_policy(uint32_t dst, const void *src, uint64_t policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

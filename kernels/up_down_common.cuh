@@ -4,6 +4,18 @@
 #define UP_DOWN_COMMON_CUH
 #include "twell_common.cuh"
 
+// The statistics of one h = g * u of a token (every lane holds the same h): its |h| sum, its h != 0 count, and the
+// fired flag of neuron n.
+__device__ __forceinline__ void count_h(float h, long long n, float &l1_sum, int &l0_sum, int *__restrict__ fired,
+                                        int lane) {
+    l1_sum += fabsf(h);
+    if (h != 0.0f) {
+        ++l0_sum;
+        // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
+        if (lane == 0 && fired[n] == 0) fired[n] = 1;
+    }
+}
+
 // One gate non-zero (column n, value g) of a token whose x row is staged in x_smem (piece v of lane l at
 // x_smem[v * 32 + l]): u = x . w_up[n] (fp32), h = g * u, acc += h * w_down_t[n], and the token's |h| sum,
 // non-zero count and the neuron's fired flag. Both weight rows are requested before any use so they are
@@ -20,12 +32,7 @@ __device__ __forceinline__ void up_down_entry(long long n, float g, const uint4 
     const float h = g * warp_sum(lane_dot<KV>(x_smem, up_raw, lane));
     if (KV > 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
     axpy<KV>(acc, h, down_raw);
-    l1_sum += fabsf(h);
-    if (h != 0.0f) {
-        ++l0_sum;
-        // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
-        if (lane == 0 && fired[n] == 0) fired[n] = 1;
-    }
+    count_h(h, n, l1_sum, l0_sum, fired, lane);
 }
 
 #endif  // UP_DOWN_COMMON_CUH

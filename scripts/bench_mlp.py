@@ -12,8 +12,8 @@ counter over >= --energy-seconds of back-to-back calls), the path taken (overflo
 `kernel=auto` would run (cost model: sparse only if predicted < 0.95x dense) with its ratio to the
 torch backend (which computes the same statistics as twell).
 Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight). The twell
-calls know the block's mean non-zeros per token from its first call, as a model's layer does from its statistics
-(it sets the column parts of blocks wider than L2).
+calls know the block's mean and max non-zeros per token from its first call, as a model's layer does from its
+statistics (they set the direct route's walk, and the column parts of blocks wider than L2).
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
         result = twell_gated_mlp(x, wg, wu, wd)
     l0_mean = result.l0_M.float().mean().item()  # as a model's layer knows it after its first calls
+    l0 = (l0_mean, result.l0_M.max().item())
 
     def run_twell(route="auto"):
-        return twell_gated_mlp(x, wg, wu, wd, gate_route=route, l0_mean_hint=l0_mean)
+        return twell_gated_mlp(x, wg, wu, wd, gate_route=route, l0_hint=l0)
 
     with torch.inference_mode():
         row = {

@@ -38,6 +38,8 @@ def main() -> None:
             twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
             if n >= 512:  # the walks of blocks wider than L2, in column parts
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))
+            for residual in (None, torch.randn_like(x)):  # the slices walk (16-column slices at these widths)
+                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=residual, walk="slices")
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
@@ -56,6 +58,8 @@ def main() -> None:
         (result.y_MK.float().sum() + result.l1_sum).backward()
         for dtype in (torch.bfloat16, torch.float32):
             transposed_copy(torch.randn(k, n, device="cuda"), dtype)
+    x, wg, wu, wd = synthetic_block(40, 64, 7424, nnz_mean=60, sigma=0.5, seed=3)  # 8-column slices
+    direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), walk="slices")
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {len(SHAPES)} shapes done")
 

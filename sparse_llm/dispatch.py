@@ -50,6 +50,11 @@ class LayerDispatcher:
         self.l0_max: float | None = None
         self.current = "torch"
 
+    @property
+    def l0(self) -> tuple[float, float] | None:
+        """(mean, max) of the last observation, None before the first."""
+        return None if self.l0_mean is None else (self.l0_mean, self.l0_max or self.l0_mean)
+
     def observe(self, l0_mean: float, l0_max: float) -> None:
         """Record the layer's latest sparsity (mean and max non-zeros of h per token)."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)

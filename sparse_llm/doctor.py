@@ -27,6 +27,9 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
     ("gate_up_down.cu", f"gate_up_down_light<{_KV}>"),
     ("gate_up_down.cu", f"gate_up_down_heavy<{_KV}>"),
+    ("gate_up_then_down.cu", f"gate_up_entries<{_KV}>"),
+    ("gate_up_then_down.cu", "entries_down<16>"),
+    ("gate_up_then_down.cu", "entries_down<8>"),
     ("transpose.cu", "transpose_cast<float,__nv_bfloat16>"),
     ("transpose.cu", "transpose_cast<float,float>"),
     ("train_forward.cu", f"train_fwd_gate<{_KV}>"),
@@ -77,17 +80,25 @@ def _sources() -> list[tuple[str, str]]:
 
 
 def _numerical_check(route: str) -> str:
+    """route: a gate route of twell_gated_mlp, or "slices" (the direct route's slices walk, which the block op takes
+    only for many tokens)."""
+    import torch.nn.functional as F
+
     from sparse_llm.formats import gated_mlp_ref
-    from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
+    from sparse_llm.twell_backend import direct_up_down, synthetic_block, twell_gated_mlp
 
     x, wg, wu, wd = synthetic_block(300, CHECK_K, 5632, nnz_mean=56, sigma=0.5, seed=1)
-    result = twell_gated_mlp(x, wg, wu, wd, gate_route=route)
+    if route == "slices":
+        y, path = direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), walk="slices")[0], "twell-slices"
+    else:
+        result = twell_gated_mlp(x, wg, wu, wd, gate_route=route)
+        y, path = result.y_MK, result.path
     ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
     dense = gated_mlp_ref(x, wg, wu, wd)[0].float()
-    err = ((result.y_MK.float() - ref).norm() / ref.norm()).item()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
     dense_err = ((dense - ref).norm() / ref.norm()).item()
     verdict = "ok" if err <= 2 * dense_err + 1e-3 else "WRONG"
-    return f"{verdict}: rel. error {err:.1e} (dense bf16 {dense_err:.1e}), path {result.path}"
+    return f"{verdict}: rel. error {err:.1e} (dense bf16 {dense_err:.1e}), path {path}"
 
 
 def main() -> int:
@@ -107,13 +118,14 @@ def main() -> int:
         except Exception as error:
             failures += 1
             print(f"  compile {name:<22} FAILED: {error}")
-    for route in ("direct", "fused", "cublas"):
+    for route in ("direct", "slices", "fused", "cublas"):
         try:
             line = _numerical_check(route)
         except Exception:
             line = "FAILED:\n" + traceback.format_exc()
         failures += not line.startswith("ok")
-        print(f"  check gate={route:<11} {line}")
+        label = "walk=slices" if route == "slices" else f"gate={route}"
+        print(f"  check {label:<16} {line}")
 
     from sparse_llm.backends import TorchFFN
     from sparse_llm.twell_backend import TwellFFN

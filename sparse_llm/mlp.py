@@ -74,7 +74,7 @@ class SparseMLP(nn.Module):
             statistics=self.record_statistics or observing,
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
-            l0_mean=self.dispatcher.l0_mean,
+            l0=self.dispatcher.l0,
         )
         self.last_result = result
         if observing:

@@ -9,6 +9,10 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   There is no slot capacity, so no token is ever recomputed, and nothing is read back to the host: the
   call has no device-to-host synchronisation. A block whose w_up + w_down rows outgrow L2 is walked in two
   or three column parts (`column_parts`), each token's fp32 sums carried from one part to the next.
+  For many tokens with evenly spread non-zeros the route splits the walk in two ("slices", `direct_walk`,
+  kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
+  w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
+  "twell-slices".
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
@@ -115,6 +119,31 @@ DENSE_ROW_NNZ = 128
 OVERFLOW_NNZ_PER_TILE = 20.0
 # Below this many tokens the up+down work of each token is split over several warps.
 SPLIT_BELOW_M = 2048
+# The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
+# - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.
+# - "slices" (kernels/gate_up_then_down.cu): an up walk reads one w_up row per non-zero and writes h; then each SM keeps
+#   KS columns of w_down (all N rows) in shared memory and its threads, one per token, read KS weights per non-zero
+#   from there, KS columns at a time. It pays where many tokens share each slice (large M) and the tokens' counts are
+#   even (a warp takes as long as its densest token).
+WALKS = ("rows", "slices")
+SLICE_SMEM_BYTES = 227 * 1024  # shared memory per block on an H100: the slice's (N + 1) rows of KS bf16
+SLICE_WIDTHS = (16, 8)  # KS, widest first (entries_down<KS> instances)
+SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 slices win at 56 non-zeros
+# Slices price, from the H100 (2026-11-26, BENCHMARKS.md; K x N from 2048 x 5632 to 4096 x 14336, 8192 to 32768
+# tokens, 20 to 112 non-zeros per token). The up walk: one w_up row per light non-zero at UP_GBPS (slower once the
+# rows outgrow L2: `row_slowdown` of N rows of K) plus reading the bf16 gate at GATE_READ_GBPS (0.349 / 0.601 ms at
+# the paper's block at 28 / 56, priced within -6% .. +9% everywhere). The down kernel: per work item (32 tokens x KS
+# columns) a fixed cost plus one per step of the item's densest token (`warp_steps`), per KS: with 8-column slices
+# each token's output row gets half a 32-byte sector per item, which costs the memory system a read-modify-write
+# (the paper's block: 0.232 / 0.370 ms; priced 0.84-1.19x the measured times).
+# With a heavy tail a down warp waits for its densest token and the heavy tokens cost both walks the same: tails
+# holding 0.15-0.36 of their non-zeros above DENSE_ROW_NNZ walked 1.10-1.19x slower in slices than in rows (mean 28
+# and 56, sigma 0.3 and 0.5), while the walk's prices (the rows one deliberately dear) rank them the other way.
+SLICES_MAX_HEAVY_SHARE = 0.05
+UP_GBPS = 7700.0
+GATE_READ_GBPS = 1800.0
+DOWN_MS_PER_ITEM = {16: 8.1e-7, 8: 3.2e-6}
+DOWN_MS_PER_ITEM_STEP = {16: 6.5e-8, 8: 1.4e-8}
 
 
 def _gemm_ms(m: int, k: int, n: int, tflops: float) -> float:
@@ -170,25 +199,72 @@ def _lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[f
 
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
-    """Predicted time of one inference call of the twell backend ("direct" route; see the constants above).
+    """Predicted time of one inference call of the twell backend ("direct" route): the cuBLAS gate GEMM and the walk
+    `direct_walk` takes (`rows_walk_ms`, `slices_walk_ms`)."""
+    slices = direct_walk(m, k, n, (l0_mean, l0_max)) == "slices"
+    walk = slices_walk_ms(m, k, n, l0_mean, l0_max) if slices else rows_walk_ms(m, k, n, l0_mean, l0_max)
+    return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk, CPU_FLOOR_MS)
 
-    The cuBLAS gate GEMM, one read of the bf16 gate, and two weight rows per non-zero at the up + down
-    rate (slower once a column part's rows outgrow L2: `row_slowdown`, `column_parts`); tokens above
-    DENSE_ROW_NNZ stay sparse (split over warps), but then the one-warp tokens just under it set the call's
-    tail, as much as the tail holds of the non-zeros (TAIL_FACTOR). The up + down constants were measured on
-    the TwELL kernel, whose fixed cost per token includes the packed words the direct route does not read: a
-    conservative price.
-    """
-    gate = _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS)
+
+def _tail_factor(l0_mean: float, l0_max: float) -> float:
+    """How much longer than at an even spread a one-warp-per-token walk takes when some tokens pass DENSE_ROW_NNZ:
+    the tokens just under it make the kernel's tail, as much as the tail holds of the non-zeros (TAIL_FACTOR)."""
+    return 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
+
+
+def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+    """The "rows" walk (one read of the bf16 gate, two weight rows per non-zero at the up + down rate, slower once a
+    column part's rows outgrow L2: `row_slowdown`, `column_parts`), heavy tokens split over warps. The constants
+    were measured on the TwELL kernel, whose fixed cost per token includes the packed words the direct route does
+    not read: a conservative price."""
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
     parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
     up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
-    up_down *= 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
+    up_down *= _tail_factor(l0_mean, l0_max)
     up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
     up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
-    up_down = max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
-    return max(gate + up_down, CPU_FLOOR_MS)
+    return max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
+
+
+def slice_width(n: int) -> int | None:
+    """KS, the w_down columns per slice of the "slices" walk for FFN width N (its N + 1 rows must fit a block's
+    shared memory), or None where even the narrowest slice does not fit."""
+    return next((ks for ks in SLICE_WIDTHS if (n + 1) * ks * 2 <= SLICE_SMEM_BYTES), None)
+
+
+def warp_steps(l0_mean: float, l0_max: float) -> float:
+    """Expected non-zeros of the densest of 32 tokens that stay on the one-warp path (at most DIRECT_LIST_CAP), under
+    dense_row_split's log-normal model: the steps every lane of a down warp takes. (At an even spread the batch
+    maximum still sets a sigma; that stands for the binomial spread of the counts.)"""
+    sigma = math.log(max(l0_max, l0_mean) / l0_mean) / 3.5 if l0_mean > 0 else 0.0
+    return min(DIRECT_LIST_CAP, l0_mean * math.exp(2.07 * sigma - sigma * sigma / 2))  # ~2.07 sigma: max of 32
+
+
+def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
+    """The "slices" walk (see WALKS), or None where it does not run (N too wide for a slice, fewer than
+    SLICES_MIN_M tokens): the up walk at one row per light non-zero (the one-warp walk's tail and L2 terms as in
+    rows_walk_ms), the heavy tokens' non-zeros at the rows walk's rate, and the down kernel by warp steps."""
+    ks = slice_width(n)
+    if ks is None or m < SLICES_MIN_M:
+        return None
+    nonzeros = m * l0_mean
+    heavy = heavy_share(l0_mean, l0_max)
+    up = nonzeros * (1.0 - heavy) * 2 * k / (UP_GBPS * 1e6) * row_slowdown(n * 2 * k) * _tail_factor(l0_mean, l0_max)
+    up += m * n * 2 / (GATE_READ_GBPS * 1e6) + nonzeros * heavy * 4 * k / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * 4 * k)
+    items = math.ceil(m / 32) * (k // ks)
+    down = items * (DOWN_MS_PER_ITEM[ks] + DOWN_MS_PER_ITEM_STEP[ks] * warp_steps(l0_mean, l0_max))
+    return up + down
+
+
+def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None) -> str:
+    """The walk the direct route takes for M tokens: "slices" where it is priced cheaper than "rows" for the layer's
+    recent (mean, max) non-zeros per token `l0` and the layer has no heavy tail (`SLICES_MAX_HEAVY_SHARE`); "rows"
+    while those are unknown (None)."""
+    if l0 is None or l0[0] <= 0 or heavy_share(*l0) > SLICES_MAX_HEAVY_SHARE:
+        return "rows"
+    slices = slices_walk_ms(m, k, n, *l0)
+    return "slices" if slices is not None and slices < rows_walk_ms(m, k, n, *l0) else "rows"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -550,8 +626,9 @@ def direct_up_down(
     split_nnz: int = DENSE_ROW_NNZ,
     residual_MK: torch.Tensor | None = None,
     parts: int | None = None,
+    walk: str = "rows",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T (kernels/gate_up_down.cu).
+    """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T.
 
     Args:
         x_MK: bf16 [M, K]. gate_MN: bf16 [M, N] = x w_gate^T (before ReLU).
@@ -559,8 +636,10 @@ def direct_up_down(
         split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are split over a block
             of warps. Below SPLIT_BELOW_M tokens every token with a positive is split, to fill the GPU.
         residual_MK: bf16 [M, K] added to y by the kernels (a decoder layer's residual stream), or None.
-        parts: column parts walked one after the other (`column_parts`; None: by the weights' size). A token
-            that stays on the one-warp path gets the same bits whatever the parts.
+        parts: column parts the "rows" walk takes one after the other (`column_parts`; None: by the weights'
+            size). A token that stays on the one-warp path gets the same bits whatever the parts.
+        walk: "rows" (kernels/gate_up_down.cu) or "slices" (kernels/gate_up_then_down.cu; needs `slice_width(N)`),
+            see WALKS. "slices" rounds each h to bf16 between its two kernels, as the dense bf16 block does.
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
@@ -568,6 +647,8 @@ def direct_up_down(
 
     Raises TypeError/ValueError naming the bad argument, as `check_inputs` does.
     """
+    if walk not in WALKS:
+        raise ValueError(f"walk={walk!r} is not valid; use one of {WALKS}")
     _check_2d(x_MK, "x_MK", "[M, K]; flatten leading dims with x.reshape(-1, K)")
     _check_2d(gate_MN, "gate_MN", "[M, N], the pre-activation gate x w_gate^T")
     m, k = x_MK.shape
@@ -580,18 +661,20 @@ def direct_up_down(
           if residual_MK is not None else []),
     ])  # fmt: skip
     columns = column_parts(k, n, parts)  # checks `parts`
-    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns)
+    if walk == "slices" and slice_width(n) is None:
+        raise ValueError(f"walk='slices': a slice of w_down's N={n} rows does not fit shared memory; use walk='rows'")
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk)
 
 
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None = None, columns: list[tuple[int, int]] | None = None,
+    residual_MK: torch.Tensor | None = None, columns: list[tuple[int, int]] | None = None, walk: str = "rows",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
-    column parts (`column_parts`; None: by the weights' size)."""
+    "rows" walk's column parts (`column_parts`; None: by the weights' size)."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
-    columns = column_parts(k, n) if columns is None else columns
+    columns = column_parts(k, n) if columns is None or walk == "slices" else columns
     device = x_MK.device
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = torch.empty(m, dtype=torch.float32, device=device)
@@ -601,6 +684,10 @@ def _direct_up_down(
     if m == 0:
         return y_MK, l1_M, l0_M, fired_N
     heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
+    outs = (y_MK, l1_M, l0_M, fired_N)
+    if walk == "slices":
+        _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts)
+        return outs
     # the y sums carried from one part to the next
     partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
@@ -609,7 +696,6 @@ def _direct_up_down(
     # per warp: the x row, the positives list, and the residual row when there is one
     smem = TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
     cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
-    outs = (y_MK, l1_M, l0_M, fired_N)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
         operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
@@ -620,6 +706,38 @@ def _direct_up_down(
         split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK,
                             partial_MK, (begin, end), part)  # fmt: skip
     return y_MK, l1_M, l0_M, fired_N
+
+
+def _up_then_down(
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
+    residual_MK: torch.Tensor | None, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    heavy_rows_M: torch.Tensor, count_1: torch.Tensor,
+) -> None:  # fmt: skip
+    """The "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down`
+    allocates them: the up walk lists each token's positives and writes its h entries (a token with more than
+    split_nnz is left to split_token_up_down), then one block per SM computes slices of y from them."""
+    m, k = x_MK.shape
+    n = gate_MN.shape[1]
+    device = x_MK.device
+    ks = slice_width(n)
+    y_MK, l1_M, l0_M, fired_N = outs
+    chunks = math.ceil(m / 32)
+    # h entries, [chunk][slot / 4][token][slot % 4] (entry_slot in the kernel)
+    entries = torch.empty(chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
+    counts_M = torch.empty(m, dtype=torch.int32, device=device)
+    kv = math.ceil(k / 256)
+    up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv}>", device)
+    split = max(0, min(split_nnz, DIRECT_LIST_CAP))
+    operands = (gate_MN, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
+    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
+    cuda.launch(up, (m,), (32,), args, device, shared_mem=kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + list
+    down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks}>", device)
+    smem = (n + 1) * ks * 2  # the slice and its zero row
+    cuda.set_dynamic_smem(down, smem)
+    blocks = min(cuda.sm_count(device), k // ks * chunks)
+    args = (*(cuda.ptr(t) for t in (entries, counts_M, w_down_t_NK, y_MK, residual_MK)), *map(_i32, (m, k, n)))
+    cuda.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
+    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK)
 
 
 def split_token_up_down(
@@ -664,7 +782,7 @@ def twell_gated_mlp(
     gate_route: str = "auto",
     dense_row_nnz: int = DENSE_ROW_NNZ,
     residual_MK: torch.Tensor | None = None,
-    l0_mean_hint: float | None = None,
+    l0_hint: tuple[float, float] | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -675,11 +793,12 @@ def twell_gated_mlp(
             ("direct") or computed by dense GEMMs (TwELL routes), either way cheaper for them.
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
-        l0_mean_hint: the layer's recent mean non-zeros per token, or None: sets how many column parts the
-            "direct" route walks a block that outgrows L2 in (`column_parts`).
+        l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
+            (`direct_walk`) and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
 
     Returns:
-        FFNResult. "direct": path "twell-direct", overflow_rows 0 (no token is recomputed). TwELL routes:
+        FFNResult. "direct": path "twell-direct" ("twell-slices" where it took the slices walk), overflow_rows 0
+        (no token is recomputed). TwELL routes:
         tokens with an overflowed tile (counted in `overflow_rows`) and heavy tokens were computed by
         dense torch GEMMs; `path` is "twell+dense-rows" when there were any.
     """
@@ -690,13 +809,16 @@ def twell_gated_mlp(
         gate_MN = F.linear(x_MK, w_gate_NK)
         fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
-        columns = column_parts(x_MK.shape[1], w_gate_NK.shape[0], l0_mean=l0_mean_hint)
+        (m, k), n = x_MK.shape, w_gate_NK.shape[0]
+        columns = column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
+        walk = direct_walk(m, k, n, l0_hint)
         y_MK, l1_M, l0_M, fired_N = _direct_up_down(
-            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused, columns
+            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused, columns, walk
         )  # fmt: skip
         if residual_MK is not None and fused is None:
             y_MK = residual_MK + y_MK
-        return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path="twell-direct")
+        path = "twell-slices" if walk == "slices" else "twell-direct"
+        return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path=path)
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
     dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
@@ -757,7 +879,7 @@ class TwellFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0_mean=None,
+        l0=None,
     ):  # fmt: skip
         # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
@@ -787,7 +909,7 @@ class TwellFFN(FFNBackend):
                 f"{str(x_MK.dtype).removeprefix('torch.')} and weights {weight_dtypes}. Load the model with "
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
-        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_mean_hint=l0_mean)
+        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)

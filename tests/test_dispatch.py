@@ -80,13 +80,13 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
 
 
 def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
-    """The layer's last observed mean non-zeros per token reach the backend (the twell kernels pick their column
-    parts by it); before any observation the backend gets None."""
+    """The layer's last observed (mean, max) non-zeros per token reach the backend (the twell kernels pick their walk
+    and column parts by them); before any observation the backend gets None."""
     seen = []
     forward = TorchFFN.forward
 
     def recording(self, *args, **kwargs):
-        seen.append(kwargs["l0_mean"])
+        seen.append(kwargs["l0"])
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchFFN, "forward", recording)
@@ -94,6 +94,7 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
     x = torch.randn(2, 8, 64)
     with torch.no_grad():
         mlp(x)
-        observed = mlp.dispatcher.l0_mean
+        observed = (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max)
         mlp(x)
-    assert seen[0] is None and observed is not None and seen[1] == observed
+    assert seen[0] is None and observed[0] is not None and seen[1] == observed
+    assert observed[1] >= observed[0]

@@ -21,6 +21,7 @@ from sparse_llm import cuda, doctor, twell_backend
 from sparse_llm.backends import TorchFFN, get_backend
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
+    SLICES_MIN_M,
     TransposeCache,
     TwellFFN,
     check_inputs,
@@ -29,16 +30,23 @@ from sparse_llm.twell_backend import (
     dense_ms,
     dense_row_split,
     dense_row_stats,
+    direct_walk,
     flagged_parts,
     gate_route_for,
     heavy_share,
     row_slowdown,
+    rows_walk_ms,
+    slice_width,
+    slices_walk_ms,
     splits_for,
     synthetic_block,
     twell_estimated_ms,
 )
 
-KERNEL_FILES = ("twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "transpose.cu", "rope.cu")
+KERNEL_FILES = (
+    "twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "gate_up_then_down.cu",
+    "transpose.cu", "rope.cu",
+)
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 )
@@ -217,34 +225,69 @@ MEASURED_WALKS = [
 def test_cost_model_prices_walks_whose_rows_outgrow_l2(m, k, n, l0, walk_ms):
     """The walk's price (the call's minus its gate GEMM) is 0.95-1.4x the measured time, from blocks whose rows fit
     L2 to ones five times larger (a price at the L2 rate had been 0.6x the one-pass time at the widest)."""
-    gate_ms = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)  # compute-bound at these sizes
-    predicted = twell_estimated_ms(m, k, n, l0, 2 * l0) - gate_ms
-    assert 0.95 * walk_ms <= predicted <= 1.4 * walk_ms
+    assert 0.95 * walk_ms <= rows_walk_ms(m, k, n, l0, 2 * l0) <= 1.4 * walk_ms
 
 
-def test_dispatch_keeps_wide_blocks_dense_where_their_walk_loses():
-    """K = 4096, N = 11008 (172 MiB of w_up + w_down rows) on the H100, walked in one pass: the kernels took 4.22 ms
-    against dense 6.53 at 28 non-zeros per token, 6.49 vs 6.48 at 57, 8.23 vs 6.39 at 82, 10.1 vs 6.46 at 114
-    (scripts/bench_mlp.py, 2026-11-26). Above ~60 the walk's rows from HBM lose; an L2-rate price had sent such
-    layers to the kernels up to ~100 non-zeros."""
+def test_dispatch_on_wide_blocks_follows_the_walks():
+    """K = 4096, N = 11008 (172 MiB of w_up + w_down rows) on the H100: the "rows" walk reads its rows from HBM and lost
+    to dense from ~60 non-zeros per token (8.23 vs 6.39 ms at 82, scripts/bench_mlp.py, 2026-11-26); the "slices"
+    walk reads only w_up's rows and took 3.57 ms past the gate GEMM at 82 (about 5.6 ms in all against dense 6.45).
+    With a heavy tail (mean 114 / max 169: 0.17 of the non-zeros above 128) the route is rows, which loses: dense."""
     sparse, dense = TwellFFN(), TorchFFN()
     m, k, n = 16384, 4096, 11008
     assert sparse.estimated_ms(m, k, n, 28, 45, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 45, False)
-    assert sparse.estimated_ms(m, k, n, 80, 120, False) > 0.95 * dense.estimated_ms(m, k, n, 80, 120, False)
+    assert sparse.estimated_ms(m, k, n, 80, 120, False) < 0.95 * dense.estimated_ms(m, k, n, 80, 120, False)
+    assert sparse.estimated_ms(m, k, n, 114, 169, False) > dense.estimated_ms(m, k, n, 114, 169, False)
     assert row_slowdown(4 * 2048 * 5632) == 1.0  # the paper's block (two bf16 rows of K per neuron) stays in L2
     assert row_slowdown(4 * 4096 * 11008) > 2.0
+
+
+# The "slices" walk on the H100 (2026-11-26, BENCHMARKS.md): (M, K, N, mean and max non-zeros per token, ms).
+MEASURED_SLICES = [
+    (16384, 2048, 5632, 28.0, 52, 0.598), (16384, 2048, 5632, 56.0, 91, 1.020), (8192, 2048, 5632, 55.9, 93, 0.539),
+    (32768, 2048, 5632, 28.1, 55, 1.137), (16384, 2048, 11264, 27.8, 58, 0.892), (16384, 2048, 11264, 79.8, 129, 1.575),
+    (16384, 3072, 8192, 28.3, 56, 1.131), (16384, 4096, 11008, 28.5, 57, 1.828), (16384, 4096, 11008, 57.3, 95, 2.689),
+    (16384, 4096, 11008, 81.5, 125, 3.573), (8192, 4096, 14336, 20.4, 41, 1.046), (8192, 4096, 14336, 56.8, 96, 1.666),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, k, n, l0_mean, l0_max, walk_ms", MEASURED_SLICES)
+def test_slices_price_follows_the_measured_walks(m, k, n, l0_mean, l0_max, walk_ms):
+    assert 0.85 * walk_ms <= slices_walk_ms(m, k, n, l0_mean, l0_max) <= 1.2 * walk_ms
+
+
+def test_direct_walk_takes_slices_only_where_they_pay():
+    """Slices for many tokens with evenly spread non-zeros (measured 0.90-0.97x the rows walk's time at the paper's
+    block); rows without a density, with a heavy tail (slices 1.10-1.19x slower), below SLICES_MIN_M tokens, and where
+    no slice fits shared memory."""
+    assert direct_walk(16384, 2048, 5632, (28, 52)) == direct_walk(16384, 2048, 5632, (56, 91)) == "slices"
+    assert direct_walk(16384, 2048, 5632, None) == "rows"
+    assert direct_walk(16384, 2048, 5632, (28, 1353)) == "rows"
+    assert direct_walk(SLICES_MIN_M - 1, 2048, 5632, (28, 52)) == "rows"
+    assert direct_walk(16384, 4096, 16896, (28, 52)) == "rows" and slices_walk_ms(16384, 4096, 16896, 28, 52) is None
+    assert (slice_width(5632), slice_width(11264), slice_width(14336), slice_width(16896)) == (16, 8, 8, None)
+
+
+def test_direct_up_down_names_a_bad_walk():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="walk='diagonal' is not valid"):
+        direct_up_down(x, torch.zeros(4, 256, dtype=torch.bfloat16), x, x, walk="diagonal")
 
 
 def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
     """The heavy-tail factor follows the share of the non-zeros in tokens above DENSE_ROW_NNZ, not a step at it: at
     K = 2048, N = 11264 a layer of mean 80 / max 142 (a few tokens just over 128) ran in 2.76 ms against dense 3.53
     (H100, 2026-11-26) but was priced with the whole factor (4.7 ms) and kept dense; heavy tails keep the factor
-    (mean 28 / max 1353 at the paper's block: 1.79 ms measured, 1.84 priced), and at K = 4096, N = 11008 the mean
-    82 / max 142 layer, 0.86x dense with the kernels, stays dense."""
+    (mean 28 / max 1353 at the paper's block: 1.79 ms measured, 1.84 priced). At K = 4096, N = 11008 a mean 82 / max
+    142 layer took 0.86x dense's speed through the rows walk, whose price stays above dense; its tail is mild enough
+    for the slices walk, which wins (1.15x dense at mean 82 / max 125)."""
     sparse, dense = TwellFFN(), TorchFFN()
     m = 16384
     assert sparse.estimated_ms(m, 2048, 11264, 80, 142, False) < 0.95 * dense.estimated_ms(m, 2048, 11264, 80, 142, False)
-    assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) > 0.95 * dense.estimated_ms(m, 4096, 11008, 82, 142, False)
+    gate_ms = 2.0 * m * 4096 * 11008 / (CUBLAS_GEMM_TFLOPS * 1e9)
+    assert gate_ms + rows_walk_ms(m, 4096, 11008, 82, 142) > dense.estimated_ms(m, 4096, 11008, 82, 142, False)
+    assert direct_walk(m, 4096, 11008, (82, 142)) == "slices"
+    assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) < 0.95 * dense.estimated_ms(m, 4096, 11008, 82, 142, False)
     assert 1.7 < twell_estimated_ms(m, 2048, 5632, 28, 1353) < 2.0
     at, over = twell_estimated_ms(m, 2048, 5632, 80, 128), twell_estimated_ms(m, 2048, 5632, 80, 131)
     assert at <= over < 1.02 * at  # no step at the threshold

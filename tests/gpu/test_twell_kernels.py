@@ -34,6 +34,7 @@ if REASON is None:
     from sparse_llm.twell_backend import (
         TransposeCache,
         direct_up_down,
+        direct_walk,
         synthetic_block,
         transposed_copy,
         twell_gate,
@@ -140,9 +141,7 @@ def test_direct_route_heavy_tailed(m, sigma):
 @pytest.mark.parametrize("m", [7, 300, 4096])
 def test_dense_zero_and_hot_rows(m, dense_row_nnz, route):
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=7 * m)
-    x_MK[::5, 0] = -1.0  # flips the shift: ~99.5% of the gate positive, every tile overflows
-    x_MK[1::5] = 0.0  # all-zero tokens: the gate is exactly 0, nothing is positive
-    w_gate_NK[123, 0] = 10.0  # neuron 123 fires for (almost) every token
+    odd_rows(x_MK, w_gate_NK)  # the dense tokens overflow every tile
     result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=route, dense_row_nnz=dense_row_nnz)
     assert result.overflow_rows == (0 if route == "direct" else len(range(0, m, 5)))
     assert bool(result.fired_N[123])
@@ -274,6 +273,75 @@ def test_direct_column_parts_with_heavy_tokens(m):
     assert_close_to_ref(y_MK, *block)
     assert torch.equal(l0_M, one[2]) and torch.equal(fired_N, one[3])
     assert torch.allclose(l1_M, one[1], rtol=1e-5)
+
+
+def odd_rows(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> None:
+    """Every fifth token almost fully dense, the next one all zero, neuron 123 firing for (almost) every token."""
+    x_MK[::5, 0] = -1.0  # flips the shift: ~99.5% of the gate positive
+    x_MK[1::5] = 0.0  # the gate is exactly 0: nothing is positive
+    w_gate_NK[123, 0] = 10.0
+
+
+@pytest.mark.parametrize("m, k, n, nnz, sigma", [
+    (1, 2048, 5632, 28, 0.0),  # fewer tokens than a warp item
+    (33, 256, 512, 5, 0.0),  # a 32-token item and a one-token one
+    (1000, 2048, 5632, 28, 0.5),  # heavy tokens on the split kernel, the rest on the slices
+    (4099, 2048, 5632, 56, 0.0),
+    (8192, 2048, 5632, 60, 1.0),  # tokens 20-100x the mean
+    (4096, 1024, 11264, 40, 0.3),  # 8-column slices
+    (2048, 4096, 14336, 20, 0.0),  # the widest slice (229 KiB of shared memory)
+])  # fmt: skip
+def test_slices_walk_matches_reference(m, k, n, nnz, sigma):
+    """The "slices" walk: y within the reference tolerance (h rounds to bf16 between its kernels, as dense bf16 rounds
+    it), and the same l0 and fired as the "rows" walk (l1 within fp32 rounding: the sums run in another order)."""
+    block = synthetic_block(m, k, n, nnz_mean=nnz, sigma=sigma, seed=m + k + n)
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    rows = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, walk="rows")
+    poison(((m, k), torch.bfloat16), ((m,), torch.float32), ((m,), torch.int32))
+    y_MK, l1_M, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, walk="slices")
+    torch.cuda.synchronize()
+    assert_close_to_ref(y_MK, *block)
+    assert torch.equal(l0_M, rows[2]) and torch.equal(fired_N, rows[3])
+    assert torch.allclose(l1_M, rows[1], rtol=1e-5, atol=1e-6)
+    if sigma >= 0.5:
+        assert l0_M.max() > 128, "this case is meant to have tokens on the split path"
+
+
+@pytest.mark.parametrize("m", [7, 4096])
+def test_slices_walk_dense_zero_and_hot_rows(m):
+    """Fully dense tokens (split over warps), all-zero tokens and a neuron firing for every token, through the slices
+    walk with and without a residual (added as the two unfused bf16 steps)."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=9 * m)
+    odd_rows(block[0], block[1])
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
+    poison(((m, 2048), torch.bfloat16))
+    y_MK, _, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, walk="slices")
+    assert_close_to_ref(y_MK, *block)
+    assert bool(fired_N[123]) and (l0_M[1::5] == 0).all() and (l0_M[::5] > 128).all()
+    poison(((m, 2048), torch.bfloat16))
+    with_residual_MK = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, walk="slices")[0]
+    assert torch.equal(with_residual_MK, residual_MK + y_MK)
+
+
+def test_block_op_takes_the_walk_its_density_hint_prices_cheaper():
+    """twell_gated_mlp with the layer's (mean, max) non-zeros: slices for an even spread at many tokens (exact), rows
+    without a hint or with a heavy tail; every walk gives the same l0 and fired."""
+    block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=31)
+    m, k, n = 8192, 2048, 5632
+    plain = twell_gated_mlp(*block)
+    l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
+    assert direct_walk(m, k, n, None) == "rows" and direct_walk(m, k, n, l0) == "slices"
+    assert direct_walk(m, k, n, (28.0, 1500.0)) == "rows"
+    poison(((m, k), torch.bfloat16))
+    hinted = twell_gated_mlp(*block, l0_hint=l0)
+    assert_close_to_ref(hinted.y_MK, *block)
+    assert torch.equal(hinted.l0_M, plain.l0_M) and torch.equal(hinted.fired_N, plain.fired_N)
+    assert hinted.path == "twell-slices" and plain.path == "twell-direct"
 
 
 @pytest.mark.parametrize("route", ["direct", "cublas"])

@@ -1,0 +1,243 @@
+// Up, then down, as two kernels (inference, the direct route for many tokens):
+//   gate_up_entries : one warp per token, as gate_up_down_light (gate_up_down.cu) lists the positives g of the
+//                     token's gate row, but computes only h = g * (x . w_up[n]) and writes each h as a TwELL entry
+//                     (bf16 h << 16 | column). Entries are token-interleaved by fours: entry j of token m is at
+//                     entries[m / 32][j / 4][m % 32][j % 4] (`entry_slot`), so a warp reading entries j .. j + 3
+//                     of 32 consecutive tokens reads 512 contiguous bytes, 16 per lane. A token with more than split_nnz positives is appended to heavy_rows (its
+//                     count is -1) for gate_up_down_heavy, which computes its whole y row.
+//   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time. The
+//                     slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one token's
+//                     entries, reading KS weights per entry from there.
+// Why two kernels: the fused walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the L2's
+// rate; here every SM reads each weight once per slice and the per-non-zero bytes come from shared memory, which
+// serves them several times faster. The price: h is rounded to bf16 between the kernels (as the dense bf16 block
+// rounds it), and the entries are re-read once per slice (4 bytes per non-zero per KS columns).
+// torch reference: formats.gated_mlp_ref.
+#include "up_down_common.cuh"
+
+constexpr int ENTRY_CAP = 128;  // entries a token keeps (LIST_CAP of gate_up_down.cu; the launcher caps split_nnz here)
+
+// Where piece q (0 .. PIECES - 1) of row n of entries_down's slice sits, in 16-byte units. Threads of a warp read
+// rows at random, and two pieces in the same 16-byte column of the 128-byte bank line conflict. With two pieces
+// per row, rows alone would reach only 4 of the 8 columns for piece 0; swapping the pieces of rows with bit 2 set
+// spreads each piece over all 8.
+template <int PIECES>
+__device__ __forceinline__ int slice_piece(int n, int q) {
+    static_assert(PIECES == 1 || PIECES == 2, "slices of 8 or 16 columns");
+    return PIECES == 1 ? n : 2 * n + (q ^ ((n >> 2) & 1));
+}
+
+// gate_up_entries orders each token's entries by the bank column of their piece 0, rotated by the token's position
+// (m mod 8): the 32 tokens of a warp then start at different columns, and at each step of entries_down the lanes'
+// reads spread over the columns rather than colliding at random.
+__device__ __forceinline__ int bank_key(int n, int pieces, long long m) {
+    const int column = (pieces == 1 ? slice_piece<1>(n, 0) : slice_piece<2>(n, 0)) & 7;
+    return (column - static_cast<int>(m & 7)) & 7;
+}
+
+// Reorders a warp's list of `total` <= ENTRY_CAP entries (in shared memory) by bank_key, stably.
+__device__ __forceinline__ void order_by_bank(uint32_t *list, int total, int pieces, long long m, int lane) {
+    constexpr int PER_LANE = ENTRY_CAP / 32;
+    uint32_t entry[PER_LANE];
+    int key[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int j = i * 32 + lane;
+        entry[i] = j < total ? list[j] : 0u;
+        key[i] = j < total ? bank_key(twell_col(entry[i]), pieces, m) : 8;
+    }
+    __syncwarp();  // every entry is read before any is moved
+    const unsigned below = (1u << lane) - 1u;
+    int base = 0;
+    for (int v = 0; v < 8; ++v) {
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const unsigned mask = __ballot_sync(FULL_MASK, key[i] == v);
+            if (key[i] == v) list[base + __popc(mask & below)] = entry[i];
+            base += __popc(mask);
+        }
+    }
+    __syncwarp();
+}
+
+// Offset of a token's entry j from its first slot (entries[m / 32][0][m % 32][0]).
+__device__ __forceinline__ int entry_slot(int j) { return (j / 4) * 128 + j % 4; }
+
+template <int KV>
+__global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_entries(
+    const __nv_bfloat16 *__restrict__ gate,  // [M, N] pre-activation x w_gate^T
+    const __nv_bfloat16 *__restrict__ x,     // [M, K]
+    const __nv_bfloat16 *__restrict__ w_up,  // [N, K]
+    uint32_t *__restrict__ entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out
+    int *__restrict__ counts,                // [M] out: entries per token; -1 for a heavy token
+    float *__restrict__ l1,                  // [M] out (light tokens)
+    int *__restrict__ l0,                    // [M] out (light tokens)
+    int *__restrict__ fired,                 // [N] zeroed; set to 1 where h != 0
+    int *__restrict__ heavy_rows,            // [M] out: heavy tokens, first heavy_count[0] valid
+    int *__restrict__ heavy_count,           // [1] zeroed
+    int M, int K, int N, int split_nnz, int pieces) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * warps + warp;
+    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
+    extern __shared__ uint4 smem[];
+    uint4 *x_smem = smem + warp * KV * 32;
+    uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * ENTRY_CAP;
+    const int total = list_gate_row(gate + m * N, N / 256, list, ENTRY_CAP, lane);
+    if (total > split_nnz) {
+        if (lane == 0) {
+            heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
+            counts[m] = -1;
+        }
+        return;
+    }
+    stage_row<KV>(x_smem, x + m * K, lane, K);
+    __syncwarp();  // the list is written by all lanes
+    order_by_bank(list, total, pieces, m, lane);  // ends with __syncwarp(): x and the list are read by all lanes
+    const uint64_t keep = l2_keep_policy();
+    uint32_t *out = entries + (m / 32) * (ENTRY_CAP * 32) + (m % 32) * 4;
+    float l1_sum = 0.0f;
+    int l0_sum = 0;
+    // Two rows in flight per warp where the registers allow (K <= 2048), as the fused walk has its up and down rows.
+    constexpr int ROWS = KV <= 8 ? 2 : 1;
+    for (int j0 = 0; j0 < total; j0 += ROWS) {
+        uint4 raw[ROWS][KV];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int j = min(j0 + r, total - 1);  // past the end: the last row again, loaded but not used
+            load_weight_row<KV>(raw[r], w_up + static_cast<long long>(twell_col(list[j])) * K, lane, K, keep);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (j0 + r < total) {
+                const uint32_t entry = list[j0 + r];
+                const int n = twell_col(entry);
+                const float h = twell_value(entry) * warp_sum(lane_dot<KV>(x_smem, raw[r], lane));
+                count_h(h, n, l1_sum, l0_sum, fired, lane);
+                if (lane == 0) out[entry_slot(j0 + r)] = twell_entry(h, n);
+            }
+        }
+    }
+    if (lane == 0) {
+        counts[m] = total;
+        l1[m] = l1_sum;
+        l0[m] = l0_sum;
+    }
+}
+
+// Entries a thread requests together before using any (their loads are independent; their uses wait on them).
+constexpr int ENTRY_BATCH = 16;
+
+// Persistent blocks, one per SM (the slice takes most of its shared memory). The work items are (slice, 32 tokens)
+// in slice-major order; block b takes a contiguous range of them, so it stages at most a few slices. Warp w of a
+// block takes its range's items w, w + warps, ...; lane l owns token 32 c + l of item c and its KS outputs. Every
+// lane of a warp takes as many steps as the warp's longest token (rounded up to ENTRY_BATCH): a lane past its own
+// count reads the slice's zero row N, which adds exact zeros, so the loop has no branch per entry.
+template <int KS>
+__global__ void __launch_bounds__(1024, 1) entries_down(
+    const uint32_t *__restrict__ entries,        // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] from gate_up_entries
+    const int *__restrict__ counts,              // [M]; -1: a heavy token, whose y row gate_up_down_heavy writes
+    const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
+    __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens)
+    const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
+    int M, int K, int N) {
+    constexpr int PIECES = KS / 8;
+    extern __shared__ uint4 slice[];  // (N + 1) rows of PIECES 16-byte pieces, placed by slice_piece
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    const long long chunks = (M + 31) / 32;
+    const long long items = static_cast<long long>(K / KS) * chunks;
+    const long long begin = items * blockIdx.x / gridDim.x;
+    const long long end = items * (blockIdx.x + 1) / gridDim.x;
+    const uint32_t pad = static_cast<uint32_t>(N);  // value 0 at the zero row
+    // Every block re-reads the entries and counts (a few MB) once per slice: keep them in L2, and let the weight
+    // slices (read by one or two blocks each, from a w_down_t of up to ~100 MB) go first.
+    const uint64_t keep = l2_keep_policy();
+    const uint64_t stream = l2_stream_policy();
+    const uint32_t *counts_u32 = reinterpret_cast<const uint32_t *>(counts);
+    for (long long s = begin / chunks; s * chunks < end; ++s) {
+        const int k0 = static_cast<int>(s) * KS;
+        __syncthreads();  // every warp is done with the previous slice
+        // Asynchronous copies: all of a thread's pieces are in flight at once (one memory latency per slice, where
+        // loads through registers waited once per piece, which dominated wide blocks whose w_down is read from HBM).
+        for (int p = threadIdx.x; p < N * PIECES; p += blockDim.x) {
+            const int n = p / PIECES;
+            const int q = p % PIECES;
+            cp_async_16_policy(static_cast<uint32_t>(__cvta_generic_to_shared(slice + slice_piece<PIECES>(n, q))),
+                               w_down_t + static_cast<long long>(n) * K + k0 + q * 8, stream);
+        }
+        cp_async_commit();
+        if (threadIdx.x < PIECES) slice[slice_piece<PIECES>(N, threadIdx.x)] = make_uint4(0, 0, 0, 0);
+        cp_async_wait_all();
+        __syncthreads();
+        const long long first = max(begin, s * chunks);
+        const long long last = min(end, (s + 1) * chunks);
+        // This lane's token count in the warp's item `item` (0 past M); the next item's is requested before the
+        // current one is walked, so its latency overlaps the walk.
+        auto count_of = [&](long long item) {
+            const long long t = (item - s * chunks) * 32 + lane;
+            return item < last && t < M ? static_cast<int>(load_u32_policy(counts_u32 + t, keep)) : 0;
+        };
+        int count = count_of(first + warp);
+        for (long long item = first + warp; item < last; item += warps) {
+            const int next_count = count_of(item + warps);
+            const long long c = item - s * chunks;
+            const long long t = c * 32 + lane;
+            const int steps = __reduce_max_sync(FULL_MASK, count);
+            const uint4 *mine = reinterpret_cast<const uint4 *>(entries + c * (ENTRY_CAP * 32)) + lane;
+            float acc[KS];
+#pragma unroll
+            for (int i = 0; i < KS; ++i) acc[i] = 0.0f;
+            for (int j0 = 0; j0 < steps; j0 += ENTRY_BATCH) {
+                // Four entries per 16-byte load; slots at or past the count (unwritten) are replaced by the pad.
+                uint32_t batch[ENTRY_BATCH];
+#pragma unroll
+                for (int r = 0; r < ENTRY_BATCH; r += 4) {
+                    const uint4 four = j0 + r < count ? load_keep<0>(mine + (j0 + r) / 4 * 32, keep) : uint4{};
+                    const uint32_t words[4] = {four.x, four.y, four.z, four.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) batch[r + i] = j0 + r + i < count ? words[i] : pad;
+                }
+#pragma unroll
+                for (int r = 0; r < ENTRY_BATCH; ++r) {
+                    const float h = twell_value(batch[r]);
+                    const int n = twell_col(batch[r]);
+#pragma unroll
+                    for (int q = 0; q < PIECES; ++q) {
+                        float b[8];
+                        bf16x8_to_float(slice[slice_piece<PIECES>(n, q)], b);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[q * 8 + i] = fmaf(h, b[i], acc[q * 8 + i]);
+                    }
+                }
+            }
+            if (t < M && count >= 0) {
+#pragma unroll
+                for (int q = 0; q < PIECES; ++q) {
+                    float v[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[i] = acc[q * 8 + i];
+                    const long long at = t * K + k0 + q * 8;
+                    if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual + at)));
+                    __stcs(reinterpret_cast<uint4 *>(y + at), pack_bf16x8(v));
+                }
+            }
+            count = next_count;
+        }
+    }
+}
+
+// Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
+#define GATE_UP_ENTRIES(KV)                                                                                      \
+    template __global__ void gate_up_entries<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                  \
+                                                 const __nv_bfloat16 *, uint32_t *, int *, float *, int *, int *, \
+                                                 int *, int *, int, int, int, int, int);
+GATE_UP_ENTRIES(1)
+GATE_UP_ENTRIES(8)
+GATE_UP_ENTRIES(16)
+template __global__ void entries_down<8>(const uint32_t *, const int *, const __nv_bfloat16 *, __nv_bfloat16 *,
+                                         const __nv_bfloat16 *, int, int, int);
+template __global__ void entries_down<16>(const uint32_t *, const int *, const __nv_bfloat16 *, __nv_bfloat16 *,
+                                          const __nv_bfloat16 *, int, int, int);
