@@ -134,8 +134,8 @@ SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 
 # rows outgrow L2: `row_slowdown` of N rows of K) plus reading the bf16 gate at GATE_READ_GBPS (0.349 / 0.601 ms at
 # the paper's block at 28 / 56, priced within -6% .. +9% everywhere). The down kernel: per work item (32 tokens x KS
 # columns) a fixed cost plus one per step of the item's densest token (`warp_steps`), per KS: with 8-column slices
-# each token's output row gets half a 32-byte sector per item, which costs the memory system a read-modify-write
-# (the paper's block: 0.232 / 0.370 ms; priced 0.84-1.19x the measured times).
+# an item writes half of each 32-byte sector of its tokens' output rows, and such items cost ~3x more (the partial
+# sectors appear to cost a read-modify-write). The paper's block: 0.232 / 0.370 ms; priced 0.84-1.19x the measured.
 # With a heavy tail a down warp waits for its densest token and the heavy tokens cost both walks the same: tails
 # holding 0.15-0.36 of their non-zeros above DENSE_ROW_NNZ walked 1.10-1.19x slower in slices than in rows (mean 28
 # and 56, sigma 0.3 and 0.5), while the walk's prices (the rows one deliberately dear) rank them the other way.
