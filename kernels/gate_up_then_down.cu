@@ -77,13 +77,11 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_entries(
     int *__restrict__ heavy_count,           // [1] zeroed
     int M, int K, int N, int split_nnz, int pieces) {
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x / 32;
-    const int warps = blockDim.x / 32;
-    const long long m = static_cast<long long>(blockIdx.x) * warps + warp;
-    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
     extern __shared__ uint4 smem[];
-    uint4 *x_smem = smem + warp * KV * 32;
-    uint32_t *list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * ENTRY_CAP;
+    uint4 *x_smem;
+    uint32_t *list;
+    const long long m = warp_token<KV>(smem, ENTRY_CAP, x_smem, list);
+    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
     const int total = list_gate_row(gate + m * N, N / 256, list, ENTRY_CAP, lane);
     if (total > split_nnz) {
         if (lane == 0) {

@@ -4,6 +4,18 @@
 #define UP_DOWN_COMMON_CUH
 #include "twell_common.cuh"
 
+// The one-warp-per-token kernels' token: this warp's m (blockDim.x / 32 warps per block; m >= M for a warp with no
+// token) and its shared memory, the block's staged x rows (KV * 32 uint4 each) followed by their lists of `cap`
+// entries.
+template <int KV>
+__device__ __forceinline__ long long warp_token(uint4 *smem, int cap, uint4 *&x_smem, uint32_t *&list) {
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    x_smem = smem + warp * KV * 32;
+    list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * cap;
+    return static_cast<long long>(blockIdx.x) * warps + warp;
+}
+
 // The statistics of one h = g * u of a token (every lane holds the same h): its |h| sum, its h != 0 count, and the
 // fired flag of neuron n.
 __device__ __forceinline__ void count_h(float h, long long n, float &l1_sum, int &l0_sum, int *__restrict__ fired,
