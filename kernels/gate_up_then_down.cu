@@ -1,17 +1,18 @@
-// Up, then down, as two kernels (inference, the direct route for many tokens):
-//   gate_up_entries : one warp per token, as gate_up_down_light (gate_up_down.cu) lists the positives g of the
-//                     token's gate row, but computes only h = g * (x . w_up[n]) and writes each h as a TwELL entry
-//                     (bf16 h << 16 | column). Entries are token-interleaved by fours: entry j of token m is at
-//                     entries[m / 32][j / 4][m % 32][j % 4] (`entry_slot`), so a warp reading entries j .. j + 3
-//                     of 32 consecutive tokens reads 512 contiguous bytes, 16 per lane. A token with more than split_nnz positives is appended to heavy_rows (its
-//                     count is -1) for gate_up_down_heavy, which computes its whole y row.
-//   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time. The
-//                     slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one token's
-//                     entries, reading KS weights per entry from there.
-// Why two kernels: the fused walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the L2's
-// rate; here every SM reads each weight once per slice and the per-non-zero bytes come from shared memory, which
-// serves them several times faster. The price: h is rounded to bf16 between the kernels (as the dense bf16 block
-// rounds it), and the entries are re-read once per slice (4 bytes per non-zero per KS columns).
+// Up, then down, as two kernels (inference, the direct route's "slices" walk, for many tokens):
+//   gate_up_entries : one warp per token. As gate_up_down_light (gate_up_down.cu) it lists the positives g of the
+//                     token's gate row, but computes only h = g * (x . w_up[n]) and writes each h as a TwELL-style
+//                     entry (bf16 h << 16 | column). Entries are token-interleaved by fours: entry j of token m is
+//                     at entries[m / 32][j / 4][m % 32][j % 4] (`entry_slot`), so a warp reading entries
+//                     j .. j + 3 of 32 consecutive tokens reads 512 contiguous bytes, 16 per lane. A token with
+//                     more than split_nnz positives is appended to heavy_rows (its count is -1) for
+//                     gate_up_down_heavy, which computes its whole y row.
+//   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time:
+//                     the slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one
+//                     token's entries, reading KS weights per entry from there.
+// Why two kernels: the one-pass walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the
+// L2's rate for random rows; here every SM reads each weight once per slice it holds and the per-non-zero bytes
+// come from shared memory. The price: h is rounded to bf16 between the kernels (as the dense bf16 block rounds it),
+// and the entries are re-read once per slice (4 bytes per non-zero per KS columns).
 // torch reference: formats.gated_mlp_ref.
 #include "up_down_common.cuh"
 

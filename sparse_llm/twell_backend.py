@@ -674,7 +674,10 @@ def _direct_up_down(
     "rows" walk's column parts (`column_parts`; None: by the weights' size)."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
-    columns = column_parts(k, n) if columns is None or walk == "slices" else columns
+    if walk == "slices":
+        columns = [(0, n)]  # one pass: the slices hold every row of w_down
+    elif columns is None:
+        columns = column_parts(k, n)
     device = x_MK.device
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = torch.empty(m, dtype=torch.float32, device=device)

@@ -231,7 +231,7 @@ def test_cost_model_prices_walks_whose_rows_outgrow_l2(m, k, n, l0, walk_ms):
 def test_dispatch_on_wide_blocks_follows_the_walks():
     """K = 4096, N = 11008 (172 MiB of w_up + w_down rows) on the H100: the "rows" walk reads its rows from HBM and lost
     to dense from ~60 non-zeros per token (8.23 vs 6.39 ms at 82, scripts/bench_mlp.py, 2026-11-26); the "slices"
-    walk reads only w_up's rows and took 3.57 ms past the gate GEMM at 82 (about 5.6 ms in all against dense 6.45).
+    walk reads only w_up's rows and took 3.57 ms past the gate GEMM at 82 (5.62 ms in all back to back, dense 6.65).
     With a heavy tail (mean 114 / max 169: 0.17 of the non-zeros above 128) the route is rows, which loses: dense."""
     sparse, dense = TwellFFN(), TorchFFN()
     m, k, n = 16384, 4096, 11008
@@ -257,8 +257,8 @@ def test_slices_price_follows_the_measured_walks(m, k, n, l0_mean, l0_max, walk_
 
 
 def test_direct_walk_takes_slices_only_where_they_pay():
-    """Slices for many tokens with evenly spread non-zeros (measured 0.90-0.97x the rows walk's time at the paper's
-    block); rows without a density, with a heavy tail (slices 1.10-1.19x slower), below SLICES_MIN_M tokens, and where
+    """Slices for many tokens with evenly spread non-zeros (measured 0.91-0.96x the rows walk's time at the paper's
+    block); rows without a density, with a heavy tail (slices 1.10-1.20x slower), below SLICES_MIN_M tokens, and where
     no slice fits shared memory."""
     assert direct_walk(16384, 2048, 5632, (28, 52)) == direct_walk(16384, 2048, 5632, (56, 91)) == "slices"
     assert direct_walk(16384, 2048, 5632, None) == "rows"
