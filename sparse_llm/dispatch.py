@@ -91,7 +91,7 @@ class LayerDispatcher:
                 continue
             if not backend.accepts(x_MK, w_gate_NK, training):
                 continue
-            ms = backend.estimated_ms(m, k, n, self.l0_mean, self.l0_max or self.l0_mean, training, compiled)
+            ms = backend.estimated_ms(m, k, n, *self.l0, training, compiled)
             if ms is not None and math.isfinite(ms):
                 estimates[name] = ms
         dense_ms = estimates.get("torch", math.inf)

@@ -201,9 +201,8 @@ def _lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[f
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     """Predicted time of one inference call of the twell backend ("direct" route): the cuBLAS gate GEMM and the walk
     `direct_walk` takes (`rows_walk_ms`, `slices_walk_ms`)."""
-    slices = direct_walk(m, k, n, (l0_mean, l0_max)) == "slices"
-    walk = slices_walk_ms(m, k, n, l0_mean, l0_max) if slices else rows_walk_ms(m, k, n, l0_mean, l0_max)
-    return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk, CPU_FLOOR_MS)
+    walk_ms = _priced_walk(m, k, n, l0_mean, l0_max)[1]
+    return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk_ms, CPU_FLOOR_MS)
 
 
 def _tail_factor(l0_mean: float, l0_max: float) -> float:
@@ -261,10 +260,17 @@ def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None) -> str:
     """The walk the direct route takes for M tokens: "slices" where it is priced cheaper than "rows" for the layer's
     recent (mean, max) non-zeros per token `l0` and the layer has no heavy tail (`SLICES_MAX_HEAVY_SHARE`); "rows"
     while those are unknown (None)."""
-    if l0 is None or l0[0] <= 0 or heavy_share(*l0) > SLICES_MAX_HEAVY_SHARE:
-        return "rows"
-    slices = slices_walk_ms(m, k, n, *l0)
-    return "slices" if slices is not None and slices < rows_walk_ms(m, k, n, *l0) else "rows"
+    return "rows" if l0 is None else _priced_walk(m, k, n, *l0)[0]
+
+
+def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> tuple[str, float]:
+    """(the walk `direct_walk` takes at a known density, its price in ms), each price computed once (the dispatch
+    asks on every layer call)."""
+    rows = rows_walk_ms(m, k, n, l0_mean, l0_max)
+    if l0_mean <= 0 or heavy_share(l0_mean, l0_max) > SLICES_MAX_HEAVY_SHARE:
+        return "rows", rows
+    slices = slices_walk_ms(m, k, n, l0_mean, l0_max)
+    return ("slices", slices) if slices is not None and slices < rows else ("rows", rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -813,8 +819,8 @@ def twell_gated_mlp(
         fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
-        columns = column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
         walk = direct_walk(m, k, n, l0_hint)
+        columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
         y_MK, l1_M, l0_M, fired_N = _direct_up_down(
             x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused, columns, walk
         )  # fmt: skip
