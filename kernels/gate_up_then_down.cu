@@ -6,9 +6,12 @@
 //                     j .. j + 3 of 32 consecutive tokens reads 512 contiguous bytes, 16 per lane. A token with
 //                     more than split_nnz positives is appended to heavy_rows (its count is -1) for
 //                     gate_up_down_heavy, which computes its whole y row.
+//   order_tokens    : one block per 1024 tokens places them in "slots" by descending count (heavy tokens last), and
+//   entries_to_slots  copies their entries into slot order, so that the 32 tokens a warp of entries_down walks
+//                     together have nearly equal counts (a warp takes as many steps as its densest token).
 //   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time:
 //                     the slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one
-//                     token's entries, reading KS weights per entry from there.
+//                     slot's entries, reading KS weights per entry from there.
 // Why two kernels: the one-pass walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the
 // L2's rate for random rows; here every SM reads each weight once per slice it holds and the per-non-zero bytes
 // come from shared memory. The price: h is rounded to bf16 between the kernels (as the dense bf16 block rounds it),
@@ -125,18 +128,88 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_entries(
     }
 }
 
+constexpr int ORDER_GROUP = 1024;  // tokens ordered together (one block of order_tokens)
+constexpr int BANK_CLASSES = 8;    // tokens m and slots s keep m % 8 == s % 8 (bank_key's rotation)
+constexpr int COUNT_BINS = ENTRY_CAP + 2;  // counts ENTRY_CAP .. 0, then the heavy tokens (count -1)
+
+// The tokens of a group with the same m % 8 trade places among themselves, by descending count: class r's k-th
+// token goes to slot group + 8 k + r. A slot's token so has the rotation gate_up_entries ordered its entries for,
+// and the 32 slots a warp of entries_down walks hold ranks 4 w .. 4 w + 3 of every class: nearly equal counts.
+// Ties go in the arrival order of the block's atomics (a token's y does not depend on its slot: one thread sums its
+// entries in their own order).
+extern "C" __global__ void __launch_bounds__(ORDER_GROUP) order_tokens(
+    const int *__restrict__ counts,  // [M] from gate_up_entries: entries per token, -1 for a heavy token
+    int *__restrict__ token_slots,   // [M] out: the slot of each token
+    int *__restrict__ slot_counts,   // [M] out: the count of the token in each slot
+    int *__restrict__ slot_tokens,   // [M] out: the token in each slot
+    int M) {
+    __shared__ int bin_size[BANK_CLASSES][COUNT_BINS];
+    __shared__ int bin_start[BANK_CLASSES][COUNT_BINS];
+    const long long group = static_cast<long long>(blockIdx.x) * ORDER_GROUP;
+    const long long m = group + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int bank_class = threadIdx.x % BANK_CLASSES;
+    const int count = m < M ? counts[m] : 0;
+    const int bin = count >= 0 ? ENTRY_CAP - count : ENTRY_CAP + 1;
+    for (int b = threadIdx.x; b < BANK_CLASSES * COUNT_BINS; b += blockDim.x) (&bin_size[0][0])[b] = 0;
+    __syncthreads();
+    if (m < M) atomicAdd(&bin_size[bank_class][bin], 1);
+    __syncthreads();
+    if (warp < BANK_CLASSES) {  // exclusive scan of class `warp`'s bin sizes, PER_LANE consecutive bins a lane
+        constexpr int PER_LANE = (COUNT_BINS + 31) / 32;
+        const int *size = bin_size[warp];
+        int own = 0;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) own += lane * PER_LANE + i < COUNT_BINS ? size[lane * PER_LANE + i] : 0;
+        int start = warp_inclusive_sum(own, lane) - own;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int b = lane * PER_LANE + i;
+            if (b < COUNT_BINS) {
+                bin_start[warp][b] = start;
+                start += size[b];
+            }
+        }
+    }
+    __syncthreads();
+    if (m < M) {
+        const int slot = static_cast<int>(group) + BANK_CLASSES * atomicAdd(&bin_start[bank_class][bin], 1) + bank_class;
+        token_slots[m] = slot;
+        slot_counts[slot] = count;
+        slot_tokens[slot] = static_cast<int>(m);
+    }
+}
+
+// Copies each token's entries to its slot: one thread per 16 bytes (four entries) of the token-order layout, so
+// that the reads are contiguous (the writes land 16 bytes at a time, at the slots).
+extern "C" __global__ void __launch_bounds__(256) entries_to_slots(
+    const uint32_t *__restrict__ entries,  // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] in token order
+    const int *__restrict__ counts,        // [M] entries per token, -1 for a heavy token
+    const int *__restrict__ token_slots,   // [M] from order_tokens
+    uint32_t *__restrict__ slot_entries,   // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out: the same, in slot order
+    int M) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // [chunk][four][token % 32]
+    const long long m = i / (ENTRY_CAP * 8) * 32 + i % 32;
+    const int four = static_cast<int>(i / 32 % (ENTRY_CAP / 4));
+    if (m >= M || four * 4 >= counts[m]) return;
+    const long long slot = token_slots[m];
+    reinterpret_cast<uint4 *>(slot_entries)[slot / 32 * (ENTRY_CAP * 8) + four * 32 + slot % 32] =
+        reinterpret_cast<const uint4 *>(entries)[i];
+}
+
 // Entries a thread requests together before using any (their loads are independent; their uses wait on them).
 constexpr int ENTRY_BATCH = 16;
 
-// Persistent blocks, one per SM (the slice takes most of its shared memory). The work items are (slice, 32 tokens)
+// Persistent blocks, one per SM (the slice takes most of its shared memory). The work items are (slice, 32 slots)
 // in slice-major order; block b takes a contiguous range of them, so it stages at most a few slices. Warp w of a
-// block takes its range's items w, w + warps, ...; lane l owns token 32 c + l of item c and its KS outputs. Every
-// lane of a warp takes as many steps as the warp's longest token (rounded up to ENTRY_BATCH): a lane past its own
+// block takes its range's items w, w + warps, ...; lane l owns slot 32 c + l of item c, whose token's KS outputs it
+// writes. Every lane of a warp takes as many steps as the warp's longest count (rounded up to 4): a lane past its own
 // count reads the slice's zero row N, which adds exact zeros, so the loop has no branch per entry.
 template <int KS>
 __global__ void __launch_bounds__(1024, 1) entries_down(
-    const uint32_t *__restrict__ entries,        // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] from gate_up_entries
-    const int *__restrict__ counts,              // [M]; -1: a heavy token, whose y row gate_up_down_heavy writes
+    const uint32_t *__restrict__ entries,        // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] in slot order (order_tokens)
+    const int *__restrict__ counts,              // [M] per slot; -1: a heavy token, whose y row gate_up_down_heavy writes
+    const int *__restrict__ tokens,              // [M] the token in each slot
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
     __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens)
     const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
@@ -201,6 +274,7 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
                 }
 #pragma unroll
                 for (int r = 0; r < ENTRY_BATCH; ++r) {
+                    if (r % 4 == 0 && j0 + r >= steps) break;  // the same for the whole warp
                     const float h = twell_value(batch[r]);
                     const int n = twell_col(batch[r]);
 #pragma unroll
@@ -213,12 +287,13 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
                 }
             }
             if (t < M && count >= 0) {
+                const long long token = tokens[t];
 #pragma unroll
                 for (int q = 0; q < PIECES; ++q) {
                     float v[8];
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = acc[q * 8 + i];
-                    const long long at = t * K + k0 + q * 8;
+                    const long long at = token * K + k0 + q * 8;
                     if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual + at)));
                     __stcs(reinterpret_cast<uint4 *>(y + at), pack_bf16x8(v));
                 }
@@ -236,7 +311,7 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
 GATE_UP_ENTRIES(1)
 GATE_UP_ENTRIES(8)
 GATE_UP_ENTRIES(16)
-template __global__ void entries_down<8>(const uint32_t *, const int *, const __nv_bfloat16 *, __nv_bfloat16 *,
-                                         const __nv_bfloat16 *, int, int, int);
-template __global__ void entries_down<16>(const uint32_t *, const int *, const __nv_bfloat16 *, __nv_bfloat16 *,
-                                          const __nv_bfloat16 *, int, int, int);
+template __global__ void entries_down<8>(const uint32_t *, const int *, const int *, const __nv_bfloat16 *,
+                                         __nv_bfloat16 *, const __nv_bfloat16 *, int, int, int);
+template __global__ void entries_down<16>(const uint32_t *, const int *, const int *, const __nv_bfloat16 *,
+                                          __nv_bfloat16 *, const __nv_bfloat16 *, int, int, int);

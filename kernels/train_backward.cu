@@ -140,21 +140,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) train_csc_chunks(
     long long mine = 0;
     for (int c = c0; c < c1; ++c) mine += chunks_and_rank(column_chunks(col_start[c + 1] - col_start[c], chunk, whole));
     // Block-wide exclusive scan of `mine`: within warps by shuffles, then over the warp totals.
-    long long inclusive = mine;
-    for (int d = 1; d < 32; d *= 2) {
-        const long long up = __shfl_up_sync(FULL_MASK, inclusive, d);
-        if (lane >= d) inclusive += up;
-    }
+    const long long inclusive = warp_inclusive_sum(mine, lane);
     if (lane == 31) warp_total[warp] = inclusive;
     __syncthreads();
-    if (warp == 0) {
-        long long total = lane < blockDim.x / 32 ? warp_total[lane] : 0;
-        for (int d = 1; d < 32; d *= 2) {
-            const long long up = __shfl_up_sync(FULL_MASK, total, d);
-            if (lane >= d) total += up;
-        }
-        warp_total[lane] = total;  // inclusive over warps
-    }
+    if (warp == 0) warp_total[lane] = warp_inclusive_sum(lane < blockDim.x / 32 ? warp_total[lane] : 0LL, lane);
     __syncthreads();
     long long before = inclusive - mine + (warp > 0 ? warp_total[warp - 1] : 0);
     for (int c = c0; c < c1; ++c) {

@@ -92,6 +92,17 @@ __device__ __forceinline__ void load_weight_row(uint4 (&dst)[KV], const __nv_bfl
     load_weight_pieces<KV>(dst, row + lane * 8, lane * 8, K, policy);
 }
 
+// Sum of v over lanes 0 .. lane of a full warp.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const T below = __shfl_up_sync(FULL_MASK, v, d);
+        if (lane >= d) v += below;
+    }
+    return v;
+}
+
 // This lane's 8 bf16 gate values (columns col0 .. col0 + 7 of a 256-column chunk whose lanes hold consecutive
 // 8-column groups): their positives are appended as entries to `list` in ascending column order from slot
 // `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
@@ -102,12 +113,7 @@ __device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32
     int mine = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
-    int incl = mine;  // inclusive prefix sum over the lanes: each lane's first slot
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int other = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += other;
-    }
+    const int incl = warp_inclusive_sum(mine, lane);  // each lane's first slot
     int slot = base + incl - mine;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -156,6 +162,7 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
     return v;
 }
+
 
 // Stage an activation row (read once: streaming loads) in shared memory as KV * 32 uint4, piece v of lane l
 // at [v * 32 + l] (consecutive lanes, consecutive 16 bytes: no bank conflicts), so registers stay free for

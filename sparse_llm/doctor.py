@@ -28,6 +28,8 @@ KERNELS = (  # (source file, kernel name): inference kernels, then the training 
     ("gate_up_down.cu", f"gate_up_down_light<{_KV}>"),
     ("gate_up_down.cu", f"gate_up_down_heavy<{_KV}>"),
     ("gate_up_then_down.cu", f"gate_up_entries<{_KV}>"),
+    ("gate_up_then_down.cu", "order_tokens"),
+    ("gate_up_then_down.cu", "entries_to_slots"),
     ("gate_up_then_down.cu", "entries_down<16>"),
     ("gate_up_then_down.cu", "entries_down<8>"),
     ("transpose.cu", "transpose_cast<float,__nv_bfloat16>"),

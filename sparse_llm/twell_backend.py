@@ -123,11 +123,12 @@ SPLIT_BELOW_M = 2048
 # - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.
 # - "slices" (kernels/gate_up_then_down.cu): an up walk reads one w_up row per non-zero and writes h; then each SM keeps
 #   KS columns of w_down (all N rows) in shared memory and its threads, one per token, read KS weights per non-zero
-#   from there, KS columns at a time. It pays where many tokens share each slice (large M) and the tokens' counts are
-#   even (a warp takes as long as its densest token).
+#   from there, KS columns at a time. It pays where many tokens share each slice (large M); the tokens are ordered
+#   by count first, so that the 32 a warp walks together take about equally long.
 WALKS = ("rows", "slices")
 SLICE_SMEM_BYTES = 227 * 1024  # shared memory per block on an H100: the slice's (N + 1) rows of KS bf16
 SLICE_WIDTHS = (16, 8)  # KS, widest first (entries_down<KS> instances)
+ORDER_GROUP = 1024  # tokens ordered by count together (order_tokens in the kernel)
 SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 slices win at 56 non-zeros
 # Slices price, from the H100 (2026-11-26, BENCHMARKS.md; K x N from 2048 x 5632 to 4096 x 14336, 8192 to 32768
 # tokens, 20 to 112 non-zeros per token). The up walk: one w_up row per light non-zero at UP_GBPS (slower once the
@@ -135,15 +136,17 @@ SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 
 # the paper's block at 28 / 56, priced within -6% .. +9% everywhere). The down kernel: per work item (32 tokens x KS
 # columns) a fixed cost plus one per step of the item's densest token (`warp_steps`), per KS: with 8-column slices
 # an item writes half of each 32-byte sector of its tokens' output rows, and such items cost ~3x more (the partial
-# sectors appear to cost a read-modify-write). The paper's block: 0.232 / 0.370 ms; priced 0.84-1.19x the measured.
-# With a heavy tail a down warp waits for its densest token and the heavy tokens cost both walks the same: tails
-# holding 0.15-0.36 of their non-zeros above DENSE_ROW_NNZ walked 1.10-1.19x slower in slices than in rows (mean 28
-# and 56, sigma 0.3 and 0.5), while the walk's prices (the rows one deliberately dear) rank them the other way.
+# sectors appear to cost a read-modify-write). 16 columns refitted after the tokens were ordered by count (H200,
+# order + down kernels: 0.197 / 0.330 ms at the paper's block at 28 / 56, 0.18-0.19 at 8192 tokens and 56).
+# With a heavy tail the heavy tokens cost both walks the same: tails holding 0.15-0.36 of their non-zeros above
+# DENSE_ROW_NNZ walked 1.10-1.19x slower in slices than in rows (mean 28 and 56, sigma 0.3 and 0.5) while a down warp
+# waited for its densest token; with the tokens ordered by count the two tie (mean 28, sigma 0.3: 0.97-0.98 ms each,
+# H200), while the walks' prices (the rows one deliberately dear) rank them apart.
 SLICES_MAX_HEAVY_SHARE = 0.05
 UP_GBPS = 7700.0
 GATE_READ_GBPS = 1800.0
-DOWN_MS_PER_ITEM = {16: 8.1e-7, 8: 3.2e-6}
-DOWN_MS_PER_ITEM_STEP = {16: 6.5e-8, 8: 1.4e-8}
+DOWN_MS_PER_ITEM = {16: 8.3e-7, 8: 3.2e-6}
+DOWN_MS_PER_ITEM_STEP = {16: 7.3e-8, 8: 1.4e-8}
 
 
 def _gemm_ms(m: int, k: int, n: int, tflops: float) -> float:
@@ -233,11 +236,11 @@ def slice_width(n: int) -> int | None:
 
 
 def warp_steps(l0_mean: float, l0_max: float) -> float:
-    """Expected non-zeros of the densest of 32 tokens that stay on the one-warp path (at most DIRECT_LIST_CAP), under
-    dense_row_split's log-normal model: the steps every lane of a down warp takes. (At an even spread the batch
-    maximum still sets a sigma; that stands for the binomial spread of the counts.)"""
-    sigma = math.log(max(l0_max, l0_mean) / l0_mean) / 3.5 if l0_mean > 0 else 0.0
-    return min(DIRECT_LIST_CAP, l0_mean * math.exp(2.07 * sigma - sigma * sigma / 2))  # ~2.07 sigma: max of 32
+    """Mean steps of a down warp: the tokens a warp walks together were ordered by count (order_tokens), so a warp
+    takes about its tokens' count, rounded up to 4; over the warps, the mean non-zeros of the tokens on the one-warp
+    path (dense_row_split's log-normal model) plus ~2."""
+    light_mean = _lognormal_split(DENSE_ROW_NNZ, l0_mean, l0_max)[1]
+    return min(DIRECT_LIST_CAP, light_mean + 2.0)
 
 
 def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
@@ -724,27 +727,35 @@ def _up_then_down(
 ) -> None:  # fmt: skip
     """The "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down`
     allocates them: the up walk lists each token's positives and writes its h entries (a token with more than
-    split_nnz is left to split_token_up_down), then one block per SM computes slices of y from them."""
+    split_nnz is left to split_token_up_down), the tokens are ordered by count in groups of ORDER_GROUP, then one
+    block per SM computes slices of y from the ordered entries."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     device = x_MK.device
     ks = slice_width(n)
     y_MK, l1_M, l0_M, fired_N = outs
     chunks = math.ceil(m / 32)
-    # h entries, [chunk][slot / 4][token][slot % 4] (entry_slot in the kernel)
-    entries = torch.empty(chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
-    counts_M = torch.empty(m, dtype=torch.int32, device=device)
+    # h entries, [chunk][slot / 4][token][slot % 4] (entry_slot in the kernel), in token order then in slot order
+    entries, slot_entries = torch.empty(2, chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
+    counts_M, token_slots_M, slot_counts_M, slot_tokens_M = torch.empty(4, m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
     up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
     operands = (gate_MN, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     cuda.launch(up, (m,), (32,), args, device, shared_mem=kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + list
+    order = cuda.get_function("gate_up_then_down.cu", "order_tokens", device)
+    operands = (counts_M, token_slots_M, slot_counts_M, slot_tokens_M)
+    cuda.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(cuda.ptr, operands), _i32(m)), device)
+    to_slots = cuda.get_function("gate_up_then_down.cu", "entries_to_slots", device)
+    operands = (entries, counts_M, token_slots_M, slot_entries)
+    cuda.launch(to_slots, (chunks * DIRECT_LIST_CAP * 8 // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
     down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks}>", device)
     smem = (n + 1) * ks * 2  # the slice and its zero row
     cuda.set_dynamic_smem(down, smem)
     blocks = min(cuda.sm_count(device), k // ks * chunks)
-    args = (*(cuda.ptr(t) for t in (entries, counts_M, w_down_t_NK, y_MK, residual_MK)), *map(_i32, (m, k, n)))
+    operands = (slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
+    args = (*map(cuda.ptr, operands), *map(_i32, (m, k, n)))
     cuda.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
     split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK)
 
