@@ -188,12 +188,13 @@ extern "C" __global__ void __launch_bounds__(256) entries_to_slots(
     const int *__restrict__ token_slots,   // [M] from order_tokens
     uint32_t *__restrict__ slot_entries,   // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out: the same, in slot order
     int M) {
+    constexpr int CHUNK_FOURS = ENTRY_CAP / 4 * 32;  // 16-byte units of a 32-token chunk
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // [chunk][four][token % 32]
-    const long long m = i / (ENTRY_CAP * 8) * 32 + i % 32;
+    const long long m = i / CHUNK_FOURS * 32 + i % 32;
     const int four = static_cast<int>(i / 32 % (ENTRY_CAP / 4));
     if (m >= M || four * 4 >= counts[m]) return;
     const long long slot = token_slots[m];
-    reinterpret_cast<uint4 *>(slot_entries)[slot / 32 * (ENTRY_CAP * 8) + four * 32 + slot % 32] =
+    reinterpret_cast<uint4 *>(slot_entries)[slot / 32 * CHUNK_FOURS + four * 32 + slot % 32] =
         reinterpret_cast<const uint4 *>(entries)[i];
 }
 

@@ -163,7 +163,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-
 // Stage an activation row (read once: streaming loads) in shared memory as KV * 32 uint4, piece v of lane l
 // at [v * 32 + l] (consecutive lanes, consecutive 16 bytes: no bank conflicts), so registers stay free for
 // the weight rows in flight. Thread t of THREADS cooperating threads writes pieces t, t + THREADS, ...

@@ -749,7 +749,8 @@ def _up_then_down(
     cuda.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(cuda.ptr, operands), _i32(m)), device)
     to_slots = cuda.get_function("gate_up_then_down.cu", "entries_to_slots", device)
     operands = (entries, counts_M, token_slots_M, slot_entries)
-    cuda.launch(to_slots, (chunks * DIRECT_LIST_CAP * 8 // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
+    fours = chunks * 32 * DIRECT_LIST_CAP // 4  # one thread per 16 bytes of entries; a multiple of 256
+    cuda.launch(to_slots, (fours // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
     down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks}>", device)
     smem = (n + 1) * ks * 2  # the slice and its zero row
     cuda.set_dynamic_smem(down, smem)
