@@ -193,6 +193,10 @@ def test_kernel_families_name_what_the_device_ran():
     names = {
         "void train_fwd_gate<8>(__nv_bfloat16 const*)": "sparse FFN",
         "gate_up_down_light<8>": "sparse FFN",
+        "void gate_up_entries<8>(__nv_bfloat16 const*)": "sparse FFN",
+        "order_tokens": "sparse FFN",
+        "entries_to_slots": "sparse FFN",
+        "void entries_down<16>(unsigned int const*)": "sparse FFN",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "GEMM",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
         "void rope_rotate_half<__nv_bfloat16, float, 8>(": "attention",
