@@ -32,6 +32,7 @@ cost model answers only when SPARSE_LLM_TWELL_TRAIN=1, so `kernel=auto` trains d
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -266,9 +267,10 @@ def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None) -> str:
     return "rows" if l0 is None else _priced_walk(m, k, n, *l0)[0]
 
 
+@functools.lru_cache(maxsize=1024)
 def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> tuple[str, float]:
-    """(the walk `direct_walk` takes at a known density, its price in ms), each price computed once (the dispatch
-    asks on every layer call)."""
+    """(the walk `direct_walk` takes at a known density, its price in ms). Cached: a layer's dispatch prices it and
+    the block op then picks it on every call, with the same (mean, max) until the layer's next observation."""
     rows = rows_walk_ms(m, k, n, l0_mean, l0_max)
     if l0_mean <= 0 or heavy_share(l0_mean, l0_max) > SLICES_MAX_HEAVY_SHARE:
         return "rows", rows
@@ -677,7 +679,7 @@ def direct_up_down(
 
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None = None, columns: list[tuple[int, int]] | None = None, walk: str = "rows",
+    residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
     "rows" walk's column parts (`column_parts`; None: by the weights' size)."""
