@@ -12,6 +12,9 @@
 //   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time:
 //                     the slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one
 //                     slot's entries, reading KS weights per entry from there.
+//   ell_to_slots    : the training op's way in (sparse_llm/twell_train.py): the slot-order entries of its ELL rows,
+//                     h for y = h w_down^T, or du and dg for dx = du w_up + dg w_gate (entries_down twice, fp32 sums
+//                     carried between the two passes).
 // Why two kernels: the one-pass walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the
 // L2's rate for random rows; here every SM reads each weight once per slice it holds and the per-non-zero bytes
 // come from shared memory. The price: h is rounded to bf16 between the kernels (as the dense bf16 block rounds it),
@@ -138,7 +141,8 @@ constexpr int COUNT_BINS = ENTRY_CAP + 2;  // counts ENTRY_CAP .. 0, then the he
 // Ties go in the arrival order of the block's atomics (a token's y does not depend on its slot: one thread sums its
 // entries in their own order).
 extern "C" __global__ void __launch_bounds__(ORDER_GROUP) order_tokens(
-    const int *__restrict__ counts,  // [M] from gate_up_entries: entries per token, -1 for a heavy token
+    const int *__restrict__ counts,  // [M] entries per token: from gate_up_entries (-1: heavy), or ELL counts
+    const bool *__restrict__ heavy,  // [M] tokens whose count stands for -1 (the training ELL's heavy flags), or null
     int *__restrict__ token_slots,   // [M] out: the slot of each token
     int *__restrict__ slot_counts,   // [M] out: the count of the token in each slot
     int *__restrict__ slot_tokens,   // [M] out: the token in each slot
@@ -149,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(ORDER_GROUP) order_tokens(
     const long long m = group + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int bank_class = threadIdx.x % BANK_CLASSES;
-    const int count = m < M ? counts[m] : 0;
+    const int count = m >= M ? 0 : heavy != nullptr && heavy[m] ? -1 : counts[m];
     const int bin = count >= 0 ? ENTRY_CAP - count : ENTRY_CAP + 1;
     for (int b = threadIdx.x; b < BANK_CLASSES * COUNT_BINS; b += blockDim.x) (&bin_size[0][0])[b] = 0;
     __syncthreads();
@@ -198,6 +202,45 @@ extern "C" __global__ void __launch_bounds__(256) entries_to_slots(
         reinterpret_cast<const uint4 *>(entries)[i];
 }
 
+// The training op's walks through entries_down, from its ELL rows (ascending columns): the light tokens' entries in
+// slot order (order_tokens), each token's ordered by bank column as gate_up_entries orders its own. One warp per
+// token. PRODUCT (the forward's y = h w_down^T): one entry array of h = bf16(a * b) (a = g, b = u). Otherwise (the
+// backward's dx = du w_up + dg w_gate, one pass per weight): two arrays, of a (du) and of b (dg).
+template <bool PRODUCT>
+__global__ void __launch_bounds__(128) ell_to_slots(
+    const int *__restrict__ ell_cols,          // [M, W] entry columns
+    const __nv_bfloat16 *__restrict__ ell_a,   // [M, W] g, or du
+    const __nv_bfloat16 *__restrict__ ell_b,   // [M, W] u, or dg
+    const int *__restrict__ ell_count,         // [M] entries per token (W >= count, W <= ENTRY_CAP)
+    const bool *__restrict__ heavy,            // [M] heavy tokens (no entries here) are skipped
+    const int *__restrict__ token_slots,       // [M] from order_tokens
+    uint32_t *__restrict__ a_entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out, slot order: h, or du
+    uint32_t *__restrict__ b_entries,          // the same for dg; unused with PRODUCT
+    int M, int W, int pieces) {
+    constexpr int WARPS = 4;  // blockDim.x = 128
+    __shared__ uint32_t lists[WARPS][ENTRY_CAP];  // per warp: (ELL position << 16 | column), then ordered by bank
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const long long m = static_cast<long long>(blockIdx.x) * WARPS + warp;
+    if (m >= M || heavy[m]) return;  // whole warp
+    const int count = ell_count[m];
+    uint32_t *list = lists[warp];
+    for (int j = lane; j < count; j += 32) list[j] = static_cast<uint32_t>(j) << 16 | ell_cols[m * W + j];
+    __syncwarp();
+    order_by_bank(list, count, pieces, m, lane);
+    const long long slot = token_slots[m];
+    const long long first = (slot / 32) * (ENTRY_CAP * 32) + (slot % 32) * 4;
+    for (int i = lane; i < count; i += 32) {
+        const int j = static_cast<int>(list[i] >> 16), n = twell_col(list[i]);
+        const float a = __bfloat162float(ell_a[m * W + j]), b = __bfloat162float(ell_b[m * W + j]);
+        if constexpr (PRODUCT) {
+            a_entries[first + entry_slot(i)] = twell_entry(a * b, n);  // rounds as train_fwd_gate rounds h
+        } else {
+            a_entries[first + entry_slot(i)] = twell_entry(a, n);
+            b_entries[first + entry_slot(i)] = twell_entry(b, n);
+        }
+    }
+}
+
 // Entries a thread requests together before using any (their loads are independent; their uses wait on them).
 constexpr int ENTRY_BATCH = 16;
 
@@ -206,15 +249,18 @@ constexpr int ENTRY_BATCH = 16;
 // block takes its range's items w, w + warps, ...; lane l owns slot 32 c + l of item c, whose token's KS outputs it
 // writes. Every lane of a warp takes as many steps as the warp's longest count (rounded up to 4): a lane past its own
 // count reads the slice's zero row N, which adds exact zeros, so the loop has no branch per entry.
-template <int KS>
+template <int KS, bool SUMS>
 __global__ void __launch_bounds__(1024, 1) entries_down(
     const uint32_t *__restrict__ entries,        // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] in slot order (order_tokens)
     const int *__restrict__ counts,              // [M] per slot; -1: a heavy token, whose y row gate_up_down_heavy writes
     const int *__restrict__ tokens,              // [M] the token in each slot
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
-    __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens)
+    __nv_bfloat16 *__restrict__ y,               // [M, K] out (light tokens), unless sums_out is given
     const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
-    int M, int K, int N) {
+    const float *__restrict__ sums_in,           // SUMS only: [M, K] fp32 sums the rows start from, or null
+    float *__restrict__ sums_out,                // SUMS only: [M, K] out, the fp32 sums instead of y, or null
+    int M, int K, int N,
+    int token_base) {  // the slots hold tokens token_base .. + M - 1: y's rows are tokens, the sums' token_base less
     constexpr int PIECES = KS / 8;
     extern __shared__ uint4 slice[];  // (N + 1) rows of PIECES 16-byte pieces, placed by slice_piece
     const int lane = threadIdx.x & 31;
@@ -260,9 +306,22 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
             const long long t = c * 32 + lane;
             const int steps = __reduce_max_sync(FULL_MASK, count);
             const uint4 *mine = reinterpret_cast<const uint4 *>(entries + c * (ENTRY_CAP * 32)) + lane;
+            const bool writes = t < M && count >= 0;
+            // The slot's token (read after the walk unless needed before: registers).
+            auto token = [&]() { return static_cast<long long>(tokens[t]); };
             float acc[KS];
 #pragma unroll
             for (int i = 0; i < KS; ++i) acc[i] = 0.0f;
+            if constexpr (SUMS) {
+                if (writes && sums_in != nullptr) {
+                    const float *from = sums_in + (token() - token_base) * K + k0;
+#pragma unroll
+                    for (int i = 0; i < KS; i += 4) {
+                        const float4 v = __ldcs(reinterpret_cast<const float4 *>(from + i));
+                        acc[i] = v.x, acc[i + 1] = v.y, acc[i + 2] = v.z, acc[i + 3] = v.w;
+                    }
+                }
+            }
             for (int j0 = 0; j0 < steps; j0 += ENTRY_BATCH) {
                 // Four entries per 16-byte load; slots at or past the count (unwritten) are replaced by the pad.
                 uint32_t batch[ENTRY_BATCH];
@@ -287,16 +346,24 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
                     }
                 }
             }
-            if (t < M && count >= 0) {
-                const long long token = tokens[t];
+            const long long at = writes ? token() * K + k0 : 0;
+            if (SUMS && writes && sums_out != nullptr) {
+                float *to = sums_out + at - static_cast<long long>(token_base) * K;
+#pragma unroll
+                for (int i = 0; i < KS; i += 4) {
+                    __stcs(reinterpret_cast<float4 *>(to + i),
+                           make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+                }
+            } else if (writes) {
 #pragma unroll
                 for (int q = 0; q < PIECES; ++q) {
                     float v[8];
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = acc[q * 8 + i];
-                    const long long at = token * K + k0 + q * 8;
-                    if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual + at)));
-                    __stcs(reinterpret_cast<uint4 *>(y + at), pack_bf16x8(v));
+                    if (residual != nullptr) {
+                        add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual + at + q * 8)));
+                    }
+                    __stcs(reinterpret_cast<uint4 *>(y + at + q * 8), pack_bf16x8(v));
                 }
             }
             count = next_count;
@@ -312,7 +379,16 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
 GATE_UP_ENTRIES(1)
 GATE_UP_ENTRIES(8)
 GATE_UP_ENTRIES(16)
-template __global__ void entries_down<8>(const uint32_t *, const int *, const int *, const __nv_bfloat16 *,
-                                         __nv_bfloat16 *, const __nv_bfloat16 *, int, int, int);
-template __global__ void entries_down<16>(const uint32_t *, const int *, const int *, const __nv_bfloat16 *,
-                                          __nv_bfloat16 *, const __nv_bfloat16 *, int, int, int);
+#define ENTRIES_DOWN(KS, SUMS)                                                                                 \
+    template __global__ void entries_down<KS, SUMS>(const uint32_t *, const int *, const int *,                 \
+                                                    const __nv_bfloat16 *, __nv_bfloat16 *, const __nv_bfloat16 *, \
+                                                    const float *, float *, int, int, int, int);
+ENTRIES_DOWN(8, false)
+ENTRIES_DOWN(16, false)
+ENTRIES_DOWN(16, true)
+#define ELL_TO_SLOTS(PRODUCT)                                                                                    \
+    template __global__ void ell_to_slots<PRODUCT>(const int *, const __nv_bfloat16 *, const __nv_bfloat16 *,      \
+                                                   const int *, const bool *, const int *, uint32_t *, uint32_t *, \
+                                                   int, int, int);
+ELL_TO_SLOTS(true)
+ELL_TO_SLOTS(false)

@@ -18,8 +18,10 @@
 
 // Up to K = 2048 both weight rows of an entry are requested together; wider rows load w_down_t[n] after the
 // dot product, to stay within the register file. Shared memory per warp: the x row (KV * 32 uint4), then the
-// list of the token's entries (W uint32, bf16 value << 16 | column).
-template <int KV>
+// list of the token's entries (W uint32, bf16 value << 16 | column). Without DOWN (one column part only) the kernel
+// stops at h and the statistics: w_down_t, y and partial are unused, and y comes from the slices walk
+// (ell_to_slots, entries_down in gate_up_then_down.cu).
+template <int KV, bool DOWN>
 __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     int *__restrict__ fired,                     // [N] zeroed; set to 1 where h != 0
     float *__restrict__ partial,                 // [M, K] fp32 running y sums between column parts, or null
     int M, int K, int N, int W, int col_begin, int col_end, int part) {
-    constexpr bool kBothRows = KV <= 8;
+    constexpr bool kBothRows = DOWN && KV <= 8;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
     const int warps = blockDim.x / 32;
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
         const float h = bf16_round(g * u);
         if constexpr (kBothRows) {
             axpy<KV>(acc, h, rows[1]);
-        } else {
+        } else if constexpr (DOWN) {
             uint4 down[KV];
             load_weight_row<KV>(down, w_down_t + n * K, lane, K, keep);
             axpy<KV>(acc, h, down);
@@ -140,10 +142,12 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
     } else {
         walk_entries<KV, 1>(column, range.first, range.end, up_only, lane, K, begin, step, finish);
     }
-    if (part & LAST_PART) {
-        store_row_bf16<KV>(y + m * K, acc, lane, K);
-    } else {
-        store_partial<KV>(partial + m * K, acc, lane, K);
+    if constexpr (DOWN) {
+        if (part & LAST_PART) {
+            store_row_bf16<KV>(y + m * K, acc, lane, K);
+        } else {
+            store_partial<KV>(partial + m * K, acc, lane, K);
+        }
     }
     __syncwarp();  // every lane has read l1[m] and l0[m] before lane 0 overwrites them
     if (lane == 0) {
@@ -153,12 +157,13 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
 }
 
 // Instantiations for the nvcc compile check; NVRTC builds the one named by the launcher (KV = ceil(K/256)).
-#define TRAIN_FWD_GATE(KV)                                                                                       \
-    template __global__ void train_fwd_gate<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                 \
-                                                const __nv_bfloat16 *, const __nv_bfloat16 *, int *,          \
-                                                __nv_bfloat16 *, __nv_bfloat16 *, int *, bool *, int *, int *, \
-                                                __nv_bfloat16 *, float *, int *, int *, float *, int, int, int, int, \
-                                                int, int, int);
-TRAIN_FWD_GATE(1)
-TRAIN_FWD_GATE(8)
-TRAIN_FWD_GATE(16)
+#define TRAIN_FWD_GATE(KV, DOWN)                                                                                 \
+    template __global__ void train_fwd_gate<KV, DOWN>(const __nv_bfloat16 *, const __nv_bfloat16 *,               \
+                                                      const __nv_bfloat16 *, const __nv_bfloat16 *, int *,        \
+                                                      __nv_bfloat16 *, __nv_bfloat16 *, int *, bool *, int *,     \
+                                                      int *, __nv_bfloat16 *, float *, int *, int *, float *, int, \
+                                                      int, int, int, int, int, int);
+TRAIN_FWD_GATE(1, true)
+TRAIN_FWD_GATE(8, true)
+TRAIN_FWD_GATE(16, true)
+TRAIN_FWD_GATE(8, false)

@@ -29,7 +29,7 @@ import torch
 from sparse_llm.backends import dense_block
 from sparse_llm.benchmark import time_ms, wall_ms
 from sparse_llm.twell_backend import synthetic_block
-from sparse_llm.twell_train import twell_train_ffn
+from sparse_llm.twell_train import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
 CASES = {
@@ -56,8 +56,9 @@ def dense_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
 compiled_dense_forward = torch.compile(dense_forward)
 
 
-def sparse_forward(x, wg, wu, wd) -> tuple[torch.Tensor, torch.Tensor]:
-    result = twell_train_ffn(x, wg, wu, wd)
+def sparse_forward(x, wg, wu, wd, l0_hint=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """l0_hint: the block's (mean, max) non-zeros per token, as a model layer passes its last observed ones."""
+    result = twell_train_ffn(x, wg, wu, wd, l0_hint=l0_hint)
     return result.y_MK, result.l1_sum
 
 
@@ -110,8 +111,11 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
         "nnz_mean": l0.mean().item(), "nnz_p99": l0.quantile(0.99).item(), "nnz_max": l0.max().item(),
         "backup_rows": result.dense_rows(), "path": result.path,
     }  # fmt: skip
+    l0_hint = (row["nnz_mean"], row["nnz_max"])
+    row["dx_walk"] = "slices" if dx_by_slices(m, k, n, DEFAULT_WIDTH, l0_hint) else "rows"
     names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
-    for label, forward in (("dense", dense_forward), ("compiled", compiled_dense_forward), ("twell", sparse_forward)):
+    twell_forward = functools.partial(sparse_forward, l0_hint=l0_hint)
+    for label, forward in (("dense", dense_forward), ("compiled", compiled_dense_forward), ("twell", twell_forward)):
         with torch.no_grad():
             y = forward(*leaves)[0]
         grads = step(forward, leaves, dy, coeff)
@@ -132,16 +136,16 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| case | nnz mean / p99 / max | backup rows | dense ms | twell ms | speedup | dense compiled ms | speedup "
+    head = ("| case | nnz mean / p99 / max | backup rows | dx walk | dense ms | twell ms | speedup | dense compiled ms | speedup "
             "vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell | fwd ms dense / twell "
             "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         errs = ", ".join(
             f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
         )
         lines.append(
-            f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
+            f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} | {r['dx_walk']} "
             f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
             f"| {r['compiled_ms']:.2f} | {r['speedup_compiled']:.2f}x "
             f"| {r['dense_isolated_ms']:.2f} / {r['twell_isolated_ms']:.2f} ({r['speedup_isolated']:.2f}x) "

@@ -10,10 +10,12 @@ piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route h
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
 residual and in column parts; the training op forward and backward with a narrow and the default ELL width, and
-in column parts; both transposes.
+in column parts, and its y and dx through the slices walk; both transposes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -24,6 +26,17 @@ from sparse_llm.twell_backend import column_parts, direct_up_down, synthetic_blo
 from sparse_llm.twell_train import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
+
+
+@contextlib.contextmanager
+def training_walks_by_slices():
+    """The training op's y and dx through the slices walk at any token count."""
+    saved = twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M
+    twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M = "slices", "slices", 1
+    try:
+        yield
+    finally:
+        twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M = saved
 
 
 def main() -> None:
@@ -43,6 +56,9 @@ def main() -> None:
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
+            (result.y_MK.float().sum() + result.l1_sum).backward()
+        with training_walks_by_slices():
+            result = twell_train_ffn(*leaves, width=128)
             (result.y_MK.float().sum() + result.l1_sum).backward()
         if n >= 512:  # the training walks in column parts, as a block wider than L2 takes them
             one_pass = twell_train.walk_column_parts

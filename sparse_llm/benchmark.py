@@ -223,7 +223,7 @@ class SectionTimer:
 # Device kernels by what they compute, from their names (first match wins; "other" for the rest): a compiled
 # model's time has no module boundaries left to put timers at, but its kernels still say what they are.
 KERNEL_FAMILIES = (
-    ("sparse FFN", re.compile(r"^(void )?(train_|gate_up_|twell_|transpose_cast|order_tokens|entries_)")),
+    ("sparse FFN", re.compile(r"^(void )?(train_|gate_up_|twell_|transpose_cast|order_tokens|entries_|ell_to_slots)")),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|compute_dot_do_o|rope_")),
     ("GEMM", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.IGNORECASE)),
     # CUDA graphs copy inputs made outside them into their own buffers with a multi-tensor copy (torch 2.11).

@@ -176,7 +176,7 @@ def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float,
     OVERFLOW_NNZ_PER_TILE per tile (likely overflow). A heuristic: it only has to be right enough to
     price heavy-tailed layers.
     """
-    return _lognormal_split(min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles), l0_mean, l0_max)
+    return lognormal_split(min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles), l0_mean, l0_max)
 
 
 def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ) -> float:
@@ -184,11 +184,11 @@ def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ)
     log-normal model (0 when no token exceeds it)."""
     if l0_mean <= 0:
         return 0.0
-    heavy_fraction, light_mean = _lognormal_split(threshold, l0_mean, l0_max)
+    heavy_fraction, light_mean = lognormal_split(threshold, l0_mean, l0_max)
     return max(0.0, 1.0 - light_mean * (1.0 - heavy_fraction) / l0_mean)
 
 
-def _lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[float, float]:
+def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[float, float]:
     """(fraction of tokens above threshold, mean non-zeros of the others) for log-normal non-zeros per token."""
     if l0_mean <= 0:
         return 0.0, 0.0
@@ -240,7 +240,7 @@ def warp_steps(l0_mean: float, l0_max: float) -> float:
     """Mean steps of a down warp: the tokens a warp walks together were ordered by count (order_tokens), so a warp
     takes about its tokens' count, rounded up to 4; over the warps, the mean non-zeros of the tokens on the one-warp
     path (dense_row_split's log-normal model) plus ~2."""
-    light_mean = _lognormal_split(DENSE_ROW_NNZ, l0_mean, l0_max)[1]
+    light_mean = lognormal_split(DENSE_ROW_NNZ, l0_mean, l0_max)[1]
     return min(DIRECT_LIST_CAP, light_mean + 2.0)
 
 
@@ -739,28 +739,58 @@ def _up_then_down(
     chunks = math.ceil(m / 32)
     # h entries, [chunk][slot / 4][token][slot % 4] (entry_slot in the kernel), in token order then in slot order
     entries, slot_entries = torch.empty(2, chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
-    counts_M, token_slots_M, slot_counts_M, slot_tokens_M = torch.empty(4, m, dtype=torch.int32, device=device)
+    counts_M = torch.empty(m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
     up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
     operands = (gate_MN, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     cuda.launch(up, (m,), (32,), args, device, shared_mem=kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + list
-    order = cuda.get_function("gate_up_then_down.cu", "order_tokens", device)
-    operands = (counts_M, token_slots_M, slot_counts_M, slot_tokens_M)
-    cuda.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(cuda.ptr, operands), _i32(m)), device)
+    token_slots_M, slot_counts_M, slot_tokens_M = order_slots(counts_M)
     to_slots = cuda.get_function("gate_up_then_down.cu", "entries_to_slots", device)
     operands = (entries, counts_M, token_slots_M, slot_entries)
     fours = chunks * 32 * DIRECT_LIST_CAP // 4  # one thread per 16 bytes of entries; a multiple of 256
     cuda.launch(to_slots, (fours // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
-    down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks}>", device)
+    slices_down(slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
+    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK)
+
+
+def order_slots(counts_M: torch.Tensor, heavy_M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(token_slots_M, slot_counts_M, slot_tokens_M), int32 [M] each: order_tokens's places for the tokens of
+    counts_M (int32 [M] entries per token, -1 or heavy_M (bool [M]) for a token with none on the slices walk), by
+    descending count within groups of ORDER_GROUP."""
+    m = counts_M.shape[0]
+    token_slots_M, slot_counts_M, slot_tokens_M = torch.empty(3, m, dtype=torch.int32, device=counts_M.device)
+    order = cuda.get_function("gate_up_then_down.cu", "order_tokens", counts_M.device)
+    operands = (counts_M, heavy_M, token_slots_M, slot_counts_M, slot_tokens_M)
+    cuda.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(cuda.ptr, operands), _i32(m)),
+                counts_M.device)  # fmt: skip
+    return token_slots_M, slot_counts_M, slot_tokens_M
+
+
+def slices_down(
+    slot_entries: torch.Tensor, slot_counts_M: torch.Tensor, slot_tokens_M: torch.Tensor, w_NK: torch.Tensor,
+    out_MK: torch.Tensor | None, residual_MK: torch.Tensor | None = None, sums_in_SK: torch.Tensor | None = None,
+    sums_out_SK: torch.Tensor | None = None, slots: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    """entries_down: out_MK[t] (bf16 [M, K]; residual_MK's row added) = sum over slot entries (value, n) of token t of
+    value * w_NK[n] (bf16 [N, K]), one block per SM holding slice_width(N) columns of w_NK at a time. Tokens whose
+    slot count is -1 are left unwritten. With fp32 sums (the training backward's two passes), over the slots
+    slots = (s0, s1) (multiples of ORDER_GROUP, or s1 = M; they hold tokens s0 .. s1 - 1): the rows start from
+    sums_in_SK's and go to sums_out_SK (fp32 [s1 - s0, K], row t - s0 for token t) in place of out_MK."""
+    m, (n, k), device = slot_counts_M.shape[0], w_NK.shape, w_NK.device
+    s0, s1 = (0, m) if slots is None else slots
+    ks = slice_width(n)
+    sums = sums_in_SK is not None or sums_out_SK is not None
+    down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks},{str(sums).lower()}>", device)
     smem = (n + 1) * ks * 2  # the slice and its zero row
     cuda.set_dynamic_smem(down, smem)
-    blocks = min(cuda.sm_count(device), k // ks * chunks)
-    operands = (slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
-    args = (*map(cuda.ptr, operands), *map(_i32, (m, k, n)))
+    blocks = min(cuda.sm_count(device), k // ks * math.ceil((s1 - s0) / 32))
+    entries = slot_entries[s0 * DIRECT_LIST_CAP :]  # chunks of 32 slots, DIRECT_LIST_CAP entries each
+    operands = (entries, slot_counts_M[s0:s1], slot_tokens_M[s0:s1], w_NK, out_MK, residual_MK, sums_in_SK,
+                sums_out_SK)  # fmt: skip
+    args = (*map(cuda.ptr, operands), *map(_i32, (s1 - s0, k, n, s0)))
     cuda.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
-    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK)
 
 
 def split_token_up_down(
@@ -909,7 +939,7 @@ class TwellFFN(FFNBackend):
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
 
-            return with_residual(twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN), residual_MK)
+            return with_residual(twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN, l0_hint=l0), residual_MK)
         reason = self.unavailable_reason(x_MK.device)
         if reason is not None:
             if reason not in self._warned:

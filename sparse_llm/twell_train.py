@@ -2,9 +2,10 @@
 
 Status: the CUDA kernels (kernels/train_forward.cu, kernels/train_backward.cu) run on an H100 80GB SXM:
 tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run with kernel=twell stays within
-0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.32x faster than the
-trainer's eager dense path at 28 non-zeros per token, 1.81x faster than that path compiled, with 0.27x of its peak
-memory during forward + backward (the block timed alone, steps issued back to back; BENCHMARKS.md). The per-layer
+0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.42x faster than the
+trainer's eager dense path at 28 non-zeros per token (1.87x faster than that path compiled) and 1.56x at 56, with
+0.28x of its peak memory during forward + backward (the block timed alone, steps issued back to back;
+BENCHMARKS.md, 2026-11-26 09:30). The per-layer
 dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment sets
 SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
@@ -41,11 +42,14 @@ costs on its way to a float32 parameter are skipped.
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
 forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed from its bf16 gate row: ELL
-          rows with their zero padding, heavy flags and list; u, h, y, L1, L0, fired for light tokens)  ->
+          rows with their zero padding, heavy flags and list; u, h, L1, L0, fired for light tokens, and y by the
+          rows walk where the slices walk does not fit)  ->  [slices walk: order_tokens, ell_to_slots (h's entries
+          in slot order), entries_down (y from 16 columns of w_down's N rows in shared memory at a time)]  ->
           gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
           straight from its gate row, the list's length read on the device).
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
-          tokens)  ->  train_bwd_dx (dx of light tokens) and beside it, on a high-priority stream, a stable
+          tokens)  ->  train_bwd_dx (dx of light tokens; or, where `dx_by_slices`, two passes of the slices walk, w_up's
+          then w_gate's) and beside it, on a high-priority stream, a stable
           sort of the ELL entries by column, train_csc_columns and train_csc_chunks (the transposed, CSC view
           and its work chunks; its size is bounded by the ELL, so the transpose can never overflow)  ->
           train_csc_wgrad (dW_gate, dW_up fused; dW_down; written in the weights' dtype: a one-chunk column's
@@ -106,8 +110,11 @@ from sparse_llm.formats import (
 )
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
+    DIRECT_LIST_CAP,
     HBM_GBPS,
+    ORDER_GROUP,
     PACK_GBPS,
+    SLICES_MIN_M,
     TAIL_FULL_SHARE,
     TILE,
     TOKENS_PER_BLOCK,
@@ -118,8 +125,12 @@ from sparse_llm.twell_backend import (
     dense_row_split,
     flagged_parts,
     heavy_share,
+    lognormal_split,
+    order_slots,
     row_slowdown,
     shape_unsupported_reason,
+    slice_width,
+    slices_down,
     split_token_up_down,
     transposed_copy,
 )
@@ -146,6 +157,20 @@ CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
 # than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
 WGRAD_SLOTS = 512
 OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
+# The walk of y where "slices" fits (`walk_by_slices`): on an H100 at M = 16384, K = 2048, N = 5632 the slices walk
+# (train_fwd_gate without its down half, then ordering, entry copy and entries_down) took 0.53 / 0.89 / 0.46 ms where
+# train_fwd_gate's rows walk took 0.66 / 1.17 / 0.55 ms, at 28 / 56 uniform and 60 heavy-tailed non-zeros per token.
+FWD_WALK = "slices"
+# The walk of the light dx: "auto" takes slices where the caller's hint of the layer's non-zeros (`dx_by_slices`)
+# puts the light tokens' mean at DX_SLICES_MIN_LIGHT_MEAN or more with at most DX_SLICES_MAX_HEAVY_SHARE of the
+# non-zeros on heavy tokens. Two passes with fp32 sums between cost a fixed ~0.35 ms there, where the rows walk's cost
+# grows twice as fast per non-zero: rows took 0.52 / 1.04 ms at 28 / 56 non-zeros, slices 0.62 / 0.89 (same run as
+# above), so they tie near 40. Under a heavy tail the light tokens' uneven counts slow the slices passes (60 mean with
+# 32% of it on heavy tokens: 0.63 ms against rows' 0.33).
+DX_WALK = "auto"
+DX_SLICES_MIN_LIGHT_MEAN = 40
+DX_SLICES_MAX_HEAVY_SHARE = 0.1
+DX_SUMS_BYTES = 32 << 20  # fp32 sums the slices walk of dx holds at once (4096 tokens at K = 2048)
 WGRAD_WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
@@ -318,7 +343,9 @@ def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> t
     return w_gate_NK, w_up_NK, w_RK
 
 
-def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+def _reference_forward(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
+) -> _Outputs:
     w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
@@ -341,7 +368,7 @@ def _reference_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_
 
 def _reference_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    w_compute_RK, dy_MK, dl1,
+    w_compute_RK, dy_MK, dl1, dx_slices=False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     weight_dtype = w_gate_NK.dtype
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
@@ -414,7 +441,9 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
     return g_RN, torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
 
 
-def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+def _cuda_forward(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
+) -> _Outputs:
     device = x_MK.device
     _require_kernels(device)  # the operands were checked once, by twell_train_ffn
     m, k = x_MK.shape
@@ -442,16 +471,20 @@ def _cuda_forward(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: T
         if m:
             gate_MN = F.linear(x_MK, w_gate_NK)
             kv = _pieces(k)
-            columns = walk_column_parts(k, n)[0]
+            by_slices = walk_by_slices(FWD_WALK, m, k, n, width)
+            columns = [(0, n)] if by_slices else walk_column_parts(k, n)[0]
             # y's fp32 sums carried from one column part to the next
             partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
             operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M,
                         heavy_list, heavy_count, y_MK, l1_M, l0_M, fired_N, partial_MK)  # fmt: skip
             smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
             blocks = math.ceil(m / TOKENS_PER_BLOCK)
+            name = f"train_fwd_gate<{kv},{str(not by_slices).lower()}>"  # without its down half for the slices
             for (begin, end), part in flagged_parts(columns):
                 args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
-                _launch("train_forward.cu", f"train_fwd_gate<{kv}>", blocks, TOKENS_PER_BLOCK, args, device, smem)
+                _launch("train_forward.cu", name, blocks, TOKENS_PER_BLOCK, args, device, smem)
+            if by_slices:
+                _y_by_slices(w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, y_MK)
             heavy_counts.copy_(heavy_count, non_blocking=True)
             # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
             # read on the device, so the host goes on without waiting.
@@ -592,7 +625,7 @@ def walk_column_parts(k: int, n: int) -> tuple[Columns, Columns, Columns]:
 
 
 def _light_backward(
-    dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1,
+    dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1, dx_slices,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
     """train_bwd_sddmm and train_bwd_dx on the light tokens, and the transposed view of their entries:
     (dx_MK with the heavy rows unwritten, h, du, dg at the ELL entries (bf16 [M, W]), `csc_index`'s tensors, or
@@ -623,18 +656,90 @@ def _light_backward(
         with torch.cuda.stream(side):
             csc = csc_index(key_MW, n)
         key_MW.record_stream(side)  # freed on return, maybe before the side stream is done with it
-        # dx's fp32 sums carried from one column part to the next
-        partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(dx_columns) > 1 else None
-        operands = (w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK, partial_MK)
-        for (begin, end), part in flagged_parts(dx_columns):
-            args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
-            _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
+        if dx_slices:
+            _dx_by_slices(w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK)
+        else:
+            # dx's fp32 sums carried from one column part to the next
+            partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(dx_columns) > 1 else None
+            operands = (w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK,
+                        partial_MK)  # fmt: skip
+            for (begin, end), part in flagged_parts(dx_columns):
+                args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
+                _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
         main.wait_stream(side)
         for t in csc:  # allocated on the side stream, used and freed on this one
             t.record_stream(main)
     else:
         csc = ()
     return dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, csc
+
+
+def dx_by_slices(m: int, k: int, n: int, width: int, l0_hint: tuple[float, float] | None) -> bool:
+    """Whether the light dx takes the slices walk: DX_WALK "slices" wherever it fits, "auto" where it fits and the
+    layer's recent (mean, max) non-zeros per token (`l0_hint`; None: unknown, rows) say that it is faster."""
+    if DX_WALK == "auto":
+        if l0_hint is None:
+            return False
+        light_mean = lognormal_split(width, *l0_hint)[1]
+        faster = light_mean >= DX_SLICES_MIN_LIGHT_MEAN and heavy_share(*l0_hint, width) <= DX_SLICES_MAX_HEAVY_SHARE
+        return faster and walk_by_slices("slices", m, k, n, width)
+    return walk_by_slices(DX_WALK, m, k, n, width)
+
+
+def walk_by_slices(walk: str, m: int, k: int, n: int, width: int) -> bool:
+    """Whether a walk of the training op set to `walk` (FWD_WALK: y = h w_down^T; DX_WALK: dx = du w_up + dg w_gate)
+    takes the slices walk: "rows" reads a K-wide weight row from L2 per entry; "slices" runs the inference route's
+    down kernel (entries_down), which holds 16 columns of the weight's N rows in shared memory at a time. Slices need
+    those 16 columns to fit shared memory, ELL rows within the slices walk's lists, and SLICES_MIN_M tokens."""
+    fits = slice_width(n) == 16 and k % 16 == 0 and width <= DIRECT_LIST_CAP and m >= SLICES_MIN_M
+    return walk == "slices" and fits
+
+
+def _slot_entries(
+    ell_cols_MW: Tensor, ell_a_MW: Tensor, ell_b_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, product: bool,
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor]]:  # fmt: skip
+    """The light tokens ordered by count (order_slots: (token_slots, slot_counts, slot_tokens)) and their entries in
+    slot order (ell_to_slots): h = a * b when `product` (a = g, b = u; returned twice), else a's and b's (du, dg)."""
+    (m, width), device = ell_cols_MW.shape, ell_cols_MW.device
+    slots = order_slots(ell_count_M, heavy_M)
+    arrays = 1 if product else 2
+    entries = torch.empty(arrays, math.ceil(m / 32) * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
+    operands = (ell_cols_MW, ell_a_MW, ell_b_MW, ell_count_M, heavy_M, slots[0], entries[0], entries[-1])
+    args = (*map(cuda.ptr, operands), *map(np.int32, (m, width, 2)))  # 16-column slices: two 16-byte pieces a row
+    _launch("gate_up_then_down.cu", f"ell_to_slots<{str(product).lower()}>", math.ceil(m / 4), 4, args, device)
+    return slots, (entries[0], entries[-1])
+
+
+def _y_by_slices(
+    w_down_t_NK: Tensor, ell_cols_MW: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor, ell_count_M: Tensor,
+    heavy_M: Tensor, y_MK: Tensor,
+) -> None:  # fmt: skip
+    """y_MK's light rows = h w_down^T at the ELL entries (h = bf16(g * u), as train_fwd_gate rounds it), through the
+    slices walk. Heavy rows are left unwritten."""
+    (_, slot_counts_M, slot_tokens_M), (h_entries, _) = _slot_entries(
+        ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, product=True
+    )
+    slices_down(h_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK)
+
+
+def _dx_by_slices(
+    w_gate_NK: Tensor, w_up_NK: Tensor, ell_cols_MW: Tensor, ell_du_MW: Tensor, ell_dg_MW: Tensor, ell_count_M: Tensor,
+    heavy_M: Tensor, dx_MK: Tensor,
+) -> None:  # fmt: skip
+    """dx_MK's light rows = du w_up + dg w_gate at the ELL entries through the slices walk, one pass per weight, the
+    fp32 sums carried from the first to the second (rounded once, as train_bwd_dx rounds them). The passes take the
+    tokens DX_SUMS_BYTES of fp32 sums at a time, so that the sums add little to the backward's peak memory. Heavy rows
+    are left unwritten."""
+    m, k = ell_cols_MW.shape[0], w_up_NK.shape[1]
+    (_, slot_counts_M, slot_tokens_M), (du_entries, dg_entries) = _slot_entries(
+        ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, product=False
+    )
+    step = max(ORDER_GROUP, DX_SUMS_BYTES // (4 * k) // ORDER_GROUP * ORDER_GROUP)  # slots per pass: whole groups
+    sums_SK = torch.empty(min(m, step), k, dtype=torch.float32, device=w_up_NK.device)
+    for s0 in range(0, m, step):
+        slots = (s0, min(m, s0 + step))
+        slices_down(du_entries, slot_counts_M, slot_tokens_M, w_up_NK, None, sums_out_SK=sums_SK, slots=slots)
+        slices_down(dg_entries, slot_counts_M, slot_tokens_M, w_gate_NK, dx_MK, sums_in_SK=sums_SK, slots=slots)
 
 
 def _light_weight_gradients(
@@ -652,7 +757,7 @@ def _light_weight_gradients(
 
 def _cuda_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    w_compute_RK, dy_MK, dl1,
+    w_compute_RK, dy_MK, dl1, dx_slices=False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     device = x_MK.device
     _require_kernels(device)
@@ -664,7 +769,8 @@ def _cuda_backward(
         dy_MK = dy_MK.to(torch.bfloat16).contiguous()
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
         dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, csc = _light_backward(
-            dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1
+            dy_MK, w_gate_NK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, dl1_1,
+            dx_slices,
         )  # fmt: skip
         # The memory peaks are the sort of the transposed view's keys (its temporary buffers), then the weight
         # gradients with the view, then dW_down's transposed copy: the gradients are allocated after the sort, and
@@ -716,9 +822,12 @@ def _backup_backward(
 
 
 @torch.library.custom_op("sparsellm::twell_train_forward", mutates_args=())
-def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int) -> _Outputs:
+def twell_train_forward_op(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
+) -> _Outputs:
     """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES
-    (heavy_counts: a pinned CPU int32 [1]; w_compute_RK: `compute_weights`).
+    (heavy_counts: a pinned CPU int32 [1]; w_compute_RK: `compute_weights`). `dx_slices` is for the backward:
+    whether its light dx takes the slices walk (`dx_by_slices`).
 
     Inputs are validated by `twell_train_ffn`; call that instead. This default implementation is the
     torch reference (any device); CUDA tensors take the kernels.
@@ -730,13 +839,13 @@ def twell_train_forward_op(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_d
 def twell_train_backward_op(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor,
     ell_cols_MW: Tensor, ell_count_M: Tensor, heavy_M: Tensor, ell_g_MW: Tensor, ell_u_MW: Tensor,
-    heavy_counts: Tensor, w_compute_RK: Tensor, dy_MK: Tensor, dl1: Tensor,
+    heavy_counts: Tensor, w_compute_RK: Tensor, dy_MK: Tensor, dl1: Tensor, dx_slices: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor); the
     weight gradients in the weights' dtype."""
     return _reference_backward(
         x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-        w_compute_RK, dy_MK, dl1,
+        w_compute_RK, dy_MK, dl1, dx_slices,
     )  # fmt: skip
 
 
@@ -745,7 +854,7 @@ twell_train_backward_op.register_kernel("cuda")(_cuda_backward)
 
 
 @twell_train_forward_op.register_fake
-def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
+def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False):
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     i32 = torch.int32
@@ -764,7 +873,7 @@ def _backward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, *_):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, _ = inputs
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, _, ctx.dx_slices = inputs
     ctx.save_for_backward(x_MK, w_gate_NK, w_up_NK, w_down_KN, *output[4:])
     ctx.mark_non_differentiable(*output[2:])
     # No zero gradients for the nine state and statistics outputs (a fill and an allocation each per call, up to
@@ -772,14 +881,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor, Tensor, Tensor, None]:
+def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor, Tensor, Tensor, None, None]:
     """The op's input gradients through `backward_impl` (the backward custom op, or its implementation)."""
     saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
     x_MK = saved[0]
     dy_MK = torch.zeros_like(x_MK) if dy_MK is None else dy_MK
     dl1 = x_MK.new_zeros((), dtype=torch.float32) if dl1 is None else dl1
-    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = backward_impl(*saved, dy_MK, dl1)
-    return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None
+    dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = backward_impl(*saved, dy_MK, dl1, ctx.dx_slices)
+    return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None, None
 
 
 def _backward(ctx, dy_MK, dl1, *_):
@@ -796,10 +905,10 @@ class _EagerTrainFFN(torch.autograd.Function):
     custom ops instead."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width):
+    def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices):
         forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
-        outputs = forward_impl(x_MK, w_gate_NK, w_up_NK, w_down_KN, width)
-        _setup_context(ctx, (x_MK, w_gate_NK, w_up_NK, w_down_KN, width), outputs)
+        outputs = forward_impl(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices)
+        _setup_context(ctx, (x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices), outputs)
         return outputs
 
     @staticmethod
@@ -818,7 +927,8 @@ def _backward_impl(x_MK: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor,
 
 
 def twell_train_ffn(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, *, width: int = DEFAULT_WIDTH
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, *, width: int = DEFAULT_WIDTH,
+    l0_hint: tuple[float, float] | None = None,
 ) -> FFNResult:
     """The gated FFN block for training on the hybrid sparse format, differentiable through y and l1_sum.
 
@@ -829,6 +939,8 @@ def twell_train_ffn(
             rounding to bf16 on the way; weights in another dtype are cast first.
         width: ELL width W; tokens with more gate non-zeros are heavy: the forward splits each over a block
             of warps, the backward computes their gradients with cuBLAS on their rows.
+        l0_hint: the layer's recent (mean, max) non-zeros per token, or None: picks the backward's dx walk
+            (`dx_by_slices`); the results do not depend on it beyond fp32 summation order.
 
     Returns:
         FFNResult with y_MK, l1_sum (fp32 sum |h|), l0_M (int32 non-zeros of h per token), fired_N (bool),
@@ -841,10 +953,11 @@ def twell_train_ffn(
         dtype = torch.get_autocast_dtype(device_type)
         tensors = (tensors[0].to(dtype), *(w if w.dtype == torch.float32 else w.to(dtype) for w in tensors[1:]))
     tensors = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors)
-    check_train_inputs(*tensors, width)
+    m, k, n = check_train_inputs(*tensors, width)
+    dx_slices = dx_by_slices(m, k, n, width, l0_hint)
     op = twell_train_forward_op if torch.compiler.is_compiling() else _EagerTrainFFN.apply
     with torch.autocast(device_type, enabled=False):
-        y_MK, l1_sum, l0_M, fired_N, *state = op(*tensors, width)
+        y_MK, l1_sum, l0_M, fired_N, *state = op(*tensors, width, dx_slices)
     heavy_counts = state[STATE_NAMES.index("heavy_counts")]
     return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
                      overflow_rows=heavy_counts[:1])  # fmt: skip

@@ -196,6 +196,7 @@ def test_kernel_families_name_what_the_device_ran():
         "void gate_up_entries<8>(__nv_bfloat16 const*)": "sparse FFN",
         "order_tokens": "sparse FFN",
         "entries_to_slots": "sparse FFN",
+        "void ell_to_slots<true>(int const*)": "sparse FFN",
         "void entries_down<16>(unsigned int const*)": "sparse FFN",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "GEMM",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",

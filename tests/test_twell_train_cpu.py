@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sparse_llm import backends, cuda
+from sparse_llm import backends, cuda, twell_train
 from sparse_llm.backends import TorchFFN
 from sparse_llm.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_backward_ref, hybrid_gated_mlp_forward_ref
@@ -31,11 +31,13 @@ from sparse_llm.twell_train import (
     csc_keys,
     csc_order,
     csc_shared_ranks,
+    dx_by_slices,
     heavy_rows,
     train_estimated_ms,
     twell_train_backward_op,
     twell_train_ffn,
     twell_train_forward_op,
+    walk_by_slices,
 )
 
 KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
@@ -328,6 +330,29 @@ def test_opted_in_auto_follows_the_measured_block(monkeypatch, l0_mean, l0_max, 
 
 
 # ---------------------------------------------------------------- host-side pieces of the GPU path
+
+
+def test_training_walks_take_slices_only_where_they_fit():
+    """A training walk (y's, dx's) set to "slices" takes it only where a 16-column slice of N rows fits shared memory,
+    ELL rows fit the slices walk's lists and the layer has SLICES_MIN_M tokens."""
+    assert not walk_by_slices("rows", 16384, 2048, 5632, 128)
+    assert walk_by_slices("slices", 16384, 2048, 5632, 128)
+    assert not walk_by_slices("slices", 16384, 2048, 11264, 128)  # 8-column slices only
+    assert not walk_by_slices("slices", 16384, 2048, 5632, 256)
+    assert not walk_by_slices("slices", twell_train.SLICES_MIN_M - 1, 2048, 5632, 128)
+
+
+@pytest.mark.parametrize(
+    "l0_hint, slices",
+    [(None, False), ((28.0, 60.0), False), ((56.0, 100.0), True), ((56.0, 200.0), True), ((60.0, 1173.0), False)],
+)
+def test_dx_walk_follows_the_layers_density(l0_hint, slices):
+    """By default the light dx takes slices only where the layer's hint puts the light tokens' mean non-zeros where
+    slices were faster (56 uniform) and few of them on heavy tokens (not at 60 with a heavy tail); without a hint,
+    rows. A shape that slices cannot take stays on rows whatever the hint."""
+    assert twell_train.DX_WALK == "auto"
+    assert dx_by_slices(16384, 2048, 5632, 128, l0_hint) == slices
+    assert not dx_by_slices(16384, 2048, 11264, 128, l0_hint)
 
 
 def test_csc_keys_are_16_bit_while_the_ffn_width_fits():

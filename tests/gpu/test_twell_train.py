@@ -212,6 +212,42 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
     check_case(*block)
 
 
+@pytest.fixture
+def by_slices(monkeypatch):
+    """The training op's y and light dx through the slices walk wherever it fits, at any token count."""
+    monkeypatch.setattr(twell_train, "FWD_WALK", "slices")
+    monkeypatch.setattr(twell_train, "DX_WALK", "slices")
+    monkeypatch.setattr(twell_train, "SLICES_MIN_M", 1)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, nnz, sigma",
+    [(4096, 2048, 5632, 28, 0.0), (4096, 2048, 5632, 56, 0.0), (4096, 2048, 5632, 60, 0.5), (1000, 1024, 2816, 40, 0.3),
+     (129, 320, 768, 15, 0.3), (1, 64, 256, 5, 0.0)],
+)  # fmt: skip
+def test_walks_by_slices(m, k, n, nnz, sigma, by_slices):
+    """y of the light tokens by the slices down kernel, their dx by two passes of it (w_up's columns, then w_gate's,
+    fp32 sums between): every output and gradient within the reference budget, heavy tokens' rows (backup) included."""
+    assert twell_train.walk_by_slices("slices", m, k, n, 128)
+    check_case(*synthetic_block(m, k, n, nnz, sigma=sigma, seed=m + nnz))
+
+
+def test_dx_by_slices_in_token_chunks(by_slices, monkeypatch):
+    """The passes over ORDER_GROUP slots at a time (the fp32 sums of one chunk held at once), 3000 tokens: two whole
+    chunks and a partial one, heavy tokens among them."""
+    monkeypatch.setattr(twell_train, "DX_SUMS_BYTES", 1)
+    check_case(*synthetic_block(3000, 1024, 2816, 40, sigma=0.5, seed=9))
+
+
+def test_walks_by_slices_with_dense_zero_and_hot_rows(by_slices):
+    x, wg, wu, wd = synthetic_block(2048, 2048, 5632, 28, seed=6)
+    x[::5, 0] = -1.0  # fully dense tokens: backup rows, no slot entries
+    x[1::5] = 0.0  # all-zero tokens: a count of 0
+    wg[123, 0] = 10.0  # neuron 123 fires for (almost) every token
+    result = check_case(x, wg, wu, wd)
+    assert result.dense_rows() >= len(range(0, 2048, 5))
+
+
 def test_more_than_65536_tokens():
     check_case(*synthetic_block(70000, 256, 512, 8, sigma=0.3, seed=1))
 
