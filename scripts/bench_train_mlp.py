@@ -13,7 +13,9 @@ the ratio is taken on these) and as isolated calls (each waited for, so the host
 is included), host wall-clock ms per step of back-to-back steps, forward-only ms, peak memory above the
 inputs and weights during forward+backward and the memory held between forward and backward (the saved
 activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
-them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows. Sparsity
+them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows, and what
+`kernel=auto` runs with the training kernels opted in (SPARSE_LLM_TWELL_TRAIN=1; the layer's dispatcher, eager
+layers, given the block's mean and max non-zeros) with its ratio to the dense path. Sparsity
 is controlled with `synthetic_block` (a constant input feature with a negative gate weight; sigma > 0 scales
 tokens log-normally for heavy tails).
 """
@@ -23,13 +25,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 
 import torch
 
 from sparse_llm.backends import dense_block
 from sparse_llm.benchmark import time_ms, wall_ms
+from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.twell_backend import synthetic_block
-from sparse_llm.twell_train import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
+from sparse_llm.twell_train import DEFAULT_WIDTH, OPT_IN_ENV, dx_by_slices, twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
 CASES = {
@@ -87,6 +91,22 @@ def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
     return peak / MB, saved / MB
 
 
+def auto_choice(x: torch.Tensor, wg: torch.Tensor, l0_hint: tuple[float, float]) -> str:
+    """The backend a training layer with `kernel=auto` takes, the training kernels opted in, at this block's
+    sparsity."""
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(*l0_hint)
+    saved = os.environ.get(OPT_IN_ENV)
+    os.environ[OPT_IN_ENV] = "1"
+    try:
+        return dispatcher.choose(x, wg, training=True).name
+    finally:
+        if saved is None:
+            del os.environ[OPT_IN_ENV]
+        else:
+            os.environ[OPT_IN_ENV] = saved
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
@@ -113,6 +133,7 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     }  # fmt: skip
     l0_hint = (row["nnz_mean"], row["nnz_max"])
     row["dx_walk"] = "slices" if dx_by_slices(m, k, n, DEFAULT_WIDTH, l0_hint) else "rows"
+    row["auto"] = auto_choice(x, wg, l0_hint)
     names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
     twell_forward = functools.partial(sparse_forward, l0_hint=l0_hint)
     for label, forward in (("dense", dense_forward), ("compiled", compiled_dense_forward), ("twell", twell_forward)):
@@ -132,26 +153,30 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     row["speedup_compiled"] = row["compiled_ms"] / row["twell_ms"]
     row["speedup_isolated"] = row["dense_isolated_ms"] / row["twell_isolated_ms"]
     row["peak_ratio"] = row["twell_peak_MB"] / row["dense_peak_MB"]
+    row["auto_speedup"] = row["dense_ms"] / (row["twell_ms"] if row["auto"] == "twell" else row["dense_ms"])
     return row
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| case | nnz mean / p99 / max | backup rows | dx walk | dense ms | twell ms | speedup | dense compiled ms | speedup "
-            "vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell | fwd ms dense / twell "
-            "| peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 14]
+    head = ("| case | nnz mean / p99 / max | backup rows | dx walk | dense ms | twell ms | speedup | dense compiled ms "
+            "| speedup vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell "
+            "| fwd ms dense / twell | peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) | auto "
+            "| auto speedup |")  # fmt: skip
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         errs = ", ".join(
             f"{w} {r[f'err_{w}_twell']:.1e} ({r[f'err_{w}_dense']:.1e})" for w in ("dx", "dw_gate", "dw_up", "dw_down")
         )
         lines.append(
-            f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} | {r['dx_walk']} "
+            f"| {r['case']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']:.0f} | {r['backup_rows']} "
+            f"| {r['dx_walk']} "
             f"| {r['dense_ms']:.2f} | {r['twell_ms']:.2f} | {r['speedup']:.2f}x "
             f"| {r['compiled_ms']:.2f} | {r['speedup_compiled']:.2f}x "
             f"| {r['dense_isolated_ms']:.2f} / {r['twell_isolated_ms']:.2f} ({r['speedup_isolated']:.2f}x) "
             f"| {r['dense_wall_ms']:.2f} / {r['twell_wall_ms']:.2f} "
             f"| {r['dense_fwd_ms']:.2f} / {r['twell_fwd_ms']:.2f} "
-            f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} |"
+            f"| {r['dense_peak_MB']:.0f} / {r['twell_peak_MB']:.0f} ({r['peak_ratio']:.2f}) | {errs} "
+            f"| {r['auto']} | {r['auto_speedup']:.2f}x |"
         )
     return "\n".join(lines)
 
