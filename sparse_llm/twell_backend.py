@@ -36,6 +36,7 @@ import functools
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +128,17 @@ SPLIT_BELOW_M = 2048
 #   from there, KS columns at a time. It pays where many tokens share each slice (large M); the tokens are ordered
 #   by count first, so that the 32 a warp walks together take about equally long.
 WALKS = ("rows", "slices")
+# Where the price puts slices ahead, the price alone cannot tell: it sees only the mean and max non-zeros per token,
+# not how unevenly the neurons fire. Rows profit from hot neurons (their rows stay in L2 and L1) and slices do not:
+# in the 2B model at 24 non-zeros per token (bench_model.py, H100, 2026-11-26) the layers' sparse kernels took 16.3 ms
+# through rows against 22.0 through slices, where on the synthetic block (neurons drawn evenly) slices ran 4-9% ahead.
+# So by default ("measured") the first such call at a shape and density times both walks on its own tokens, and calls
+# at that shape and density keep the faster (`measured_walk`); "priced" trusts the price (deterministic: the two
+# walks round h differently).
+WALK_CHOICE = "measured"
+WALK_TRIAL_REPS = 2  # timed calls per walk in a trial, after one untimed call each
+WALK_TRIAL_BUCKETS = 2  # densities within a factor 2 ** (1 / this) of mean non-zeros share a trial
+_measured_walks: dict[tuple[int, int, int, int], str] = {}
 SLICE_SMEM_BYTES = 227 * 1024  # shared memory per block on an H100: the slice's (N + 1) rows of KS bf16
 SLICE_WIDTHS = (16, 8)  # KS, widest first (entries_down<KS> instances)
 ORDER_GROUP = 1024  # tokens ordered by count together (order_tokens in the kernel)
@@ -847,7 +859,8 @@ def twell_gated_mlp(
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
-            (`direct_walk`) and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
+            (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless WALK_CHOICE is "priced")
+            and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
 
     Returns:
         FFNResult. "direct": path "twell-direct" ("twell-slices" where it took the slices walk), overflow_rows 0
@@ -863,11 +876,16 @@ def twell_gated_mlp(
         fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
+        w_down_t_NK = _DOWN_T.get(w_down_KN)
+
+        def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
+            return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk)
+
         walk = direct_walk(m, k, n, l0_hint)
-        columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
-        y_MK, l1_M, l0_M, fired_N = _direct_up_down(
-            x_MK, gate_MN, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz, fused, columns, walk
-        )  # fmt: skip
+        if walk == "slices" and WALK_CHOICE == "measured":
+            walk = measured_walk((m, k, n, _mean_bucket(l0_hint[0])), walk_through)
+        y_MK, l1_M, l0_M, fired_N = walk_through(walk)
         if residual_MK is not None and fused is None:
             y_MK = residual_MK + y_MK
         path = "twell-slices" if walk == "slices" else "twell-direct"
@@ -894,6 +912,37 @@ def twell_gated_mlp(
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
+
+
+def _mean_bucket(l0_mean: float) -> int:
+    return round(WALK_TRIAL_BUCKETS * math.log2(max(l0_mean, 1.0)))
+
+
+def measured_walk(key: tuple[int, int, int, int], walk_through: Callable[[str], object]) -> str:
+    """The faster of the two walks for `key` (M, K, N, the density bucket): timed once per key with CUDA events around
+    `walk_through(walk)` (which runs the block through that walk on the calling layer's inputs), then remembered for
+    every layer of that shape and density (a model's layers fire alike). The trial waits for the GPU once; while a
+    CUDA graph is being captured it cannot, and the price's choice ("slices") stands."""
+    if key in _measured_walks:
+        return _measured_walks[key]
+    if torch.cuda.is_current_stream_capturing():
+        return "slices"
+    for walk in WALKS:  # untimed: the first call of a walk may load its kernels
+        walk_through(walk)
+    events = {walk: [] for walk in WALKS}
+    for _ in range(WALK_TRIAL_REPS):
+        for walk in WALKS:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            walk_through(walk)
+            end.record()
+            events[walk].append((start, end))
+    end.synchronize()
+    best_ms = {walk: min(s.elapsed_time(e) for s, e in pairs) for walk, pairs in events.items()}
+    if len(_measured_walks) >= 4096:  # shapes x densities: a bound that one model never reaches
+        _measured_walks.clear()
+    _measured_walks[key] = min(best_ms, key=best_ms.get)
+    return _measured_walks[key]
 
 
 # ------------------------------------------------------------------------------------------------

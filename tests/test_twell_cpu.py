@@ -269,6 +269,13 @@ def test_direct_walk_takes_slices_only_where_they_pay():
     assert (slice_width(5632), slice_width(11264), slice_width(14336), slice_width(16896)) == (16, 8, 8, None)
 
 
+def test_walk_trials_are_shared_by_close_densities_only():
+    """Layers whose mean non-zeros differ by less than a bucket (2 ** 0.5) share a trial; the default measures."""
+    assert twell_backend.WALK_CHOICE == "measured"
+    bucket = twell_backend._mean_bucket
+    assert bucket(24.0) == bucket(26.0) != bucket(56.0) and bucket(0.0) == bucket(1.0) == 0
+
+
 def test_direct_up_down_names_a_bad_walk():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="walk='diagonal' is not valid"):

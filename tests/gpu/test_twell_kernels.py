@@ -31,10 +31,12 @@ pytestmark = [
 ]
 
 if REASON is None:
+    from sparse_llm import twell_backend
     from sparse_llm.twell_backend import (
         TransposeCache,
         direct_up_down,
         direct_walk,
+        measured_walk,
         synthetic_block,
         transposed_copy,
         twell_gate,
@@ -328,9 +330,10 @@ def test_slices_walk_dense_zero_and_hot_rows(m):
     assert torch.equal(with_residual_MK, residual_MK + y_MK)
 
 
-def test_block_op_takes_the_walk_its_density_hint_prices_cheaper():
-    """twell_gated_mlp with the layer's (mean, max) non-zeros: slices for an even spread at many tokens (exact), rows
-    without a hint or with a heavy tail; every walk gives the same l0 and fired."""
+def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
+    """twell_gated_mlp with the layer's (mean, max) non-zeros, the price trusted: slices for an even spread at many
+    tokens (exact), rows without a hint or with a heavy tail; every walk gives the same l0 and fired."""
+    monkeypatch.setattr(twell_backend, "WALK_CHOICE", "priced")
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=31)
     m, k, n = 8192, 2048, 5632
     plain = twell_gated_mlp(*block)
@@ -342,6 +345,49 @@ def test_block_op_takes_the_walk_its_density_hint_prices_cheaper():
     assert_close_to_ref(hinted.y_MK, *block)
     assert torch.equal(hinted.l0_M, plain.l0_M) and torch.equal(hinted.fired_N, plain.fired_N)
     assert hinted.path == "twell-slices" and plain.path == "twell-direct"
+
+
+@pytest.mark.parametrize("slow", ["rows", "slices"])
+def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
+    """A trial times both walks on the device and keeps the faster for its key; later calls with that key run
+    nothing; a walk made slow by extra GPU work loses."""
+    monkeypatch.setattr(twell_backend, "_measured_walks", {})
+    a = torch.randn(4096, 4096, device="cuda")
+    calls = []
+
+    def walk_through(walk):
+        calls.append(walk)
+        for _ in range(20 if walk == slow else 1):
+            a @ a
+
+    fast = "slices" if slow == "rows" else "rows"
+    assert measured_walk((1, 2, 3, 4), walk_through) == fast
+    assert calls.count("rows") == calls.count("slices") == 1 + twell_backend.WALK_TRIAL_REPS
+    calls.clear()
+    assert measured_walk((1, 2, 3, 4), walk_through) == fast and calls == []
+
+
+def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
+    """With a hint that prices slices ahead, the block op runs the walk its trial found faster (here made rows by
+    slowing the slices walk), exactly, and remembers it for the shape and density."""
+    monkeypatch.setattr(twell_backend, "_measured_walks", {})
+    block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=32)
+    plain = twell_gated_mlp(*block)
+    l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
+    assert direct_walk(8192, 2048, 5632, l0) == "slices"
+    direct = twell_backend._direct_up_down
+    spin = torch.randn(4096, 4096, device="cuda")
+
+    def slow_slices(*args):
+        if args[-1] == "slices":
+            for _ in range(20):
+                spin @ spin
+        return direct(*args)
+
+    monkeypatch.setattr(twell_backend, "_direct_up_down", slow_slices)
+    hinted = twell_gated_mlp(*block, l0_hint=l0)
+    assert hinted.path == "twell-direct" and list(twell_backend._measured_walks.values()) == ["rows"]
+    assert torch.equal(hinted.y_MK, plain.y_MK) and torch.equal(hinted.l0_M, plain.l0_M)
 
 
 @pytest.mark.parametrize("route", ["direct", "cublas"])
