@@ -2,6 +2,7 @@
 
     python scripts/bench_mlp.py --mode infer                 # the BENCHMARKS.md table (H100: ~3 min)
     python scripts/bench_mlp.py --mode infer --calibrate     # also the cost-model calibration tables
+    python scripts/bench_mlp.py --mode train [--cases u28 u56]  # the training block: scripts/bench_train_mlp.py
 
 Per case: dense torch ms (three F.linear + relu + mul, no statistics; also compiled by inductor) and twell ms (medians of
 CUDA-event timings after warm-up, same process; each call waited for, so the host's latency to the first kernel
@@ -141,7 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=["infer"], default="infer")
+    parser.add_argument(
+        "--mode", choices=["infer", "train"], default="infer",
+        help="train: forward + backward with the L1 term, by scripts/bench_train_mlp.py (which takes --m, --k, --n "
+        "and its own options: --cases, --reps, --out)",
+    )  # fmt: skip
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--n", type=int, default=5632)
@@ -152,7 +157,14 @@ def main() -> None:
     parser.add_argument("--energy-seconds", type=float, default=1.0)
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--json", default=None, help="write all rows here")
-    args = parser.parse_args()
+    args, train_options = parser.parse_known_args()
+    if args.mode == "train":
+        import bench_train_mlp  # scripts/, on the path when this file runs as a script
+
+        bench_train_mlp.main(["--m", str(args.m), "--k", str(args.k), "--n", str(args.n), *train_options])
+        return
+    if train_options:
+        parser.error(f"unrecognized arguments: {' '.join(train_options)}")
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda")

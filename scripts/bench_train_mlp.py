@@ -181,7 +181,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--k", type=int, default=2048, help="hidden width")
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", help="append one JSON line per case to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_train_mlp.py needs a CUDA GPU (the sparse kernels are sm_90a).")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, M={args.m} K={args.k} N={args.n}, bf16")

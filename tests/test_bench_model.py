@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -329,3 +330,17 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
     model.to(torch.float64)  # a dtype change while the stock MLPs are in place reaches the SparseMLPs too
     bench_model.set_kernel(model, "torch", None)
     assert {mlp.down_proj.weight.dtype for mlp in sparse_mlps(model)} == {torch.float64}
+
+
+def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
+    """`bench_mlp.py --mode train` runs bench_train_mlp.py with the shape (on a CPU it stops at the GPU check);
+    training options are refused in inference mode."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(ROOT / "scripts" / "bench_mlp.py"), *args]
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    train = run("--mode", "train", "--m", "64", "--cases", "u28")
+    if not torch.cuda.is_available():
+        assert train.returncode != 0 and "bench_train_mlp.py needs a CUDA GPU" in train.stderr
+    refused = run("--mode", "infer", "--cases", "u28")
+    assert refused.returncode == 2 and "unrecognized arguments: --cases u28" in refused.stderr
