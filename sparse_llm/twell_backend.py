@@ -9,10 +9,11 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   There is no slot capacity, so no token is ever recomputed, and nothing is read back to the host: the
   call has no device-to-host synchronisation. A block whose w_up + w_down rows outgrow L2 is walked in two
   or three column parts (`column_parts`), each token's fp32 sums carried from one part to the next.
-  For many tokens with evenly spread non-zeros the route splits the walk in two ("slices", `direct_walk`,
+  For many tokens with evenly spread non-zeros the route may split the walk in two ("slices", `direct_walk`,
   kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
-  "twell-slices".
+  "twell-slices". Where the price puts slices ahead, one timed trial per shape and density settles the walk
+  (`measured_walk`): the call that runs it waits for the GPU once.
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
@@ -937,7 +938,7 @@ def measured_walk(key: tuple[int, int, int, int], walk_through: Callable[[str], 
             walk_through(walk)
             end.record()
             events[walk].append((start, end))
-    end.synchronize()
+    end.synchronize()  # the last event recorded: every timed call is done
     best_ms = {walk: min(s.elapsed_time(e) for s, e in pairs) for walk, pairs in events.items()}
     if len(_measured_walks) >= 4096:  # shapes x densities: a bound that one model never reaches
         _measured_walks.clear()

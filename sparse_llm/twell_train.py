@@ -346,6 +346,7 @@ def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> t
 def _reference_forward(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
 ) -> _Outputs:
+    # dx_slices (part of the op's schema) is the CUDA backward's; the reference has one dx
     w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
@@ -370,6 +371,7 @@ def _reference_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
     w_compute_RK, dy_MK, dl1, dx_slices=False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    # dx_slices picks the CUDA backward's dx walk; the reference has one
     weight_dtype = w_gate_NK.dtype
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     rows_R = heavy_rows(heavy_M, heavy_counts)
@@ -444,6 +446,7 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
 def _cuda_forward(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
 ) -> _Outputs:
+    # dx_slices (part of the op's schema) reaches the backward through the autograd context
     device = x_MK.device
     _require_kernels(device)  # the operands were checked once, by twell_train_ffn
     m, k = x_MK.shape
