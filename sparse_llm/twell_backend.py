@@ -268,9 +268,15 @@ def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> flo
     heavy = heavy_share(l0_mean, l0_max)
     up = nonzeros * (1.0 - heavy) * 2 * k / (UP_GBPS * 1e6) * row_slowdown(n * 2 * k) * _tail_factor(l0_mean, l0_max)
     up += m * n * 2 / (GATE_READ_GBPS * 1e6) + nonzeros * heavy * 4 * k / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * 4 * k)
+    return up + slices_down_ms(m, k, n, l0_mean, l0_max)
+
+
+def slices_down_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+    """One entries_down pass over M tokens' slot entries into K columns from N rows (slice_width(N) must fit): per
+    work item (32 tokens x KS columns) a fixed cost plus one per step of its densest token (`warp_steps`)."""
+    ks = slice_width(n)
     items = math.ceil(m / 32) * (k // ks)
-    down = items * (DOWN_MS_PER_ITEM[ks] + DOWN_MS_PER_ITEM_STEP[ks] * warp_steps(l0_mean, l0_max))
-    return up + down
+    return items * (DOWN_MS_PER_ITEM[ks] + DOWN_MS_PER_ITEM_STEP[ks] * warp_steps(l0_mean, l0_max))
 
 
 def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None) -> str:

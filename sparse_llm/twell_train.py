@@ -131,6 +131,7 @@ from sparse_llm.twell_backend import (
     shape_unsupported_reason,
     slice_width,
     slices_down,
+    slices_down_ms,
     split_token_up_down,
     transposed_copy,
 )
@@ -174,7 +175,7 @@ DX_SUMS_BYTES = 32 << 20  # fp32 sums the slices walk of dx holds at once (4096 
 WGRAD_WARPS_PER_BLOCK = 4
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 WGRAD_PIECES = 4  # 16-byte pieces per lane of one K slice in the weight-gradient kernel (1024 columns)
-TRAIN_MS_PER_TOKEN = 0.18 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
+TRAIN_MS_PER_TOKEN = 0.10 / 16384  # cost-model residual per token, fitted at M = 16384 (train_estimated_ms)
 CALIBRATION_MKN = (16384, 2048, 5632)  # the block train_estimated_ms was fitted on
 # A heavy-tailed layer's light tokens just under the ELL width make the walks' tail: its light rows cost this much
 # more than a uniform layer's (fitted on h60: mean 60, max 1173 non-zeros per token), in proportion to the tail's
@@ -226,14 +227,17 @@ def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """Predicted ms of one forward + backward, or None (not opted in, or a shape the kernels cannot take).
 
-    The gate (cuBLAS + packing), weight rows streamed per light non-zero (2 forward, 3 backward, 2
-    gathered token rows for the weight gradients) at the inference kernel's row rate (slower where a walk's rows
-    outgrow L2 more than at the calibration block: `_walk_slowdown`), the fp32
-    weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what
-    the rest does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at
-    M = 16384, K = 2048, N = 5632 (scripts/bench_train_mlp.py, 2026-11-25 15:05: u28 2.70 ms, u56 4.38,
-    h60 5.70, h79 6.14, u112 8.35, every token heavy (u279) 14.73; the model gives 2.70, 4.45, 5.84, 7.19,
-    10.79 and 14.93).
+    The gate (cuBLAS + packing), weight rows streamed per light non-zero at the inference kernel's row rate (slower
+    where a walk's rows outgrow L2 more than at the calibration block: `_walk_slowdown`): forward w_up's, and w_down's
+    where y does not take the slices walk; backward w_down's, and w_up's and w_gate's where dx does not take it
+    (`dx_by_slices` at this density); two gathered token rows for the weight gradients. The slices walks at the
+    inference down kernel's price (`slices_down_ms`; dx: two passes and its fp32 sums through memory). Then the fp32
+    weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what the rest
+    does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at M = 16384, K = 2048,
+    N = 5632 (scripts/bench_train_mlp.py, 2026-11-26 09:55: u28 2.57 ms, u56 3.99, h60 5.04, h79 5.95, u112 7.86,
+    h154 8.33, every token heavy (u279) 14.79; the model gives 2.57, 3.98, 5.53, 6.86, 9.67, 10.79 and 14.91: the
+    denser and heavy-tailed layers are priced high, which errs towards the dense path) and on K = 4096, N = 11008
+    at M = 8192 (rows walks in two column parts: 4.65 and 6.83 ms at 29 and 57 non-zeros; priced 4.58, 7.45).
     A call never costs less than TRAIN_EXPOSED_HOST_MS, the part of the host's time to issue it that a model step
     sees: below that the GPU waits.
     """
@@ -242,17 +246,22 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     gate = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9) + m * n * 2.5 / (PACK_GBPS * 1e6)
     heavy_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
     light_entries = m * (1.0 - heavy_fraction) * light_mean
+    y_slices = walk_by_slices(FWD_WALK, m, k, n, DEFAULT_WIDTH)
+    dx_slices = dx_by_slices(m, k, n, DEFAULT_WIDTH, (l0_mean, l0_max))
     cal_m, cal_k, cal_n = CALIBRATION_MKN
     rows_per_entry = (
-        2 * _walk_slowdown(4 * n * k, 4 * cal_n * cal_k)  # forward: w_up and w_down rows
-        + 3 * _walk_slowdown(6 * n * k, 6 * cal_n * cal_k)  # backward: w_down, w_up and w_gate rows
+        (1 if y_slices else 2) * _walk_slowdown(4 * n * k, 4 * cal_n * cal_k)  # forward: w_up [and w_down] rows
+        + (1 if dx_slices else 3) * _walk_slowdown(6 * n * k, 6 * cal_n * cal_k)  # backward: w_down [w_up, w_gate]
         + 2 * _walk_slowdown(4 * m * k, 4 * cal_m * cal_k)  # weight gradients: the tokens' x and dy rows
     )
     rows = light_entries * rows_per_entry * 2 * k / (UP_DOWN_GBPS * 1e6)
     rows *= 1.0 + (TRAIN_TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
+    down = slices_down_ms(m, k, n, l0_mean, l0_max) if y_slices or dx_slices else 0.0
+    dx_sums = m * k * (4 + 4 + 2) / (HBM_GBPS * 1e6)  # fp32 sums written, read back, bf16 dx written
+    slices = (down if y_slices else 0.0) + (2 * down + dx_sums if dx_slices else 0.0)
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
-    device_ms = gate + rows + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
+    device_ms = gate + rows + slices + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
     return max(device_ms, TRAIN_EXPOSED_HOST_MS)
 
 
