@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -134,9 +135,10 @@ WALKS = ("rows", "slices")
 # in the 2B model at 24 non-zeros per token (bench_model.py, H100, 2026-11-26) the layers' sparse kernels took 16.3 ms
 # through rows against 22.0 through slices, where on the synthetic block (neurons drawn evenly) slices ran 4-9% ahead.
 # So by default ("measured") the first such call at a shape and density times both walks on its own tokens, and calls
-# at that shape and density keep the faster (`measured_walk`); "priced" trusts the price (deterministic: the two
-# walks round h differently).
-WALK_CHOICE = "measured"
+# at that shape and density keep the faster (`measured_walk`); SPARSE_LLM_TWELL_WALK=priced trusts the price
+# (deterministic: the two walks round h differently).
+WALK_CHOICE_ENV = "SPARSE_LLM_TWELL_WALK"
+WALK_CHOICES = ("measured", "priced")
 WALK_TRIAL_REPS = 2  # timed calls per walk in a trial, after one untimed call each
 WALK_TRIAL_BUCKETS = 2  # densities within a factor 2 ** (1 / this) of mean non-zeros share a trial
 _measured_walks: dict[tuple[int, int, int, int], str] = {}
@@ -866,7 +868,7 @@ def twell_gated_mlp(
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
-            (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless WALK_CHOICE is "priced")
+            (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless `walk_choice` is "priced")
             and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
 
     Returns:
@@ -890,7 +892,7 @@ def twell_gated_mlp(
             return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk)
 
         walk = direct_walk(m, k, n, l0_hint)
-        if walk == "slices" and WALK_CHOICE == "measured":
+        if walk == "slices" and walk_choice() == "measured":
             walk = measured_walk((m, k, n, _mean_bucket(l0_hint[0])), walk_through)
         y_MK, l1_M, l0_M, fired_N = walk_through(walk)
         if residual_MK is not None and fused is None:
@@ -919,6 +921,17 @@ def twell_gated_mlp(
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
+
+
+def walk_choice() -> str:
+    """How a walk priced for slices is settled: SPARSE_LLM_TWELL_WALK, "measured" (default) or "priced"."""
+    choice = os.environ.get(WALK_CHOICE_ENV, "measured")
+    if choice not in WALK_CHOICES:
+        raise ValueError(
+            f"{WALK_CHOICE_ENV}={choice!r} is not valid; use one of {list(WALK_CHOICES)} (measured: time both walks "
+            "once per shape and density; priced: the cost model's choice, bit-reproducible)"
+        )
+    return choice
 
 
 def _mean_bucket(l0_mean: float) -> int:

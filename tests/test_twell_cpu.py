@@ -269,9 +269,19 @@ def test_direct_walk_takes_slices_only_where_they_pay():
     assert (slice_width(5632), slice_width(11264), slice_width(14336), slice_width(16896)) == (16, 8, 8, None)
 
 
+def test_walk_choice_comes_from_the_environment(monkeypatch):
+    """Measured by default; SPARSE_LLM_TWELL_WALK=priced trusts the price; anything else is named as an error."""
+    monkeypatch.delenv(twell_backend.WALK_CHOICE_ENV, raising=False)
+    assert twell_backend.walk_choice() == "measured"
+    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "priced")
+    assert twell_backend.walk_choice() == "priced"
+    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "fastest")
+    with pytest.raises(ValueError, match="SPARSE_LLM_TWELL_WALK='fastest' is not valid"):
+        twell_backend.walk_choice()
+
+
 def test_walk_trials_are_shared_by_close_densities_only():
-    """Layers whose mean non-zeros differ by less than a bucket (2 ** 0.5) share a trial; the default measures."""
-    assert twell_backend.WALK_CHOICE == "measured"
+    """Layers whose mean non-zeros differ by less than a bucket (2 ** 0.5) share a trial."""
     bucket = twell_backend._mean_bucket
     assert bucket(24.0) == bucket(26.0) != bucket(56.0) and bucket(0.0) == bucket(1.0) == 0
 

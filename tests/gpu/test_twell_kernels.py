@@ -333,7 +333,7 @@ def test_slices_walk_dense_zero_and_hot_rows(m):
 def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
     """twell_gated_mlp with the layer's (mean, max) non-zeros, the price trusted: slices for an even spread at many
     tokens (exact), rows without a hint or with a heavy tail; every walk gives the same l0 and fired."""
-    monkeypatch.setattr(twell_backend, "WALK_CHOICE", "priced")
+    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "priced")
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=31)
     m, k, n = 8192, 2048, 5632
     plain = twell_gated_mlp(*block)
@@ -370,6 +370,7 @@ def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
 def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
     """With a hint that prices slices ahead, the block op runs the walk its trial found faster (here made rows by
     slowing the slices walk), exactly, and remembers it for the shape and density."""
+    monkeypatch.delenv(twell_backend.WALK_CHOICE_ENV, raising=False)  # the default: measured
     monkeypatch.setattr(twell_backend, "_measured_walks", {})
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=32)
     plain = twell_gated_mlp(*block)
