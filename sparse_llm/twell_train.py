@@ -92,6 +92,7 @@ On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -243,11 +244,18 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     """
     if not training_opted_in() or shape_unsupported_reason(k, n) is not None:
         return None
+    y_slices = walk_by_slices(FWD_WALK, m, k, n, DEFAULT_WIDTH)
+    dx_slices = dx_by_slices(m, k, n, DEFAULT_WIDTH, (l0_mean, l0_max))
+    return max(_train_device_ms(m, k, n, l0_mean, l0_max, y_slices, dx_slices), TRAIN_EXPOSED_HOST_MS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _train_device_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, y_slices: bool, dx_slices: bool) -> float:
+    """train_estimated_ms's device time, given the walks y and dx take. Cached: the dispatcher prices every layer call,
+    with the same (mean, max) until the layer's next observation (~30 us a price otherwise)."""
     gate = 2.0 * m * k * n / (CUBLAS_GEMM_TFLOPS * 1e9) + m * n * 2.5 / (PACK_GBPS * 1e6)
     heavy_fraction, light_mean = dense_row_split(n // TILE, l0_mean, l0_max)
     light_entries = m * (1.0 - heavy_fraction) * light_mean
-    y_slices = walk_by_slices(FWD_WALK, m, k, n, DEFAULT_WIDTH)
-    dx_slices = dx_by_slices(m, k, n, DEFAULT_WIDTH, (l0_mean, l0_max))
     cal_m, cal_k, cal_n = CALIBRATION_MKN
     rows_per_entry = (
         (1 if y_slices else 2) * _walk_slowdown(4 * n * k, 4 * cal_n * cal_k)  # forward: w_up [and w_down] rows
@@ -261,8 +269,7 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     slices = (down if y_slices else 0.0) + (2 * down + dx_sums if dx_slices else 0.0)
     wgrad_buffers = 3 * n * k * 4 * 3 / (HBM_GBPS * 1e6)  # zero, accumulate, convert
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
-    device_ms = gate + rows + slices + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
-    return max(device_ms, TRAIN_EXPOSED_HOST_MS)
+    return gate + rows + slices + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
 
 
 # ------------------------------------------------------------------------------------------------
@@ -690,12 +697,16 @@ def dx_by_slices(m: int, k: int, n: int, width: int, l0_hint: tuple[float, float
     """Whether the light dx takes the slices walk: DX_WALK "slices" wherever it fits, "auto" where it fits and the
     layer's recent (mean, max) non-zeros per token (`l0_hint`; None: unknown, rows) say that it is faster."""
     if DX_WALK == "auto":
-        if l0_hint is None:
-            return False
-        light_mean = lognormal_split(width, *l0_hint)[1]
-        faster = light_mean >= DX_SLICES_MIN_LIGHT_MEAN and heavy_share(*l0_hint, width) <= DX_SLICES_MAX_HEAVY_SHARE
-        return faster and walk_by_slices("slices", m, k, n, width)
+        return l0_hint is not None and _dx_slices_faster(width, *l0_hint) and walk_by_slices("slices", m, k, n, width)
     return walk_by_slices(DX_WALK, m, k, n, width)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dx_slices_faster(width: int, l0_mean: float, l0_max: float) -> bool:
+    """Whether the light tokens are dense enough and the heavy ones few enough for dx's slices walk (DX_WALK "auto").
+    Cached: every training layer call asks, with the same (mean, max) until the layer's next observation."""
+    light_mean = lognormal_split(width, l0_mean, l0_max)[1]
+    return light_mean >= DX_SLICES_MIN_LIGHT_MEAN and heavy_share(l0_mean, l0_max, width) <= DX_SLICES_MAX_HEAVY_SHARE
 
 
 def walk_by_slices(walk: str, m: int, k: int, n: int, width: int) -> bool:
