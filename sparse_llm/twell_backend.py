@@ -857,6 +857,7 @@ def twell_gated_mlp(
     dense_row_nnz: int = DENSE_ROW_NNZ,
     residual_MK: torch.Tensor | None = None,
     l0_hint: tuple[float, float] | None = None,
+    statistics: bool = True,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -870,6 +871,8 @@ def twell_gated_mlp(
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
             (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless `walk_choice` is "priced")
             and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
+        statistics: False leaves l1_sum and fired_N None (the kernels write per-token sums and int32 flags; their
+            reduction and conversion are two more kernels). l0_M is always returned: the kernels write it anyway.
 
     Returns:
         FFNResult. "direct": path "twell-direct" ("twell-slices" where it took the slices walk), overflow_rows 0
@@ -898,7 +901,8 @@ def twell_gated_mlp(
         if residual_MK is not None and fused is None:
             y_MK = residual_MK + y_MK
         path = "twell-slices" if walk == "slices" else "twell-direct"
-        return FFNResult(y_MK=y_MK, l1_sum=l1_M.sum(), l0_M=l0_M, fired_N=fired_N.bool(), path=path)
+        l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
+        return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=path)
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
     dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
@@ -915,9 +919,9 @@ def twell_gated_mlp(
         fired_N |= fired_rows_N
     return FFNResult(
         y_MK=y_MK if residual_MK is None else residual_MK + y_MK,
-        l1_sum=l1_M.sum(),
+        l1_sum=l1_M.sum() if statistics else None,
         l0_M=l0_M,
-        fired_N=fired_N,
+        fired_N=fired_N if statistics else None,
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
@@ -1003,7 +1007,6 @@ class TwellFFN(FFNBackend):
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
         l0=None,
     ):  # fmt: skip
-        # The kernels produce L1, L0 and fired alongside y at no extra pass, so `statistics` changes nothing here.
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
@@ -1031,7 +1034,9 @@ class TwellFFN(FFNBackend):
                 f"{str(x_MK.dtype).removeprefix('torch.')} and weights {weight_dtypes}. Load the model with "
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
-        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0)
+        return twell_gated_mlp(
+            x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics
+        )
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)

@@ -357,6 +357,15 @@ def test_training_goes_to_the_sparse_training_op():
     assert all(t.grad is not None for t in args)
 
 
+@pytest.mark.parametrize("statistics", [True, False])
+def test_inference_asks_the_kernels_for_statistics_only_when_the_layer_does(monkeypatch, statistics):
+    calls = []
+    monkeypatch.setattr(TwellFFN, "unavailable_reason", lambda self, device: None)
+    monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *args, **kwargs: calls.append(kwargs))
+    TwellFFN().forward(*block(), training=False, statistics=statistics)
+    assert calls[0]["statistics"] is statistics
+
+
 def test_auto_never_trains_sparse_without_opt_in(monkeypatch):
     monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)
     assert TwellFFN().estimated_ms(16384, 2048, 5632, 28, 56, training=True) is None

@@ -347,6 +347,16 @@ def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
     assert hinted.path == "twell-slices" and plain.path == "twell-direct"
 
 
+@pytest.mark.parametrize("route", ["direct", "cublas"])
+def test_block_op_without_statistics_gives_the_same_output_and_l0(route):
+    """statistics=False leaves out the L1 sum and the fired flags (their extra kernels), nothing else."""
+    block = synthetic_block(2048, 2048, 5632, nnz_mean=40, sigma=0.5, seed=47)
+    full = twell_gated_mlp(*block, gate_route=route)
+    lean = twell_gated_mlp(*block, gate_route=route, statistics=False)
+    assert lean.l1_sum is None and lean.fired_N is None and full.l1_sum is not None and full.fired_N is not None
+    assert torch.equal(lean.y_MK, full.y_MK) and torch.equal(lean.l0_M, full.l0_M) and lean.path == full.path
+
+
 @pytest.mark.parametrize("slow", ["rows", "slices"])
 def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
     """A trial times both walks on the device and keeps the faster for its key; later calls with that key run
