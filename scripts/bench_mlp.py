@@ -6,12 +6,12 @@
 
 Per case: dense torch ms (three F.linear + relu + mul, no statistics; also compiled by inductor) and twell ms (no
 statistics either: `statistics=False`; medians of CUDA-event timings after warm-up, same process; each call waited for,
-so the host's latency to the first kernel counts, as in a decode step), their ratio; the same two issued back to back (as a model's layers run them during
-prefill, the host ahead of the GPU) and their ratio; also the torch backend as the model runs
-it (dense plus its L1/L0/fired statistics) and the twell time with each gate route; relative error vs an fp32 reference (dense bf16 for comparison), energy per call (NVML
-counter over >= --energy-seconds of back-to-back calls), the path taken (overflow rows) and what
-`kernel=auto` would run (cost model: sparse only if predicted < 0.95x dense) with its ratio to the
-torch backend, both with the L1/L0/fired statistics.
+so the host's latency to the first kernel counts, as in a decode step), their ratio; the same two issued back to back
+(as a model's layers run them during prefill, the host ahead of the GPU) and their ratio; also the torch backend as the
+model runs it (dense plus its L1/L0/fired statistics) and the twell time with each gate route; relative error vs an
+fp32 reference (dense bf16 for comparison), energy per call (NVML counter over >= --energy-seconds of back-to-back
+calls), the path taken (overflow rows) and what `kernel=auto` would run (cost model: sparse only if predicted < 0.95x
+dense) with its ratio to the torch backend, both with the L1/L0/fired statistics.
 Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight). The twell
 calls know the block's mean and max non-zeros per token from its first call, as a model's layer does from its
 statistics (they set the direct route's walk, and the column parts of blocks wider than L2).
