@@ -393,6 +393,8 @@ def bench_forward(
     result = VariantResult("forward", kernel, ids.shape[0], ids.numel())
 
     def forward() -> object:
+        if args.cuda_graphs:  # a new step: this call's graphs may overwrite the last call's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         return model.model(input_ids=ids, use_cache=False)
 
     try:
