@@ -26,6 +26,7 @@ import argparse
 import functools
 import json
 import os
+from unittest import mock
 
 import torch
 
@@ -96,15 +97,8 @@ def auto_choice(x: torch.Tensor, wg: torch.Tensor, l0_hint: tuple[float, float])
     sparsity."""
     dispatcher = LayerDispatcher("auto")
     dispatcher.observe(*l0_hint)
-    saved = os.environ.get(OPT_IN_ENV)
-    os.environ[OPT_IN_ENV] = "1"
-    try:
+    with mock.patch.dict(os.environ, {OPT_IN_ENV: "1"}):
         return dispatcher.choose(x, wg, training=True).name
-    finally:
-        if saved is None:
-            del os.environ[OPT_IN_ENV]
-        else:
-            os.environ[OPT_IN_ENV] = saved
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

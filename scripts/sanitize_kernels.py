@@ -15,7 +15,8 @@ in column parts, and its y and dx through the slices walk; both transposes.
 
 from __future__ import annotations
 
-import contextlib
+from contextlib import AbstractContextManager
+from unittest import mock
 
 import torch
 
@@ -28,15 +29,9 @@ from sparse_llm.twell_train import twell_train_ffn
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
 
 
-@contextlib.contextmanager
-def training_walks_by_slices():
+def training_walks_by_slices() -> AbstractContextManager:
     """The training op's y and dx through the slices walk at any token count."""
-    saved = twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M
-    twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M = "slices", "slices", 1
-    try:
-        yield
-    finally:
-        twell_train.FWD_WALK, twell_train.DX_WALK, twell_train.SLICES_MIN_M = saved
+    return mock.patch.multiple(twell_train, FWD_WALK="slices", DX_WALK="slices", SLICES_MIN_M=1)
 
 
 def main() -> None:
