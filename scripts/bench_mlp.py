@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from sparse_llm.backends import TorchFFN, dense_block
 from sparse_llm.benchmark import energy_mj_per_call, time_ms
-from sparse_llm.dispatch import SWITCH_MARGIN
+from sparse_llm.dispatch import SWITCH_MARGIN, density_of
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.twell_backend import (
@@ -66,11 +66,13 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     with torch.inference_mode():
         ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
         first = twell_gated_mlp(x, wg, wu, wd)
-    l0_mean = first.l0_M.float().mean().item()  # as a model's layer knows it after its first calls
-    l0 = (l0_mean, first.l0_M.max().item())
+    l0_mean, l0_max, heavy_fraction = density_of(first.l0_M)  # as a model's layer knows them after its first calls
+    l0 = (l0_mean, l0_max)
 
     def run_twell(route="auto", statistics=False):
-        return twell_gated_mlp(x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics)
+        return twell_gated_mlp(
+            x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics, heavy_fraction=heavy_fraction
+        )
 
     with torch.inference_mode():
         result = run_twell()  # the call timed below: its error and path are reported

@@ -118,6 +118,7 @@ from sparse_llm.benchmark import (
 )
 from sparse_llm.config import TrainConfig
 from sparse_llm.data import read_token_file
+from sparse_llm.dispatch import density_of
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import SparseMLP, recording_statistics
 from sparse_llm.model import (
@@ -155,6 +156,7 @@ class LayerStats:
     l0_max: float
     path: str
     overflow_rows: int
+    heavy_fraction: float  # share of tokens above dispatch.HEAVY_TOKEN_NNZ non-zeros
 
 
 @dataclass
@@ -295,7 +297,7 @@ def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] 
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:
-            mlp.dispatcher.observe(observed[i].l0_mean, observed[i].l0_max)
+            mlp.dispatcher.observe(observed[i].l0_mean, observed[i].l0_max, observed[i].heavy_fraction)
 
 
 def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
@@ -303,7 +305,8 @@ def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
     for mlp in sparse_mlps(model):
         result = mlp.last_result
         mean, p99, top = l0_summary(result.l0_M)
-        stats.append(LayerStats(mean, p99, top, result.path, result.dense_rows()))
+        heavy = density_of(result.l0_M)[2]
+        stats.append(LayerStats(mean, p99, top, result.path, result.dense_rows(), heavy))
     return stats
 
 

@@ -103,13 +103,15 @@ class FFNBackend(abc.ABC):
         compile_backend: str | None = None,
         residual_MK: torch.Tensor | None = None,
         l0: tuple[float, float] | None = None,
+        heavy_fraction: float | None = None,
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow. `statistics=False` lets an inference
         call skip L1/L0/fired where they cost extra work (a backend may still return them). `compile_backend`
         names a torch.compile backend for a block built from torch ops (None: eager); backends running their
         own kernels ignore it. With `residual_MK` ([M, K], a decoder layer's residual stream) the result's y_MK
         is residual_MK + the block's output, which a backend may add as it writes y. `l0`: the layer's recent
-        (mean, max) non-zeros per token, when known, which a backend may tune its launch by."""
+        (mean, max) non-zeros per token, and `heavy_fraction` its share of tokens above dispatch.HEAVY_TOKEN_NNZ,
+        when known, which a backend may tune its launch by."""
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
@@ -176,7 +178,7 @@ class TorchFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None,
+        l0=None, heavy_fraction=None,
     ):  # fmt: skip
         block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # four passes over h saved without statistics: about 0.6 ms per layer at 16384 x 5632

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 KERNEL_CHOICES = ("auto", "torch", "twell")
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
+# Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
+# many rows as the layer's observed share of such tokens calls for (sparse_llm/twell_backend.py, DENSE_ROW_NNZ).
+HEAVY_TOKEN_NNZ = 128
 
 _warned: set[str] = set()
 
@@ -33,6 +36,14 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+def density_of(l0_M: torch.Tensor) -> tuple[float, float, float]:
+    """(mean, max, share of tokens above HEAVY_TOKEN_NNZ) of per-token non-zero counts l0_M [M], M >= 1, read back
+    with one host sync: what `LayerDispatcher.observe` takes."""
+    l0_M = l0_M.detach().float()
+    mean, top, heavy = torch.stack([l0_M.mean(), l0_M.max(), (l0_M > HEAVY_TOKEN_NNZ).float().mean()]).tolist()
+    return mean, top, heavy
 
 
 def validate_kernel(kernel: str) -> None:
@@ -48,6 +59,7 @@ class LayerDispatcher:
         self.kernel = kernel
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
+        self.heavy_fraction: float | None = None  # share of its tokens above HEAVY_TOKEN_NNZ, where known
         self.current = "torch"
 
     @property
@@ -55,9 +67,11 @@ class LayerDispatcher:
         """(mean, max) of the last observation, None before the first."""
         return None if self.l0_mean is None else (self.l0_mean, self.l0_max or self.l0_mean)
 
-    def observe(self, l0_mean: float, l0_max: float) -> None:
-        """Record the layer's latest sparsity (mean and max non-zeros of h per token)."""
+    def observe(self, l0_mean: float, l0_max: float, heavy_fraction: float | None = None) -> None:
+        """Record the layer's latest sparsity: mean and max non-zeros of h per token and, where known, the share of
+        tokens with more than HEAVY_TOKEN_NNZ of them."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
+        self.heavy_fraction = None if heavy_fraction is None else float(heavy_fraction)
 
     def choose(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from sparse_llm.backends import FFNResult
-from sparse_llm.dispatch import LayerDispatcher
+from sparse_llm.dispatch import LayerDispatcher, density_of
 
 # Outside the trainer, a layer refreshes its backend decision from its own statistics on its first call
 # and then every this many calls (each refresh costs one host sync).
@@ -75,11 +75,11 @@ class SparseMLP(nn.Module):
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
             l0=self.dispatcher.l0,
+            heavy_fraction=self.dispatcher.heavy_fraction,
         )
         self.last_result = result
-        if observing:
-            l0 = result.l0_M.float()
-            self.dispatcher.observe(l0.mean().item(), l0.max().item())
+        if observing and result.l0_M.numel():
+            self.dispatcher.observe(*density_of(result.l0_M))
         self._calls += 1
         return result.y_MK.reshape(x.shape)
 

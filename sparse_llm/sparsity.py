@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from sparse_llm.backends import FFNResult, landed
+from sparse_llm.dispatch import HEAVY_TOKEN_NNZ
 from sparse_llm.mlp import SparseMLP
 
 # all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
@@ -171,7 +172,7 @@ class SparsityTracker:
             stats[f"l0_p99/{tag}"] = _quantile_from_hist(hist, 0.99)
             stats[f"l0_max/{tag}"] = l0_max
             stats[f"sparsity/{tag}"] = 1 - mean / self.n
-            mlp.dispatcher.observe(mean, l0_max)
+            mlp.dispatcher.observe(mean, l0_max, float(hist[HEAVY_TOKEN_NNZ + 1 :].sum()) / tokens)
             means.append(mean)
         if means:
             stats["l0/mean"] = sum(means) / len(means)
@@ -201,7 +202,7 @@ class SparsityTracker:
             "dead_LN": None if self.dead_LN is None else self.dead_LN.cpu(),
             "steps_in_window": self.steps_in_window,
             "dense_rows_L": list(self.dense_rows_L),
-            "observed": [(m.dispatcher.l0_mean, m.dispatcher.l0_max) for m in self.mlps],
+            "observed": [(m.dispatcher.l0_mean, m.dispatcher.l0_max, m.dispatcher.heavy_fraction) for m in self.mlps],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,9 +217,9 @@ class SparsityTracker:
         self.dead_LN = None if state["dead_LN"] is None else state["dead_LN"].to(device)
         self.steps_in_window = int(state["steps_in_window"])
         self.dense_rows_L = list(state.get("dense_rows_L", [0] * len(self.mlps)))  # absent in older checkpoints
-        for mlp, (l0_mean, l0_max) in zip(self.mlps, state["observed"], strict=True):
-            if l0_mean is not None:
-                mlp.dispatcher.observe(l0_mean, l0_max)
+        for mlp, observed in zip(self.mlps, state["observed"], strict=True):  # (mean, max[, heavy]): older had two
+            if observed[0] is not None:
+                mlp.dispatcher.observe(*observed)
 
     def backends(self) -> dict[str, str]:
         """Which path each layer took in its latest call."""

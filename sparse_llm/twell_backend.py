@@ -5,7 +5,9 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
 - "direct" (what "auto" runs): a cuBLAS GEMM gives the bf16 pre-activation gate [M, N]; the up + down
   kernels read each token's gate row, list its positives g and, per positive n, compute u = x . w_up[n],
   h = g * u, y += h * w_down[:, n] with fp32 accumulation (kernels/gate_up_down.cu). A token with more
-  than DENSE_ROW_NNZ positives is handed, on the device, to a kernel that splits it over a block of warps.
+  than DENSE_ROW_NNZ positives is handed, on the device, to two dense GEMMs over gathered rows (kernels/dense_rows.cu)
+  while the rows the host reserved from the layer's recent density last, then to a kernel that splits it over a
+  block of warps.
   There is no slot capacity, so no token is ever recomputed, and nothing is read back to the host: the
   call has no device-to-host synchronisation. A block whose w_up + w_down rows outgrow L2 is walked in two
   or three column parts (`column_parts`), each token's fp32 sums carried from one part to the next.
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import FFNBackend, FFNResult, TorchFFN, register_backend, with_residual
+from sparse_llm.dispatch import HEAVY_TOKEN_NNZ
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -118,11 +121,21 @@ CPU_FLOOR_MS = 0.22
 # dense GEMMs (at ~1.5 ns per sparse non-zero, 8 KiB at 5.5 TB/s, vs ~0.1 us per dense GEMM row, the
 # break-even is ~70; 128 leaves margin for the gather/scatter around the dense rows), the direct route
 # splits them over a block of warps so that no single warp walks hundreds of non-zeros.
-DENSE_ROW_NNZ = 128
+DENSE_ROW_NNZ = HEAVY_TOKEN_NNZ  # 128
 # Tokens averaging this many gate non-zeros per tile are assumed to overflow some tile (capacity 31).
 OVERFLOW_NNZ_PER_TILE = 20.0
 # Below this many tokens the up+down work of each token is split over several warps.
 SPLIT_BELOW_M = 2048
+# The direct route's heavy tokens (more than its split threshold of positives) go through two dense GEMMs over rows
+# gathered on the device (kernels/dense_rows.cu), as many as the host reserved from the layer's recent density;
+# heavy tokens past that capacity are split over a block of warps. The reservation: a margin times the expected count
+# plus DENSE_ROWS_ALIGN, rounded up to DENSE_ROWS_ALIGN rows; the expected count from the layer's measured share of
+# heavy tokens where known, else from the log-normal model of `lognormal_split`, which put it 0.5-1.3x the actual count
+# on the synthetic blocks (H200, 2026-11-26). A spare row costs the two GEMMs ~0.07 us; the heavy tokens past the
+# reservation are the call's tail, each walked by one block (~0.1 ms for a dozen tokens of ~1000 non-zeros).
+DENSE_ROWS_MARGIN = {"measured": 1.25, "modelled": 2.0}
+DENSE_ROWS_ALIGN = 128
+DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per reserved row
 # The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
 # - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.
 # - "slices" (kernels/gate_up_then_down.cu): an up walk reads one w_up row per non-zero and writes h; then each SM keeps
@@ -230,16 +243,27 @@ def _tail_factor(l0_mean: float, l0_max: float) -> float:
     return 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
 
 
+def dense_rows_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+    """The direct route's dense rows for a layer of M tokens (`dense_row_capacity` of them, modelled): the two GEMMs and
+    the gather, h and scatter passes over the rows."""
+    rows = dense_row_capacity(m, (l0_mean, l0_max))
+    return 2 * _gemm_ms(rows, k, n, CUBLAS_GEMM_TFLOPS) + rows * (8 * k + 6 * n) / (HBM_GBPS * 1e6) if rows else 0.0
+
+
 def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     """The "rows" walk (one read of the bf16 gate, two weight rows per non-zero at the up + down rate, slower once a
-    column part's rows outgrow L2: `row_slowdown`, `column_parts`), heavy tokens split over warps. The constants
-    were measured on the TwELL kernel, whose fixed cost per token includes the packed words the direct route does
-    not read: a conservative price."""
+    column part's rows outgrow L2: `row_slowdown`, `column_parts`). In one pass the heavy tokens' non-zeros (the
+    log-normal model's share, an underestimate on the heavy tails measured) go to the dense rows; in parts they are
+    split over warps and slow the walk (`_tail_factor`). The constants were measured on the TwELL kernel, whose fixed
+    cost per token includes the packed words the direct route does not read: a conservative price."""
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
     parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
-    up_down = nonzeros * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
-    up_down *= _tail_factor(l0_mean, l0_max)
+    dense_rows = parts == 1 and dense_row_capacity(m, (l0_mean, l0_max)) > 0
+    walked = nonzeros * (1.0 - heavy_share(l0_mean, l0_max)) if dense_rows else nonzeros
+    up_down = walked * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
+    up_down *= 1.0 if dense_rows else _tail_factor(l0_mean, l0_max)
+    up_down += dense_rows_ms(m, k, n, l0_mean, l0_max) if dense_rows else 0.0
     up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
     up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
     return max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
@@ -262,14 +286,14 @@ def warp_steps(l0_mean: float, l0_max: float) -> float:
 def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """The "slices" walk (see WALKS), or None where it does not run (N too wide for a slice, fewer than
     SLICES_MIN_M tokens): the up walk at one row per light non-zero (the one-warp walk's tail and L2 terms as in
-    rows_walk_ms), the heavy tokens' non-zeros at the rows walk's rate, and the down kernel by warp steps."""
+    rows_walk_ms), the heavy tokens through the dense rows (`dense_rows_ms`), and the down kernel by warp steps."""
     ks = slice_width(n)
     if ks is None or m < SLICES_MIN_M:
         return None
     nonzeros = m * l0_mean
     heavy = heavy_share(l0_mean, l0_max)
     up = nonzeros * (1.0 - heavy) * 2 * k / (UP_GBPS * 1e6) * row_slowdown(n * 2 * k) * _tail_factor(l0_mean, l0_max)
-    up += m * n * 2 / (GATE_READ_GBPS * 1e6) + nonzeros * heavy * 4 * k / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * 4 * k)
+    up += m * n * 2 / (GATE_READ_GBPS * 1e6) + dense_rows_ms(m, k, n, l0_mean, l0_max)
     return up + slices_down_ms(m, k, n, l0_mean, l0_max)
 
 
@@ -659,6 +683,7 @@ def direct_up_down(
     residual_MK: torch.Tensor | None = None,
     parts: int | None = None,
     walk: str = "rows",
+    dense_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T.
 
@@ -672,6 +697,9 @@ def direct_up_down(
             size). A token that stays on the one-warp path gets the same bits whatever the parts.
         walk: "rows" (kernels/gate_up_down.cu) or "slices" (kernels/gate_up_then_down.cu; needs `slice_width(N)`),
             see WALKS. "slices" rounds each h to bf16 between its two kernels, as the dense bf16 block does.
+        dense_rows: rows reserved for the split tokens' dense GEMMs (`dense_heavy_rows`; `dense_row_capacity` sizes
+            it from a layer's density); split tokens past it, and all of them at 0, are split over warps. A walk in
+            several column parts splits them over warps whatever this says.
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
@@ -695,12 +723,14 @@ def direct_up_down(
     columns = column_parts(k, n, parts)  # checks `parts`
     if walk == "slices" and slice_width(n) is None:
         raise ValueError(f"walk='slices': a slice of w_down's N={n} rows does not fit shared memory; use walk='rows'")
-    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk)
+    if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 0:
+        raise ValueError(f"dense_rows={dense_rows!r}: give a row count >= 0 (0: no dense rows)")
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows)
 
 
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows",
+    residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows", dense_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
     "rows" walk's column parts (`column_parts`; None: by the weights' size)."""
@@ -720,8 +750,18 @@ def _direct_up_down(
         return y_MK, l1_M, l0_M, fired_N
     heavy_rows_M = torch.empty(m, dtype=torch.int32, device=device)
     outs = (y_MK, l1_M, l0_M, fired_N)
+    dense_rows = min(dense_rows, m) if len(columns) == 1 else 0
+
+    def split_tokens(count_1: torch.Tensor, **part: object) -> None:
+        rows_M = heavy_rows_M
+        if dense_rows:
+            rows_M, count_1 = dense_heavy_rows(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK,
+                                               dense_rows)  # fmt: skip
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, **part)
+
     if walk == "slices":
         _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts)
+        split_tokens(heavy_counts)
         return outs
     # the y sums carried from one part to the next
     partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
@@ -738,9 +778,8 @@ def _direct_up_down(
         args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)))
         cuda.launch(light, (math.ceil(m / TOKENS_PER_BLOCK),), (32 * TOKENS_PER_BLOCK,), args, device,
                     shared_mem=smem)  # fmt: skip
-        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK,
-                            partial_MK, (begin, end), part)  # fmt: skip
-    return y_MK, l1_M, l0_M, fired_N
+        split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
+    return outs
 
 
 def _up_then_down(
@@ -748,10 +787,10 @@ def _up_then_down(
     residual_MK: torch.Tensor | None, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     heavy_rows_M: torch.Tensor, count_1: torch.Tensor,
 ) -> None:  # fmt: skip
-    """The "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down`
-    allocates them: the up walk lists each token's positives and writes its h entries (a token with more than
-    split_nnz is left to split_token_up_down), the tokens are ordered by count in groups of ORDER_GROUP, then one
-    block per SM computes slices of y from the ordered entries."""
+    """The light tokens of the "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as
+    `_direct_up_down` allocates them: the up walk lists each token's positives and writes its h entries (a token with
+    more than split_nnz goes to heavy_rows_M, counted in count_1, for the caller), the tokens are ordered by count in
+    groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     device = x_MK.device
@@ -773,7 +812,6 @@ def _up_then_down(
     fours = chunks * 32 * DIRECT_LIST_CAP // 4  # one thread per 16 bytes of entries; a multiple of 256
     cuda.launch(to_slots, (fours // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
     slices_down(slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
-    split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_rows_M, count_1, outs, residual_MK)
 
 
 def order_slots(counts_M: torch.Tensor, heavy_M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -842,6 +880,52 @@ def split_token_up_down(
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
+def dense_row_capacity(
+    m: int, l0_hint: tuple[float, float] | None, split_nnz: int = DENSE_ROW_NNZ, heavy_fraction: float | None = None
+) -> int:
+    """Rows the direct route reserves for dense GEMMs over its heavy tokens (those with more than split_nnz positives,
+    capped at DIRECT_LIST_CAP) at M tokens, from the layer's recent (mean, max) non-zeros per token `l0_hint` and its
+    share of tokens above HEAVY_TOKEN_NNZ `heavy_fraction` (None: modelled from l0_hint). 0 without a hint, below
+    SPLIT_BELOW_M tokens (every token is split over warps there) or when no token passed the threshold."""
+    threshold = min(split_nnz, DIRECT_LIST_CAP)
+    if l0_hint is None or m < SPLIT_BELOW_M or threshold <= 0 or l0_hint[1] <= threshold:
+        return 0
+    if heavy_fraction is not None and threshold == HEAVY_TOKEN_NNZ:
+        rows = DENSE_ROWS_MARGIN["measured"] * heavy_fraction * m
+    else:
+        rows = DENSE_ROWS_MARGIN["modelled"] * lognormal_split(threshold, *l0_hint)[0] * m
+    return min(m, DENSE_ROWS_ALIGN * math.ceil((rows + DENSE_ROWS_ALIGN) / DENSE_ROWS_ALIGN))
+
+
+def dense_heavy_rows(
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
+    rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    residual_MK: torch.Tensor | None, capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The first min(count_1[0], capacity) heavy tokens rows_M lists (gate_up_down_light's list; the count stays on the
+    device) through dense GEMMs: their y rows (with residual_MK's row when given), l1, l0 and fired neurons go into
+    outs = (y_MK, l1_M, l0_M, fired_N) with the dense bf16 block's rounding (kernels/dense_rows.cu).
+
+    Returns (rows, count_1) of the heavy tokens past the capacity, for `split_token_up_down`."""
+    (m, k), n, device = x_MK.shape, gate_MN.shape[1], x_MK.device
+    y_MK, l1_M, l0_M, fired_N = outs
+    x_CK = torch.empty(capacity, k, dtype=torch.bfloat16, device=device)
+    rest_1 = torch.empty(1, dtype=torch.int32, device=device)
+    grid, block = (capacity,), (DENSE_ROWS_THREADS,)
+    gather = cuda.get_function("dense_rows.cu", "gather_dense_rows", device)
+    operands = (x_MK, rows_M, count_1, x_CK, rest_1)
+    cuda.launch(gather, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k)), device)
+    h_CN = F.linear(x_CK, w_up_NK)  # u, made h in place
+    hidden = cuda.get_function("dense_rows.cu", "dense_rows_h", device)
+    operands = (gate_MN, rows_M, count_1, h_CN, l1_M, l0_M, fired_N)
+    cuda.launch(hidden, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(n)), device)
+    y_CK = torch.mm(h_CN, w_down_t_NK)
+    scatter = cuda.get_function("dense_rows.cu", "scatter_dense_rows", device)
+    operands = (y_CK, rows_M, count_1, residual_MK, y_MK)
+    cuda.launch(scatter, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k)), device)
+    return rows_M[capacity:], rest_1
+
+
 def dense_row_stats(h_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum |h| per row in fp32 [R], non-zeros per row int32 [R], fired neurons bool [N]) of a dense h [R, N]."""
     nonzero_RN = h_RN != 0
@@ -858,19 +942,23 @@ def twell_gated_mlp(
     residual_MK: torch.Tensor | None = None,
     l0_hint: tuple[float, float] | None = None,
     statistics: bool = True,
+    heavy_fraction: float | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
     Args:
         x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
         gate_route: "auto" (= "direct"), "direct", "cublas" or "fused" (see the module docstring).
-        dense_row_nnz: tokens with more gate non-zeros than this are split over a block of warps
-            ("direct") or computed by dense GEMMs (TwELL routes), either way cheaper for them.
+        dense_row_nnz: tokens with more gate non-zeros than this are computed by dense GEMMs ("direct": as many as
+            `dense_row_capacity` reserves, the others split over a block of warps; TwELL routes: all of them).
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
-            (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless `walk_choice` is "priced")
-            and how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`).
+            (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless `walk_choice` is "priced"),
+            how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`), and how many
+            heavy tokens it computes by dense GEMMs (`dense_row_capacity`).
+        heavy_fraction: the layer's recent share of tokens above dispatch.HEAVY_TOKEN_NNZ non-zeros, or None: sizes
+            the "direct" route's dense rows more closely than `l0_hint` alone (`dense_row_capacity`).
         statistics: False leaves l1_sum and fired_N None (the kernels write per-token sums and int32 flags; their
             reduction and conversion are two more kernels). l0_M is always returned: the kernels write it anyway.
 
@@ -889,10 +977,11 @@ def twell_gated_mlp(
         # gate_MN and the cached transpose are well formed by construction: no second validation.
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         w_down_t_NK = _DOWN_T.get(w_down_KN)
+        dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, heavy_fraction)
 
         def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
-            return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk)
+            return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk, dense_rows)
 
         walk = direct_walk(m, k, n, l0_hint)
         if walk == "slices" and walk_choice() == "measured":
@@ -1005,7 +1094,7 @@ class TwellFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None,
+        l0=None, heavy_fraction=None,
     ):  # fmt: skip
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
@@ -1035,7 +1124,8 @@ class TwellFFN(FFNBackend):
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
         return twell_gated_mlp(
-            x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics
+            x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics,
+            heavy_fraction=heavy_fraction,
         )
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):

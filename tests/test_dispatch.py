@@ -5,7 +5,7 @@ import torch
 
 from sparse_llm import backends
 from sparse_llm.backends import FFNBackend, TorchFFN
-from sparse_llm.dispatch import LayerDispatcher
+from sparse_llm.dispatch import HEAVY_TOKEN_NNZ, LayerDispatcher, density_of
 from sparse_llm.mlp import SparseMLP
 
 
@@ -79,14 +79,19 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
     assert dispatcher.choose(x, w, True, compiled=True).name == "torch"
 
 
+def test_density_of_reads_mean_max_and_heavy_share():
+    l0_M = torch.tensor([0, HEAVY_TOKEN_NNZ, HEAVY_TOKEN_NNZ + 1, 300], dtype=torch.int32)
+    assert density_of(l0_M) == pytest.approx(((2 * HEAVY_TOKEN_NNZ + 301) / 4, 300.0, 0.5))
+
+
 def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
-    """The layer's last observed (mean, max) non-zeros per token reach the backend (the twell kernels pick their walk
-    and column parts by them); before any observation the backend gets None."""
+    """The layer's last observed (mean, max) non-zeros per token and share of heavy tokens reach the backend (the twell
+    kernels pick their walk, column parts and dense rows by them); before any observation the backend gets None."""
     seen = []
     forward = TorchFFN.forward
 
     def recording(self, *args, **kwargs):
-        seen.append(kwargs["l0"])
+        seen.append((kwargs["l0"], kwargs["heavy_fraction"]))
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchFFN, "forward", recording)
@@ -94,7 +99,7 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
     x = torch.randn(2, 8, 64)
     with torch.no_grad():
         mlp(x)
-        observed = (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max)
+        observed = (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max), mlp.dispatcher.heavy_fraction
         mlp(x)
-    assert seen[0] is None and observed[0] is not None and seen[1] == observed
-    assert observed[1] >= observed[0]
+    assert seen[0] == (None, None) and observed[0][0] is not None and seen[1] == observed
+    assert observed[0][1] >= observed[0][0] and 0.0 <= observed[1] <= 1.0

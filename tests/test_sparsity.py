@@ -160,3 +160,22 @@ def test_tracker_state_round_trip():
     assert torch.equal(other.fired_LN, tracker.fired_LN) and other.steps_in_window == 1
     assert torch.equal(other.l0_hist_LB, tracker.l0_hist_LB)
     assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.l0_max) == (3.0, 7.0)
+    older = {**tracker.state_dict(), "observed": [(5.0, 9.0)]}  # checkpoints before the heavy share was kept
+    other.load_state_dict(older)
+    assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.heavy_fraction) == (5.0, None)
+
+
+def test_tracker_feeds_each_layer_its_share_of_heavy_tokens():
+    """The window's histogram gives the dispatcher the share of tokens above HEAVY_TOKEN_NNZ non-zeros (the sparse
+    inference kernels size their dense rows by it): here one token of two has 200."""
+    mlp = SparseMLP(4, 512, kernel="torch")
+    with torch.no_grad():
+        mlp.gate_proj.weight.fill_(-1.0)
+        mlp.gate_proj.weight[:200, 0] = 1.0
+        mlp.up_proj.weight.fill_(1.0)
+    tracker = SparsityTracker([mlp], SparsityConfig())
+    mlp(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    tracker.accumulate(tracker.collect())
+    tracker.read_window()
+    assert (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max, mlp.dispatcher.heavy_fraction) == (100.0, 200.0, 0.5)
+    assert tracker.state_dict()["observed"] == [(100.0, 200.0, 0.5)]

@@ -45,7 +45,7 @@ from sparse_llm.twell_backend import (
 
 KERNEL_FILES = (
     "twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "gate_up_then_down.cu",
-    "transpose.cu", "rope.cu",
+    "transpose.cu", "rope.cu", "dense_rows.cu",
 )
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
@@ -195,12 +195,14 @@ def test_cost_model_grows_with_density_and_tail():
 
 def test_dispatch_picks_sparse_only_where_it_pays():
     """At the paper's shapes: sparse at 28 and 56 non-zeros per token (measured 1.37-1.54x and 1.09x dense on the
-    H100), dense with a heavy tail at 28 (0.99-1.04x), at 560 (10%) and for decode sizes."""
+    H100) and with a heavy tail at 28 (its heavy tokens through the dense rows: 1.57x on an H200, 2026-11-26); dense
+    at 560 (10%), with a heavy tail at 112, and for decode sizes."""
     sparse, dense = TwellFFN(), TorchFFN()
     m, k, n = 16384, 2048, 5632
     assert sparse.estimated_ms(m, k, n, 28, 56, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 56, False)
     assert sparse.estimated_ms(m, k, n, 56, 101, False) < 0.95 * dense.estimated_ms(m, k, n, 56, 101, False)
-    assert sparse.estimated_ms(m, k, n, 28, 1353, False) > 0.95 * dense.estimated_ms(m, k, n, 28, 1353, False)
+    assert sparse.estimated_ms(m, k, n, 28, 1353, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 1353, False)
+    assert sparse.estimated_ms(m, k, n, 112, 2028, False) > dense.estimated_ms(m, k, n, 112, 2028, False)
     assert sparse.estimated_ms(m, k, n, 560, 700, False) > dense.estimated_ms(m, k, n, 560, 700, False)
     assert sparse.estimated_ms(1, k, n, 28, 28, False) > dense.estimated_ms(1, k, n, 28, 28, False)
 
@@ -296,7 +298,8 @@ def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
     """The heavy-tail factor follows the share of the non-zeros in tokens above DENSE_ROW_NNZ, not a step at it: at
     K = 2048, N = 11264 a layer of mean 80 / max 142 (a few tokens just over 128) ran in 2.76 ms against dense 3.53
     (H100, 2026-11-26) but was priced with the whole factor (4.7 ms) and kept dense; heavy tails keep the factor
-    (mean 28 / max 1353 at the paper's block: 1.79 ms measured, 1.84 priced). At K = 4096, N = 11008 a mean 82 / max
+    (mean 28 / max 1353 at the paper's block took 1.79 ms, priced 1.84; its heavy tokens now go to the dense rows and
+    the layer took 1.05 ms on an H200, priced 1.22). At K = 4096, N = 11008 a mean 82 / max
     142 layer took 0.86x dense's speed through the rows walk, whose price stays above dense; its tail is mild enough
     for the slices walk, which wins (1.15x dense at mean 82 / max 125)."""
     sparse, dense = TwellFFN(), TorchFFN()
@@ -306,10 +309,23 @@ def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
     assert gate_ms + rows_walk_ms(m, 4096, 11008, 82, 142) > dense.estimated_ms(m, 4096, 11008, 82, 142, False)
     assert direct_walk(m, 4096, 11008, (82, 142)) == "slices"
     assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) < 0.95 * dense.estimated_ms(m, 4096, 11008, 82, 142, False)
-    assert 1.7 < twell_estimated_ms(m, 2048, 5632, 28, 1353) < 2.0
+    assert 1.0 < twell_estimated_ms(m, 2048, 5632, 28, 1353) < 1.3
     at, over = twell_estimated_ms(m, 2048, 5632, 80, 128), twell_estimated_ms(m, 2048, 5632, 80, 131)
     assert at <= over < 1.02 * at  # no step at the threshold
     assert heavy_share(28, 100) == 0.0 and 0.1 < heavy_share(28, 1353) < 0.3 < heavy_share(112, 1788) < 1.0
+
+
+def test_dense_rows_are_reserved_from_the_measured_share_of_heavy_tokens():
+    """The direct route's dense rows: 1.25x the heavy tokens a measured share expects plus 128, in multiples of 128;
+    twice the log-normal model's count without one; none without a hint, a token above the threshold, or below
+    SPLIT_BELOW_M tokens (every token is split over warps there); never more than M."""
+    capacity = twell_backend.dense_row_capacity
+    assert capacity(16384, (28.4, 1793), heavy_fraction=1022 / 16384) == 1408  # 1.25 * 1022 + 128 = 1405.5
+    assert capacity(16384, (28.4, 1793)) == 1152  # the model expects ~512
+    # a share measured at 128 says nothing at another threshold
+    assert capacity(16384, (28.4, 1793), split_nnz=96, heavy_fraction=0.5) == capacity(16384, (28.4, 1793), split_nnz=96)
+    assert capacity(16384, None) == capacity(16384, (28.0, 128.0)) == capacity(2047, (28.4, 1793)) == 0
+    assert capacity(4096, (500.0, 900.0), heavy_fraction=1.0) == 4096
 
 
 def test_column_parts():

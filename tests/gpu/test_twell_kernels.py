@@ -277,6 +277,65 @@ def test_direct_column_parts_with_heavy_tokens(m):
     assert torch.allclose(l1_M, one[1], rtol=1e-5)
 
 
+def heavy_token_count(gate_MN: torch.Tensor, threshold: int = 128) -> int:
+    return int(((gate_MN > 0).sum(dim=1) > threshold).sum())
+
+
+@pytest.mark.parametrize("walk", ["rows", "slices"])
+@pytest.mark.parametrize("m, sigma, capacity", [
+    (2048, 0.5, 64),  # more heavy tokens than rows reserved: the rest split over warps
+    (2048, 0.5, 2048),  # every token could be dense; only the heavy ones are
+    (16384, 0.5, 512),
+    (4096, 1.0, 4096),  # tokens 20-100x the mean, nearly dense ones among them
+    (4096, 0.0, 256),  # no heavy token: the reserved rows stay unused
+])  # fmt: skip
+def test_direct_route_heavy_tokens_through_dense_rows(m, sigma, capacity, walk):
+    """Heavy tokens through the dense GEMMs up to the reserved rows, the others split over warps: y within the
+    reference tolerance, l0 / fired / l1 as the sparse walk gives them, and the residual added as the two unfused
+    bf16 steps (bit for bit where every heavy token fits the rows)."""
+    block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=sigma, seed=m + capacity + int(10 * sigma))
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    w_t = w_down_KN.t().contiguous()
+    heavy = heavy_token_count(gate_MN)
+    if sigma > 0:
+        assert heavy > (64 if capacity == 64 else 0), f"this case is meant to have heavy tokens ({heavy})"
+    sparse = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, walk=walk)
+    poison(((m, 2048), torch.bfloat16), ((m,), torch.float32), ((m,), torch.int32), ((capacity, 5632), torch.bfloat16))
+    y_MK, l1_M, l0_M, fired_N = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, walk=walk, dense_rows=capacity)
+    torch.cuda.synchronize()
+    assert_close_to_ref(y_MK, *block)
+    # l0 and fired count the bf16 h of the dense rows, the fp32 h of the walk: a tiny h may round to zero
+    assert (l0_M - sparse[2]).abs().max() <= 1 and (fired_N != sparse[3]).sum() <= 2
+    torch.testing.assert_close(l1_M, sparse[1], rtol=2e-2, atol=1e-3)
+    residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
+    poison(((m, 2048), torch.bfloat16))
+    with_residual = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, walk=walk, dense_rows=capacity)
+    if capacity >= heavy:
+        assert torch.equal(with_residual[0], residual_MK + y_MK)
+    else:  # which heavy tokens get the dense rows follows the order they were listed in, which varies by call
+        torch.testing.assert_close(with_residual[0], residual_MK + y_MK)
+
+
+def test_block_op_reserves_dense_rows_from_the_density_hint():
+    """twell_gated_mlp with a heavy-tailed layer's hint computes its heavy tokens by dense GEMMs, without a host sync;
+    the result stays exact."""
+    m = 8192
+    block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=0.5, seed=41)
+    plain = twell_gated_mlp(*block)
+    l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
+    assert twell_backend.dense_row_capacity(m, l0) >= 64
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        poison(((m, 2048), torch.bfloat16))
+        hinted = twell_gated_mlp(*block, l0_hint=l0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close_to_ref(hinted.y_MK, *block)
+    check_stats(hinted, *block[:3])
+
+
 def odd_rows(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> None:
     """Every fifth token almost fully dense, the next one all zero, neuron 123 firing for (almost) every token."""
     x_MK[::5, 0] = -1.0  # flips the shift: ~99.5% of the gate positive
