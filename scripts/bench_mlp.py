@@ -13,8 +13,9 @@ fp32 reference (dense bf16 for comparison), energy per call (NVML counter over >
 calls), the path taken (overflow rows) and what `kernel=auto` would run (cost model: sparse only if predicted < 0.95x
 dense) with its ratio to the torch backend, both with the L1/L0/fired statistics.
 Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight). The twell
-calls know the block's mean and max non-zeros per token from its first call, as a model's layer does from its
-statistics (they set the direct route's walk, and the column parts of blocks wider than L2).
+calls know the block's mean and max non-zeros per token and its share of heavy tokens from its first call, as a model's
+layer does from its statistics (they set the direct route's walk, its dense rows, and the column parts of blocks wider
+than L2).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M 
 piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
-residual and in column parts; the training op forward and backward with a narrow and the default ELL width, and
+residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough; the
+training op forward and backward with a narrow and the default ELL width, and
 in column parts, and its y and dx through the slices walk; both transposes.
 """
 
@@ -48,6 +49,9 @@ def main() -> None:
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))
             for residual in (None, torch.randn_like(x)):  # the slices walk (16-column slices at these widths)
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=residual, walk="slices")
+            for dense_rows, walk in ((16, "rows"), (m, "slices")):  # heavy tokens through the dense rows, then warps
+                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x), walk=walk,
+                               dense_rows=dense_rows)  # fmt: skip
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)
