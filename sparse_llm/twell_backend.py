@@ -699,7 +699,9 @@ def direct_up_down(
             see WALKS. "slices" rounds each h to bf16 between its two kernels, as the dense bf16 block does.
         dense_rows: rows reserved for the split tokens' dense GEMMs (`dense_heavy_rows`; `dense_row_capacity` sizes
             it from a layer's density); split tokens past it, and all of them at 0, are split over warps. A walk in
-            several column parts splits them over warps whatever this says.
+            several column parts splits them over warps whatever this says. With more split tokens than rows, which
+            of them get the rows follows the order the walk lists them in, which varies from call to call: their
+            y rows may then differ between calls in the last bits (the dense and the split arithmetic round apart).
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
@@ -981,7 +983,9 @@ def twell_gated_mlp(
 
         def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
-            return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk, dense_rows)
+            return _direct_up_down(
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows
+            )
 
         walk = direct_walk(m, k, n, l0_hint)
         if walk == "slices" and walk_choice() == "measured":
