@@ -67,12 +67,12 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     with torch.inference_mode():
         ref = gated_mlp_ref(x, wg, wu, wd, upcast=True)[0]
         first = twell_gated_mlp(x, wg, wu, wd)
-    l0_mean, l0_max, heavy_fraction = density_of(first.l0_M)  # as a model's layer knows them after its first calls
+    l0_mean, l0_max, tail = density_of(first.l0_M)  # as a model's layer knows them after its first calls
     l0 = (l0_mean, l0_max)
 
     def run_twell(route="auto", statistics=False):
         return twell_gated_mlp(
-            x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics, heavy_fraction=heavy_fraction
+            x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics, tail=tail
         )
 
     with torch.inference_mode():

@@ -102,7 +102,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from sparse_llm.backends import get_backend
+from sparse_llm.backends import Tail, get_backend
 from sparse_llm.benchmark import (
     KERNEL_FAMILIES,
     Clock,
@@ -156,7 +156,7 @@ class LayerStats:
     l0_max: float
     path: str
     overflow_rows: int
-    heavy_fraction: float  # share of tokens above dispatch.HEAVY_TOKEN_NNZ non-zeros
+    tail: Tail  # the heavy tokens' shares of the layer's tokens and non-zeros
 
 
 @dataclass
@@ -297,7 +297,7 @@ def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] 
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:
-            mlp.dispatcher.observe(observed[i].l0_mean, observed[i].l0_max, observed[i].heavy_fraction)
+            mlp.dispatcher.observe(observed[i].l0_mean, observed[i].l0_max, observed[i].tail)
 
 
 def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
@@ -305,8 +305,7 @@ def layer_stats(model: LlamaForCausalLM) -> list[LayerStats]:
     for mlp in sparse_mlps(model):
         result = mlp.last_result
         mean, p99, top = l0_summary(result.l0_M)
-        heavy = density_of(result.l0_M)[2]
-        stats.append(LayerStats(mean, p99, top, result.path, result.dense_rows(), heavy))
+        stats.append(LayerStats(mean, p99, top, result.path, result.dense_rows(), density_of(result.l0_M)[2]))
     return stats
 
 

@@ -22,6 +22,20 @@ import torch
 import torch.nn.functional as F
 
 
+# Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
+# many rows as the layer's observed share of such tokens calls for (sparse_llm/twell_backend.py, DENSE_ROW_NNZ).
+HEAVY_TOKEN_NNZ = 128
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A layer's heavy tokens: the share of its tokens with more than HEAVY_TOKEN_NNZ non-zeros, and the share of its
+    non-zeros they hold (both 0..1)."""
+
+    tokens: float
+    nonzeros: float
+
+
 @dataclass
 class FFNResult:
     """What one gated-FFN call returns.
@@ -103,15 +117,15 @@ class FFNBackend(abc.ABC):
         compile_backend: str | None = None,
         residual_MK: torch.Tensor | None = None,
         l0: tuple[float, float] | None = None,
-        heavy_fraction: float | None = None,
+        tail: Tail | None = None,
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow. `statistics=False` lets an inference
         call skip L1/L0/fired where they cost extra work (a backend may still return them). `compile_backend`
         names a torch.compile backend for a block built from torch ops (None: eager); backends running their
         own kernels ignore it. With `residual_MK` ([M, K], a decoder layer's residual stream) the result's y_MK
         is residual_MK + the block's output, which a backend may add as it writes y. `l0`: the layer's recent
-        (mean, max) non-zeros per token, and `heavy_fraction` its share of tokens above dispatch.HEAVY_TOKEN_NNZ,
-        when known, which a backend may tune its launch by."""
+        (mean, max) non-zeros per token, and `tail` its heavy tokens' shares, when known, which a backend may tune
+        its launch by."""
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
@@ -119,10 +133,12 @@ class FFNBackend(abc.ABC):
 
     @abc.abstractmethod
     def estimated_ms(
-        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool, compiled: bool = False
-    ) -> float | None:
+        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool, compiled: bool = False,
+        tail: Tail | None = None,
+    ) -> float | None:  # fmt: skip
         """Predicted time of one call in ms on the current GPU, or None if this case cannot run here. `compiled`:
-        the call runs with a `compile_backend` (torch ops fused by torch.compile)."""
+        the call runs with a `compile_backend` (torch ops fused by torch.compile); `tail`: the layer's heavy tokens'
+        shares, where known."""
 
 
 def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,14 +194,14 @@ class TorchFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None, heavy_fraction=None,
+        l0=None, tail=None,
     ):  # fmt: skip
         block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # four passes over h saved without statistics: about 0.6 ms per layer at 16384 x 5632
         y_MK, l1_sum, l0_M, fired_N = block(x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics, residual_MK)
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
         # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
         # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in eager training, the
         # statistics pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for

@@ -18,16 +18,13 @@ import math
 
 import torch
 
-from sparse_llm.backends import FFNBackend, backend_names, get_backend
+from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, Tail, backend_names, get_backend
 
 log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "torch", "twell")
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
-# Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
-# many rows as the layer's observed share of such tokens calls for (sparse_llm/twell_backend.py, DENSE_ROW_NNZ).
-HEAVY_TOKEN_NNZ = 128
 
 _warned: set[str] = set()
 
@@ -38,12 +35,14 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def density_of(l0_M: torch.Tensor) -> tuple[float, float, float]:
-    """(mean, max, share of tokens above HEAVY_TOKEN_NNZ) of per-token non-zero counts l0_M [M], M >= 1, read back
-    with one host sync: what `LayerDispatcher.observe` takes."""
+def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
+    """(mean, max, tail) of per-token non-zero counts l0_M [M], M >= 1, read back with one host sync: what
+    `LayerDispatcher.observe` takes."""
     l0_M = l0_M.detach().float()
-    mean, top, heavy = torch.stack([l0_M.mean(), l0_M.max(), (l0_M > HEAVY_TOKEN_NNZ).float().mean()]).tolist()
-    return mean, top, heavy
+    heavy_M = l0_M > HEAVY_TOKEN_NNZ
+    values = torch.stack([l0_M.mean(), l0_M.max(), heavy_M.float().mean(), (l0_M * heavy_M).sum(), l0_M.sum()])
+    mean, top, heavy_tokens, heavy_nonzeros, nonzeros = values.tolist()
+    return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
 
 
 def validate_kernel(kernel: str) -> None:
@@ -59,7 +58,7 @@ class LayerDispatcher:
         self.kernel = kernel
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
-        self.heavy_fraction: float | None = None  # share of its tokens above HEAVY_TOKEN_NNZ, where known
+        self.tail: Tail | None = None  # its heavy tokens, where known
         self.current = "torch"
 
     @property
@@ -67,11 +66,11 @@ class LayerDispatcher:
         """(mean, max) of the last observation, None before the first."""
         return None if self.l0_mean is None else (self.l0_mean, self.l0_max or self.l0_mean)
 
-    def observe(self, l0_mean: float, l0_max: float, heavy_fraction: float | None = None) -> None:
-        """Record the layer's latest sparsity: mean and max non-zeros of h per token and, where known, the share of
-        tokens with more than HEAVY_TOKEN_NNZ of them."""
+    def observe(self, l0_mean: float, l0_max: float, tail: Tail | None = None) -> None:
+        """Record the layer's latest sparsity: mean and max non-zeros of h per token and, where known, its heavy
+        tokens' shares."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
-        self.heavy_fraction = None if heavy_fraction is None else float(heavy_fraction)
+        self.tail = tail
 
     def choose(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False
@@ -105,7 +104,7 @@ class LayerDispatcher:
                 continue
             if not backend.accepts(x_MK, w_gate_NK, training):
                 continue
-            ms = backend.estimated_ms(m, k, n, *self.l0, training, compiled)
+            ms = backend.estimated_ms(m, k, n, *self.l0, training, compiled, tail=self.tail)
             if ms is not None and math.isfinite(ms):
                 estimates[name] = ms
         dense_ms = estimates.get("torch", math.inf)

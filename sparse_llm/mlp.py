@@ -75,7 +75,7 @@ class SparseMLP(nn.Module):
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
             l0=self.dispatcher.l0,
-            heavy_fraction=self.dispatcher.heavy_fraction,
+            tail=self.dispatcher.tail,
         )
         self.last_result = result
         if observing and result.l0_M.numel():

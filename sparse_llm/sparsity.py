@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from sparse_llm.backends import FFNResult, landed
-from sparse_llm.dispatch import HEAVY_TOKEN_NNZ
+from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNResult, Tail, landed
+from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.mlp import SparseMLP
 
 # all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
@@ -172,7 +172,7 @@ class SparsityTracker:
             stats[f"l0_p99/{tag}"] = _quantile_from_hist(hist, 0.99)
             stats[f"l0_max/{tag}"] = l0_max
             stats[f"sparsity/{tag}"] = 1 - mean / self.n
-            mlp.dispatcher.observe(mean, l0_max, float(hist[HEAVY_TOKEN_NNZ + 1 :].sum()) / tokens)
+            mlp.dispatcher.observe(mean, l0_max, _tail_of(hist, values_B))
             means.append(mean)
         if means:
             stats["l0/mean"] = sum(means) / len(means)
@@ -202,7 +202,7 @@ class SparsityTracker:
             "dead_LN": None if self.dead_LN is None else self.dead_LN.cpu(),
             "steps_in_window": self.steps_in_window,
             "dense_rows_L": list(self.dense_rows_L),
-            "observed": [(m.dispatcher.l0_mean, m.dispatcher.l0_max, m.dispatcher.heavy_fraction) for m in self.mlps],
+            "observed": [_observation(m.dispatcher) for m in self.mlps],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -217,11 +217,25 @@ class SparsityTracker:
         self.dead_LN = None if state["dead_LN"] is None else state["dead_LN"].to(device)
         self.steps_in_window = int(state["steps_in_window"])
         self.dense_rows_L = list(state.get("dense_rows_L", [0] * len(self.mlps)))  # absent in older checkpoints
-        for mlp, observed in zip(self.mlps, state["observed"], strict=True):  # (mean, max[, heavy]): older had two
-            if observed[0] is not None:
-                mlp.dispatcher.observe(*observed)
+        for mlp, (l0_mean, l0_max, *tail) in zip(self.mlps, state["observed"], strict=True):  # older: no tail
+            if l0_mean is not None:
+                mlp.dispatcher.observe(l0_mean, l0_max, Tail(*tail[0]) if tail and tail[0] is not None else None)
 
     def backends(self) -> dict[str, str]:
         """Which path each layer took in its latest call."""
         return {f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in
                 enumerate(self.mlps)}
+
+
+def _tail_of(hist_B: torch.Tensor, values_B: torch.Tensor) -> Tail:
+    """The heavy tokens' shares of a layer's tokens and non-zeros, from its histogram of non-zeros per token."""
+    heavy_B = hist_B[HEAVY_TOKEN_NNZ + 1 :].double()
+    nonzeros = float((hist_B.double() * values_B).sum())
+    heavy_nonzeros = float((heavy_B * values_B[HEAVY_TOKEN_NNZ + 1 :]).sum())
+    return Tail(float(heavy_B.sum() / hist_B.sum()), heavy_nonzeros / nonzeros if nonzeros else 0.0)
+
+
+def _observation(dispatcher: LayerDispatcher) -> tuple[float | None, float | None, tuple[float, float] | None]:
+    """A dispatcher's last observation in plain types, for checkpoints: (mean, max, (tail tokens, tail non-zeros))."""
+    tail = dispatcher.tail
+    return dispatcher.l0_mean, dispatcher.l0_max, None if tail is None else (tail.tokens, tail.nonzeros)

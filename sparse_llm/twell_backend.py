@@ -48,8 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.backends import FFNBackend, FFNResult, TorchFFN, register_backend, with_residual
-from sparse_llm.dispatch import HEAVY_TOKEN_NNZ
+from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -135,6 +134,11 @@ SPLIT_BELOW_M = 2048
 # reservation are the call's tail, each walked by one block (~0.1 ms for a dozen tokens of ~1000 non-zeros).
 DENSE_ROWS_MARGIN = {"measured": 1.25, "modelled": 2.0}
 DENSE_ROWS_ALIGN = 128
+# Priced on top of the dense rows' GEMMs and passes (`dense_rows_ms`), in full from a heavy share of TAIL_FULL_SHARE of
+# the non-zeros: calls with heavy tails took 0.03-0.1 ms more at 16384 tokens than their light non-zeros at the walk's
+# rate, the dense rows and the gate GEMM add up to (H100, 2026-11-26, tails of sigma 0.3 and 0.5 at 28-112 non-zeros
+# per token holding 47-87% of them: the light tokens' counts spread up to the threshold, and six more launches).
+DENSE_ROWS_MS_PER_TOKEN = 0.1 / 16384
 DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per reserved row
 # The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
 # - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.
@@ -230,40 +234,50 @@ def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[fl
     return above, light_mass / max(1.0 - above, 1e-9)
 
 
-def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """Predicted time of one inference call of the twell backend ("direct" route): the cuBLAS gate GEMM and the walk
-    `direct_walk` takes (`rows_walk_ms`, `slices_walk_ms`)."""
-    walk_ms = _priced_walk(m, k, n, l0_mean, l0_max)[1]
+    `direct_walk` takes (`rows_walk_ms`, `slices_walk_ms`). `tail`: the layer's heavy tokens' shares, where known."""
+    walk_ms = _priced_walk(m, k, n, l0_mean, l0_max, tail)[1]
     return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk_ms, CPU_FLOOR_MS)
 
 
-def _tail_factor(l0_mean: float, l0_max: float) -> float:
+def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
+    """The share of the layer's non-zeros on tokens above DENSE_ROW_NNZ: measured where known, else modelled."""
+    return heavy_share(l0_mean, l0_max) if tail is None else tail.nonzeros
+
+
+def _tail_factor(l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """How much longer than at an even spread a one-warp-per-token walk takes when some tokens pass DENSE_ROW_NNZ:
     the tokens just under it make the kernel's tail, as much as the tail holds of the non-zeros (TAIL_FACTOR)."""
-    return 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, heavy_share(l0_mean, l0_max) / TAIL_FULL_SHARE)
+    return 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, _heavy_share(l0_mean, l0_max, tail) / TAIL_FULL_SHARE)
 
 
-def dense_rows_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
-    """The direct route's dense rows for a layer of M tokens (`dense_row_capacity` of them, modelled): the two GEMMs and
-    the gather, h and scatter passes over the rows."""
-    rows = dense_row_capacity(m, (l0_mean, l0_max))
-    return 2 * _gemm_ms(rows, k, n, CUBLAS_GEMM_TFLOPS) + rows * (8 * k + 6 * n) / (HBM_GBPS * 1e6) if rows else 0.0
+def dense_rows_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
+    """The direct route's dense rows for a layer of M tokens (as many as `dense_row_capacity` reserves): the two GEMMs,
+    the gather, h and scatter passes over the rows, and DENSE_ROWS_MS_PER_TOKEN as far as the tail goes."""
+    rows = dense_row_capacity(m, (l0_mean, l0_max), tail=tail)
+    if not rows:
+        return 0.0
+    passes = rows * (8 * k + 6 * n) / (HBM_GBPS * 1e6)
+    spread = m * DENSE_ROWS_MS_PER_TOKEN * min(1.0, _heavy_share(l0_mean, l0_max, tail) / TAIL_FULL_SHARE)
+    return 2 * _gemm_ms(rows, k, n, CUBLAS_GEMM_TFLOPS) + passes + spread
 
 
-def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """The "rows" walk (one read of the bf16 gate, two weight rows per non-zero at the up + down rate, slower once a
-    column part's rows outgrow L2: `row_slowdown`, `column_parts`). In one pass the heavy tokens' non-zeros (the
-    log-normal model's share, an underestimate on the heavy tails measured) go to the dense rows; in parts they are
-    split over warps and slow the walk (`_tail_factor`). The constants were measured on the TwELL kernel, whose fixed
-    cost per token includes the packed words the direct route does not read: a conservative price."""
+    column part's rows outgrow L2: `row_slowdown`, `column_parts`). In one pass the heavy tokens' non-zeros (`tail`'s
+    share where measured; else the log-normal model's, an underestimate on the heavy tails measured) go to the dense
+    rows; in parts they are split over warps and slow the walk (`_tail_factor`). The constants were measured on the
+    TwELL kernel, whose fixed cost per token includes the packed words the direct route does not read: a conservative
+    price."""
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
     parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
-    dense_rows = parts == 1 and dense_row_capacity(m, (l0_mean, l0_max)) > 0
-    walked = nonzeros * (1.0 - heavy_share(l0_mean, l0_max)) if dense_rows else nonzeros
+    dense_rows = parts == 1 and dense_row_capacity(m, (l0_mean, l0_max), tail=tail) > 0
+    walked = nonzeros * (1.0 - _heavy_share(l0_mean, l0_max, tail)) if dense_rows else nonzeros
     up_down = walked * row_bytes / (UP_DOWN_GBPS * 1e6) * row_slowdown(n * row_bytes / parts)
-    up_down *= 1.0 if dense_rows else _tail_factor(l0_mean, l0_max)
-    up_down += dense_rows_ms(m, k, n, l0_mean, l0_max) if dense_rows else 0.0
+    up_down *= 1.0 if dense_rows else _tail_factor(l0_mean, l0_max, tail)
+    up_down += dense_rows_ms(m, k, n, l0_mean, l0_max, tail) if dense_rows else 0.0
     up_down += parts * m * UP_DOWN_MS_PER_TOKEN + m * n * 2 / (HBM_GBPS * 1e6)
     up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
     return max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
@@ -283,17 +297,16 @@ def warp_steps(l0_mean: float, l0_max: float) -> float:
     return min(DIRECT_LIST_CAP, light_mean + 2.0)
 
 
-def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
+def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float | None:
     """The "slices" walk (see WALKS), or None where it does not run (N too wide for a slice, fewer than
     SLICES_MIN_M tokens): the up walk at one row per light non-zero (the one-warp walk's tail and L2 terms as in
     rows_walk_ms), the heavy tokens through the dense rows (`dense_rows_ms`), and the down kernel by warp steps."""
     ks = slice_width(n)
     if ks is None or m < SLICES_MIN_M:
         return None
-    nonzeros = m * l0_mean
-    heavy = heavy_share(l0_mean, l0_max)
-    up = nonzeros * (1.0 - heavy) * 2 * k / (UP_GBPS * 1e6) * row_slowdown(n * 2 * k) * _tail_factor(l0_mean, l0_max)
-    up += m * n * 2 / (GATE_READ_GBPS * 1e6) + dense_rows_ms(m, k, n, l0_mean, l0_max)
+    light = m * l0_mean * (1.0 - _heavy_share(l0_mean, l0_max, tail))
+    up = light * 2 * k / (UP_GBPS * 1e6) * row_slowdown(n * 2 * k) * _tail_factor(l0_mean, l0_max, tail)
+    up += m * n * 2 / (GATE_READ_GBPS * 1e6) + dense_rows_ms(m, k, n, l0_mean, l0_max, tail)
     return up + slices_down_ms(m, k, n, l0_mean, l0_max)
 
 
@@ -305,21 +318,21 @@ def slices_down_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> flo
     return items * (DOWN_MS_PER_ITEM[ks] + DOWN_MS_PER_ITEM_STEP[ks] * warp_steps(l0_mean, l0_max))
 
 
-def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None) -> str:
+def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None, tail: Tail | None = None) -> str:
     """The walk the direct route takes for M tokens: "slices" where it is priced cheaper than "rows" for the layer's
-    recent (mean, max) non-zeros per token `l0` and the layer has no heavy tail (`SLICES_MAX_HEAVY_SHARE`); "rows"
-    while those are unknown (None)."""
-    return "rows" if l0 is None else _priced_walk(m, k, n, *l0)[0]
+    recent (mean, max) non-zeros per token `l0` (and heavy tokens' shares `tail`, where known) and the layer has no
+    heavy tail (`SLICES_MAX_HEAVY_SHARE`); "rows" while those are unknown (None)."""
+    return "rows" if l0 is None else _priced_walk(m, k, n, *l0, tail)[0]
 
 
 @functools.lru_cache(maxsize=1024)
-def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> tuple[str, float]:
+def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> tuple[str, float]:
     """(the walk `direct_walk` takes at a known density, its price in ms). Cached: a layer's dispatch prices it and
-    the block op then picks it on every call, with the same (mean, max) until the layer's next observation."""
-    rows = rows_walk_ms(m, k, n, l0_mean, l0_max)
-    if l0_mean <= 0 or heavy_share(l0_mean, l0_max) > SLICES_MAX_HEAVY_SHARE:
+    the block op then picks it on every call, with the same density until the layer's next observation."""
+    rows = rows_walk_ms(m, k, n, l0_mean, l0_max, tail)
+    if l0_mean <= 0 or _heavy_share(l0_mean, l0_max, tail) > SLICES_MAX_HEAVY_SHARE:
         return "rows", rows
-    slices = slices_walk_ms(m, k, n, l0_mean, l0_max)
+    slices = slices_walk_ms(m, k, n, l0_mean, l0_max, tail)
     return ("slices", slices) if slices is not None and slices < rows else ("rows", rows)
 
 
@@ -883,17 +896,17 @@ def split_token_up_down(
 
 
 def dense_row_capacity(
-    m: int, l0_hint: tuple[float, float] | None, split_nnz: int = DENSE_ROW_NNZ, heavy_fraction: float | None = None
+    m: int, l0_hint: tuple[float, float] | None, split_nnz: int = DENSE_ROW_NNZ, tail: Tail | None = None
 ) -> int:
     """Rows the direct route reserves for dense GEMMs over its heavy tokens (those with more than split_nnz positives,
     capped at DIRECT_LIST_CAP) at M tokens, from the layer's recent (mean, max) non-zeros per token `l0_hint` and its
-    share of tokens above HEAVY_TOKEN_NNZ `heavy_fraction` (None: modelled from l0_hint). 0 without a hint, below
-    SPLIT_BELOW_M tokens (every token is split over warps there) or when no token passed the threshold."""
+    heavy tokens' shares `tail` (None: modelled from l0_hint). 0 without a hint, below SPLIT_BELOW_M tokens (every
+    token is split over warps there) or when no token passed the threshold."""
     threshold = min(split_nnz, DIRECT_LIST_CAP)
     if l0_hint is None or m < SPLIT_BELOW_M or threshold <= 0 or l0_hint[1] <= threshold:
         return 0
-    if heavy_fraction is not None and threshold == HEAVY_TOKEN_NNZ:
-        rows = DENSE_ROWS_MARGIN["measured"] * heavy_fraction * m
+    if tail is not None and threshold == HEAVY_TOKEN_NNZ:
+        rows = DENSE_ROWS_MARGIN["measured"] * tail.tokens * m
     else:
         rows = DENSE_ROWS_MARGIN["modelled"] * lognormal_split(threshold, *l0_hint)[0] * m
     return min(m, DENSE_ROWS_ALIGN * math.ceil((rows + DENSE_ROWS_ALIGN) / DENSE_ROWS_ALIGN))
@@ -944,7 +957,7 @@ def twell_gated_mlp(
     residual_MK: torch.Tensor | None = None,
     l0_hint: tuple[float, float] | None = None,
     statistics: bool = True,
-    heavy_fraction: float | None = None,
+    tail: Tail | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -959,8 +972,8 @@ def twell_gated_mlp(
             (`direct_walk`; where it prices slices ahead, `measured_walk` settles it unless `walk_choice` is "priced"),
             how many column parts a "rows" walk of a block that outgrows L2 takes (`column_parts`), and how many
             heavy tokens it computes by dense GEMMs (`dense_row_capacity`).
-        heavy_fraction: the layer's recent share of tokens above dispatch.HEAVY_TOKEN_NNZ non-zeros, or None: sizes
-            the "direct" route's dense rows more closely than `l0_hint` alone (`dense_row_capacity`).
+        tail: the layer's recent heavy tokens' shares (tokens above HEAVY_TOKEN_NNZ non-zeros), or None: sizes the
+            "direct" route's dense rows (`dense_row_capacity`) and prices its walk more closely than `l0_hint` alone.
         statistics: False leaves l1_sum and fired_N None (the kernels write per-token sums and int32 flags; their
             reduction and conversion are two more kernels). l0_M is always returned: the kernels write it anyway.
 
@@ -979,7 +992,7 @@ def twell_gated_mlp(
         # gate_MN and the cached transpose are well formed by construction: no second validation.
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         w_down_t_NK = _DOWN_T.get(w_down_KN)
-        dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, heavy_fraction)
+        dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, tail)
 
         def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
@@ -987,7 +1000,7 @@ def twell_gated_mlp(
                 x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows
             )
 
-        walk = direct_walk(m, k, n, l0_hint)
+        walk = direct_walk(m, k, n, l0_hint, tail)
         if walk == "slices" and walk_choice() == "measured":
             walk = measured_walk((m, k, n, _mean_bucket(l0_hint[0])), walk_through)
         y_MK, l1_M, l0_M, fired_N = walk_through(walk)
@@ -1098,7 +1111,7 @@ class TwellFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None, heavy_fraction=None,
+        l0=None, tail=None,
     ):  # fmt: skip
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
@@ -1129,17 +1142,17 @@ class TwellFFN(FFNBackend):
             )
         return twell_gated_mlp(
             x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics,
-            heavy_fraction=heavy_fraction,
+            tail=tail,
         )
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)
             return None
         if training:
             from sparse_llm.twell_train import train_estimated_ms
 
             return train_estimated_ms(m, k, n, l0_mean, l0_max)
-        return twell_estimated_ms(m, k, n, l0_mean, l0_max)
+        return twell_estimated_ms(m, k, n, l0_mean, l0_max, tail)
 
 
 register_backend(TwellFFN())

@@ -5,7 +5,8 @@ import torch
 
 from sparse_llm import backends
 from sparse_llm.backends import FFNBackend, TorchFFN
-from sparse_llm.dispatch import HEAVY_TOKEN_NNZ, LayerDispatcher, density_of
+from sparse_llm.backends import HEAVY_TOKEN_NNZ, Tail
+from sparse_llm.dispatch import LayerDispatcher, density_of
 from sparse_llm.mlp import SparseMLP
 
 
@@ -26,7 +27,7 @@ class FakeSparse(FFNBackend):
     def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training):
         return TorchFFN().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, training=training)
 
-    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False):
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
         return self.ms
 
 
@@ -81,7 +82,8 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
 
 def test_density_of_reads_mean_max_and_heavy_share():
     l0_M = torch.tensor([0, HEAVY_TOKEN_NNZ, HEAVY_TOKEN_NNZ + 1, 300], dtype=torch.int32)
-    assert density_of(l0_M) == pytest.approx(((2 * HEAVY_TOKEN_NNZ + 301) / 4, 300.0, 0.5))
+    total = 2 * HEAVY_TOKEN_NNZ + 301
+    assert density_of(l0_M) == (total / 4, 300.0, Tail(0.5, (HEAVY_TOKEN_NNZ + 301) / total))
 
 
 def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
@@ -91,7 +93,7 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
     forward = TorchFFN.forward
 
     def recording(self, *args, **kwargs):
-        seen.append((kwargs["l0"], kwargs["heavy_fraction"]))
+        seen.append((kwargs["l0"], kwargs["tail"]))
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchFFN, "forward", recording)
@@ -99,7 +101,7 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
     x = torch.randn(2, 8, 64)
     with torch.no_grad():
         mlp(x)
-        observed = (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max), mlp.dispatcher.heavy_fraction
+        observed = (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max), mlp.dispatcher.tail
         mlp(x)
     assert seen[0] == (None, None) and observed[0][0] is not None and seen[1] == observed
-    assert observed[0][1] >= observed[0][0] and 0.0 <= observed[1] <= 1.0
+    assert observed[0][1] >= observed[0][0] and 0.0 <= observed[1].tokens <= 1.0

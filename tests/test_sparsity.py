@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sparse_llm.backends import Tail
 from sparse_llm.mlp import SparseMLP
 from sparse_llm.sparsity import SparsityConfig, SparsityTracker, l1_coefficient, l1_term
 
@@ -162,12 +163,12 @@ def test_tracker_state_round_trip():
     assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.l0_max) == (3.0, 7.0)
     older = {**tracker.state_dict(), "observed": [(5.0, 9.0)]}  # checkpoints before the heavy share was kept
     other.load_state_dict(older)
-    assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.heavy_fraction) == (5.0, None)
+    assert (other_mlp.dispatcher.l0_mean, other_mlp.dispatcher.tail) == (5.0, None)
 
 
 def test_tracker_feeds_each_layer_its_share_of_heavy_tokens():
-    """The window's histogram gives the dispatcher the share of tokens above HEAVY_TOKEN_NNZ non-zeros (the sparse
-    inference kernels size their dense rows by it): here one token of two has 200."""
+    """The window's histogram gives the dispatcher its heavy tokens' shares of tokens and non-zeros (the sparse
+    inference kernels size and price their dense rows by them): here one token of two has 200, the other none."""
     mlp = SparseMLP(4, 512, kernel="torch")
     with torch.no_grad():
         mlp.gate_proj.weight.fill_(-1.0)
@@ -177,5 +178,8 @@ def test_tracker_feeds_each_layer_its_share_of_heavy_tokens():
     mlp(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
     tracker.accumulate(tracker.collect())
     tracker.read_window()
-    assert (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max, mlp.dispatcher.heavy_fraction) == (100.0, 200.0, 0.5)
-    assert tracker.state_dict()["observed"] == [(100.0, 200.0, 0.5)]
+    assert (mlp.dispatcher.l0_mean, mlp.dispatcher.l0_max, mlp.dispatcher.tail) == (100.0, 200.0, Tail(0.5, 1.0))
+    assert tracker.state_dict()["observed"] == [(100.0, 200.0, (0.5, 1.0))]
+    other = SparseMLP(4, 512, kernel="torch")
+    SparsityTracker([other], SparsityConfig()).load_state_dict(tracker.state_dict())
+    assert other.dispatcher.tail == Tail(0.5, 1.0)

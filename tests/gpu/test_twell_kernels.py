@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
+from sparse_llm.dispatch import density_of
 from sparse_llm.formats import (
     TwellPacked,
     canonicalize_twell,
@@ -320,18 +321,19 @@ def test_direct_route_heavy_tokens_through_dense_rows(m, sigma, capacity, walk):
 
 
 def test_block_op_reserves_dense_rows_from_the_density_hint():
-    """twell_gated_mlp with a heavy-tailed layer's hint computes its heavy tokens by dense GEMMs, without a host sync;
-    the result stays exact."""
+    """twell_gated_mlp with a heavy-tailed layer's density (as a layer observes it) computes its heavy tokens by dense
+    GEMMs, without a host sync; the result stays exact."""
     m = 8192
     block = synthetic_block(m, 2048, 5632, nnz_mean=28, sigma=0.5, seed=41)
     plain = twell_gated_mlp(*block)
-    l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
-    assert twell_backend.dense_row_capacity(m, l0) >= 64
+    l0_mean, l0_max, tail = density_of(plain.l0_M)
+    heavy = int((plain.l0_M > 128).sum())
+    assert heavy > 0 and twell_backend.dense_row_capacity(m, (l0_mean, l0_max), tail=tail) >= heavy
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         poison(((m, 2048), torch.bfloat16))
-        hinted = twell_gated_mlp(*block, l0_hint=l0)
+        hinted = twell_gated_mlp(*block, l0_hint=(l0_mean, l0_max), tail=tail)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_close_to_ref(hinted.y_MK, *block)
