@@ -99,7 +99,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         row["twell_cublas_ms"] = time_ms(lambda: run_twell("cublas"), reps=reps)
         row["dense_mJ"] = energy_mj_per_call(meter, run_dense, energy_s)
         row["twell_mJ"] = energy_mj_per_call(meter, run_twell, energy_s)
-    predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False)
+    predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False, tail=tail)
     row["twell_predicted_ms"] = predicted
     row["auto"] = "twell" if predicted < SWITCH_MARGIN * dense.estimated_ms(m, k, n, 0, 0, False) else "torch"
     # What a model gains from kernel=auto: the torch backend also computes the statistics, so compare to it.

@@ -135,10 +135,11 @@ SPLIT_BELOW_M = 2048
 DENSE_ROWS_MARGIN = {"measured": 1.25, "modelled": 2.0}
 DENSE_ROWS_ALIGN = 128
 # Priced on top of the dense rows' GEMMs and passes (`dense_rows_ms`), in full from a heavy share of TAIL_FULL_SHARE of
-# the non-zeros: calls with heavy tails took 0.03-0.1 ms more at 16384 tokens than their light non-zeros at the walk's
+# the non-zeros: calls with heavy tails took 0.03-0.15 ms more at 16384 tokens than their light non-zeros at the walk's
 # rate, the dense rows and the gate GEMM add up to (H100, 2026-11-26, tails of sigma 0.3 and 0.5 at 28-112 non-zeros
-# per token holding 47-87% of them: the light tokens' counts spread up to the threshold, and six more launches).
-DENSE_ROWS_MS_PER_TOKEN = 0.1 / 16384
+# per token holding 47-87% of them: the light tokens' counts spread up to the threshold, and six more launches). With
+# this the price lands at 0.98-1.04x the calls measured: on the dear side, as `auto` needs.
+DENSE_ROWS_MS_PER_TOKEN = 0.15 / 16384
 DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per reserved row
 # The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
 # - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.

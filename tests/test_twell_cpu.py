@@ -314,23 +314,25 @@ def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
     assert heavy_share(28, 100) == 0.0 and 0.1 < heavy_share(28, 1353) < 0.3 < heavy_share(112, 1788) < 1.0
 
 
-# Heavy tails at the paper's block, M = 16384 (scripts/bench_mlp.py, H100, 2026-11-26; sigma 0.3 / 0.5): mean and max
-# non-zeros per token, the heavy tokens' shares of tokens and non-zeros, the measured call in ms (dense: 1.74-1.82).
+# Heavy tails at the paper's block, M = 16384 (scripts/bench_mlp.py, H100, 2026-11-26, two runs; sigma 0.3 / 0.5): mean
+# and max non-zeros per token, the heavy tokens' shares of tokens and non-zeros, the measured calls in ms (dense:
+# 1.74-1.86).
 MEASURED_TAILS = [
-    (28.2, 796, 0.0571, 0.475, 1.244), (56.0, 990, 0.138, 0.626, 1.507), (111.5, 1192, 0.295, 0.774, 1.774),
-    (28.4, 1353, 0.0628, 0.725, 1.139), (56.1, 1556, 0.126, 0.803, 1.288), (112.1, 1788, 0.237, 0.870, 1.510),
-    (279.5, 2083, 0.489, 0.943, 1.929),
+    (28.2, 796, 0.0571, 0.475, (1.244, 1.269)), (56.0, 990, 0.138, 0.626, (1.507, 1.485)),
+    (111.5, 1192, 0.295, 0.774, (1.774, 1.824)), (28.4, 1353, 0.0628, 0.725, (1.139, 1.117)),
+    (56.1, 1556, 0.126, 0.803, (1.288, 1.306)), (112.1, 1788, 0.237, 0.870, (1.510, 1.580)),
+    (279.5, 2083, 0.489, 0.943, (1.929, 1.957)),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("l0_mean, l0_max, tokens, nonzeros, call_ms", MEASURED_TAILS)
-def test_heavy_tails_are_priced_from_their_measured_shares(l0_mean, l0_max, tokens, nonzeros, call_ms):
-    """With the heavy tokens' measured shares the price lands within 0.95-1.05x of the measured call (these tails hold
-    47-94% of their non-zeros on heavy tokens, which the log-normal model puts at 20-60%: without the shares the price
-    is up to 1.6x the call, which keeps such layers dense)."""
+@pytest.mark.parametrize("l0_mean, l0_max, tokens, nonzeros, calls_ms", MEASURED_TAILS)
+def test_heavy_tails_are_priced_from_their_measured_shares(l0_mean, l0_max, tokens, nonzeros, calls_ms):
+    """With the heavy tokens' measured shares the price lands within 0.97x of the slower and 1.05x of the faster measured
+    call (these tails hold 47-94% of their non-zeros on heavy tokens, which the log-normal model puts at 20-60%:
+    without the shares the price is up to 1.6x the call, which keeps such layers dense)."""
     m, k, n = 16384, 2048, 5632
     priced = twell_estimated_ms(m, k, n, l0_mean, l0_max, Tail(tokens, nonzeros))
-    assert 0.95 * call_ms <= priced <= 1.05 * call_ms
+    assert 0.97 * max(calls_ms) <= priced <= 1.05 * min(calls_ms)
     assert twell_estimated_ms(m, k, n, l0_mean, l0_max) >= priced
 
 
