@@ -71,9 +71,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     l0 = (l0_mean, l0_max)
 
     def run_twell(route="auto", statistics=False):
-        return twell_gated_mlp(
-            x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics, tail=tail
-        )
+        return twell_gated_mlp(x, wg, wu, wd, gate_route=route, l0_hint=l0, statistics=statistics, tail=tail)
 
     with torch.inference_mode():
         result = run_twell()  # the call timed below: its error and path are reported

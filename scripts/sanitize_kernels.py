@@ -9,9 +9,9 @@ Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M 
 piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
-residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough; the
-training op forward and backward with a narrow and the default ELL width, and
-in column parts, and its y and dx through the slices walk; both transposes.
+residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
+the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
+dx through the slices walk; both transposes.
 """
 
 from __future__ import annotations

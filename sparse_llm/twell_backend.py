@@ -119,7 +119,8 @@ CPU_FLOOR_MS = 0.22
 # Tokens with more gate non-zeros than this leave the one-warp path: the TwELL routes compute them with
 # dense GEMMs (at ~1.5 ns per sparse non-zero, 8 KiB at 5.5 TB/s, vs ~0.1 us per dense GEMM row, the
 # break-even is ~70; 128 leaves margin for the gather/scatter around the dense rows), the direct route
-# splits them over a block of warps so that no single warp walks hundreds of non-zeros.
+# too, over the rows it reserved (DENSE_ROWS_*), and past them splits them over a block of warps so that no single
+# warp walks hundreds of non-zeros.
 DENSE_ROW_NNZ = HEAVY_TOKEN_NNZ  # 128
 # Tokens averaging this many gate non-zeros per tile are assumed to overflow some tile (capacity 31).
 OVERFLOW_NNZ_PER_TILE = 20.0
@@ -704,8 +705,9 @@ def direct_up_down(
     Args:
         x_MK: bf16 [M, K]. gate_MN: bf16 [M, N] = x w_gate^T (before ReLU).
         w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
-        split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are split over a block
-            of warps. Below SPLIT_BELOW_M tokens every token with a positive is split, to fill the GPU.
+        split_nnz: tokens with more positives than this (capped at DIRECT_LIST_CAP) are heavy: computed by the
+            dense rows (`dense_rows`), past them split over a block of warps. Below SPLIT_BELOW_M tokens every token
+            with a positive is split, to fill the GPU.
         residual_MK: bf16 [M, K] added to y by the kernels (a decoder layer's residual stream), or None.
         parts: column parts the "rows" walk takes one after the other (`column_parts`; None: by the weights'
             size). A token that stays on the one-warp path gets the same bits whatever the parts.

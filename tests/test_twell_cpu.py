@@ -327,8 +327,8 @@ MEASURED_TAILS = [
 
 @pytest.mark.parametrize("l0_mean, l0_max, tokens, nonzeros, calls_ms", MEASURED_TAILS)
 def test_heavy_tails_are_priced_from_their_measured_shares(l0_mean, l0_max, tokens, nonzeros, calls_ms):
-    """With the heavy tokens' measured shares the price lands within 0.97x of the slower and 1.05x of the faster measured
-    call (these tails hold 47-94% of their non-zeros on heavy tokens, which the log-normal model puts at 20-60%:
+    """With the heavy tokens' measured shares the price lands within 0.97x of the slower and 1.05x of the faster
+    measured call (these tails hold 47-94% of their non-zeros on heavy tokens, which the log-normal model puts at 20-60%:
     without the shares the price is up to 1.6x the call, which keeps such layers dense)."""
     m, k, n = 16384, 2048, 5632
     priced = twell_estimated_ms(m, k, n, l0_mean, l0_max, Tail(tokens, nonzeros))
@@ -344,7 +344,8 @@ def test_dense_rows_are_reserved_from_the_measured_share_of_heavy_tokens():
     assert capacity(16384, (28.4, 1793), tail=Tail(1022 / 16384, 0.5)) == 1408  # 1.25 * 1022 + 128 = 1405.5
     assert capacity(16384, (28.4, 1793)) == 1152  # the model expects ~512
     # a share measured at 128 says nothing at another threshold
-    assert capacity(16384, (28.4, 1793), split_nnz=96, tail=Tail(0.5, 0.9)) == capacity(16384, (28.4, 1793), split_nnz=96)
+    modelled_at_96 = capacity(16384, (28.4, 1793), split_nnz=96)
+    assert capacity(16384, (28.4, 1793), split_nnz=96, tail=Tail(0.5, 0.9)) == modelled_at_96
     assert capacity(16384, None) == capacity(16384, (28.0, 128.0)) == capacity(2047, (28.4, 1793)) == 0
     assert capacity(4096, (500.0, 900.0), tail=Tail(1.0, 1.0)) == 4096
 
