@@ -48,9 +48,11 @@ class FFNResult:
             These three are None where an inference call was not asked for statistics and its backend would
             have had to spend passes over h on them (the dense path); training calls always carry them.
         path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
-        overflow_rows: tokens that could not take the sparse path and were computed densely: an int, or, where
-            the call does not wait for the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy
-            fills (-1 until it lands). `dense_rows()` reads either.
+        overflow_rows: tokens that could not take the sparse path and were computed densely (the TwELL routes'
+            overflows and heavy rows, the training op's backup rows): an int, or, where the call does not wait for
+            the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy fills (-1 until it lands).
+            `dense_rows()` reads either. The direct inference route's dense rows are not counted: their number
+            never leaves the device.
     """
 
     y_MK: torch.Tensor
