@@ -168,23 +168,33 @@ def test_general_shapes(m, k, n):
         run_case(*block, gate_route=route)
 
 
-def test_direct_route_never_syncs_and_replays_in_a_cuda_graph():
-    """The direct route reads nothing back to the host: it runs under sync-error mode and in a CUDA graph."""
+@pytest.mark.parametrize("observed", [False, True])
+def test_direct_route_never_syncs_and_replays_in_a_cuda_graph(observed):
+    """The direct route reads nothing back to the host: it runs under sync-error mode and in a CUDA graph, also with
+    a layer's observed density (its heavy tokens then go through the dense rows)."""
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=28, sigma=0.5, seed=21)
-    twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")  # compiles the kernels
+    first = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")  # compiles the kernels
+    l0_mean, l0_max, tail = density_of(first.l0_M)
+    hints = {"l0_hint": (l0_mean, l0_max), "tail": tail} if observed else {}
+    assert not observed or twell_backend.dense_row_capacity(4096, (l0_mean, l0_max), tail=tail) > 0
+
+    def call():
+        return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct", **hints)
+
+    call()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+        call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+        captured = call()
     x_MK.copy_(x_MK.flip(0))  # new inputs in place: the replay must see them
     graph.replay()
     torch.cuda.synchronize()
-    fresh = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")
+    fresh = call()
     torch.testing.assert_close(captured.y_MK, fresh.y_MK)
     assert (captured.l0_M - fresh.l0_M).abs().max() <= 1
     assert_close_to_ref(captured.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
