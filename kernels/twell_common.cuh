@@ -284,7 +284,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int s
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
-// cp_async_16 of a whole 16-byte piece under an L2 cache policy.
+// cp_async_16 of a whole 16-byte piece under an L2 cache policy. There is deliberately no zero-filling form: on an
+// H100 a cp.async with both a source size and a cache hint faults as an illegal instruction (BENCHMARKS.md).
 __device__ __forceinline__ void cp_async_16_policy(uint32_t dst, const void *src, uint64_t policy) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
 }
