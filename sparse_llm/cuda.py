@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 NVRTC_OPTIONS: tuple[str, ...] = ("-arch=sm_90a", "-std=c++17")
 REQUIRED_CAPABILITY = (9, 0)
@@ -123,6 +127,8 @@ def _compile_in_child(filename: str, name: str) -> None:
     marker = _marker(kernel_source(filename), name)
     if marker.exists():
         return
+    # A cold cache costs several seconds a kernel: say so, rather than leave the first step silent.
+    log.info("compiling CUDA kernel %s of %s (first use of this version; cached in %s)", name, filename, _cache_dir())
     env = dict(os.environ, CUPY_CACHE_DIR=str(_cache_dir()), SPARSE_LLM_COMPILE_INPROCESS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(_PACKAGE_DIR.parent), env.get("PYTHONPATH"))))
     child = subprocess.run(
@@ -140,6 +146,37 @@ def _compile_in_child(filename: str, name: str) -> None:
         )
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
+
+
+def precompile(
+    kernels: Sequence[tuple[str, str]],
+    workers: int | None = None,
+    done: Callable[[str, str, Exception | None], None] | None = None,
+) -> dict[tuple[str, str], Exception]:
+    """Compile each (source file, kernel name) not compiled yet, in child processes `workers` at a time (default: up
+    to 8, no more than the CPU count). Each child pays for its own imports and NVRTC run, so a cold cache costs about
+    one round of them rather than one per kernel in turn; later `get_function` calls load from the cache.
+    `done(filename, name, error)` is called as each one finishes (error None on success, from a worker thread).
+    Returns the failures, keyed like `kernels`. With SPARSE_LLM_COMPILE_INPROCESS=1 it does nothing (no callbacks):
+    `get_function` then compiles in this process."""
+    if os.environ.get("SPARSE_LLM_COMPILE_INPROCESS") == "1":
+        return {}
+    workers = workers or max(1, min(8, os.cpu_count() or 1))
+    failures: dict[tuple[str, str], Exception] = {}
+
+    def compile_one(filename: str, name: str) -> None:
+        error: Exception | None = None
+        try:
+            _compile_in_child(filename, name)
+        except Exception as caught:  # reported per kernel: the others still compile
+            error = failures[filename, name] = caught
+        if done is not None:
+            done(filename, name, error)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for future in [pool.submit(compile_one, filename, name) for filename, name in kernels]:
+            future.result()
+    return failures
 
 
 @functools.cache

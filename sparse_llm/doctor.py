@@ -120,10 +120,23 @@ def main() -> int:
         print(f"  twell kernels          skipped: {reason}")
         print("  kernel=auto picks      torch (no usable sparse kernel here)")
         return 0
+    print(f"  compiling {len(KERNELS)} kernels in parallel child processes (cached after the first run)", flush=True)
+
+    reported: set[tuple[str, str]] = set()
+
+    def report(filename: str, name: str, error: Exception | None) -> None:
+        reported.add((filename, name))
+        print(f"  compile {name:<22} " + ("ok" if error is None else f"FAILED: {error}"), flush=True)
+
+    failed = cuda.precompile(KERNELS, done=report)
+    failures += len(failed)
     for filename, name in KERNELS:
+        if (filename, name) in failed:
+            continue
         try:
-            cuda.get_function(filename, name)
-            print(f"  compile {name:<22} ok")
+            cuda.get_function(filename, name)  # from the cache the children filled, or compiled here
+            if (filename, name) not in reported:
+                print(f"  compile {name:<22} ok")
         except Exception as error:
             failures += 1
             print(f"  compile {name:<22} FAILED: {error}")

@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 import types
 import warnings
 
@@ -111,6 +113,35 @@ def test_doctor_covers_the_training_kernels_and_passes_without_a_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert doctor.main() == 0
     assert "train_backward.cu" in capsys.readouterr().out
+
+
+def test_precompile_runs_the_children_side_by_side_and_reports_each_kernel(monkeypatch):
+    """Kernels compile in child processes several at a time; a failure is reported for its kernel and the others
+    still compile."""
+    monkeypatch.delenv("SPARSE_LLM_COMPILE_INPROCESS", raising=False)
+    lock = threading.Lock()
+    running, peak = [0], [0]
+
+    def fake_child(filename: str, name: str) -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        if name == "broken":
+            raise RuntimeError("nvrtc said no")
+
+    monkeypatch.setattr(cuda, "_compile_in_child", fake_child)
+    kernels = [("a.cu", f"k{i}") for i in range(6)] + [("b.cu", "broken")]
+    finished = []
+    failed = cuda.precompile(kernels, workers=4, done=lambda f, n, e: finished.append((f, n, e is None)))
+    assert set(failed) == {("b.cu", "broken")} and "nvrtc said no" in str(failed["b.cu", "broken"])
+    assert sorted(finished) == sorted((f, n, n != "broken") for f, n in kernels)
+    assert peak[0] > 1  # side by side, not one after another
+
+    monkeypatch.setenv("SPARSE_LLM_COMPILE_INPROCESS", "1")  # compiled by get_function in this process instead
+    assert cuda.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
 
 
 def test_import_is_safe_without_gpu():
