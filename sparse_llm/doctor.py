@@ -120,8 +120,7 @@ def main() -> int:
         print(f"  twell kernels          skipped: {reason}")
         print("  kernel=auto picks      torch (no usable sparse kernel here)")
         return 0
-    print(f"  compiling {len(KERNELS)} kernels in parallel child processes (cached after the first run)", flush=True)
-
+    print(f"  compiling {len(KERNELS)} kernels (cached after the first run)", flush=True)
     reported: set[tuple[str, str]] = set()
 
     def report(filename: str, name: str, error: Exception | None) -> None:
