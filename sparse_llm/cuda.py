@@ -111,25 +111,36 @@ def _cuda_device_reason(index: int) -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where CuPy keeps compiled kernels (CUPY_CACHE_DIR, else CuPy's default)."""
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+def compiles_in_children() -> bool:
+    """Whether first compiles run in child processes (not with SPARSE_LLM_COMPILE_INPROCESS=1)."""
+    return os.environ.get("SPARSE_LLM_COMPILE_INPROCESS") != "1"
 
 
 def _marker(source: str, name: str) -> Path:
     digest = hashlib.sha256("\0".join((source, name, *NVRTC_OPTIONS)).encode()).hexdigest()[:24]
-    return _cache_dir() / f"sparse_llm-compiled-{digest}.ok"
+    return cache_dir() / f"sparse_llm-compiled-{digest}.ok"
+
+
+def is_compiled(filename: str, name: str) -> bool:
+    """Whether a child process has compiled this version of kernel `name` of `filename` into the cache."""
+    return _marker(kernel_source(filename), name).exists()
 
 
 def _compile_in_child(filename: str, name: str) -> None:
     """Compile in a child process once per kernel version, so an NVRTC crash cannot kill this process."""
-    if os.environ.get("SPARSE_LLM_COMPILE_INPROCESS") == "1":
+    if not compiles_in_children():
         return
     marker = _marker(kernel_source(filename), name)
     if marker.exists():
         return
     # A cold cache costs several seconds a kernel: say so, rather than leave the first step silent.
-    log.info("compiling CUDA kernel %s of %s (first use of this version; cached in %s)", name, filename, _cache_dir())
-    env = dict(os.environ, CUPY_CACHE_DIR=str(_cache_dir()), SPARSE_LLM_COMPILE_INPROCESS="1")
+    log.info("compiling CUDA kernel %s of %s (first use of this version; cached in %s)", name, filename, cache_dir())
+    env = dict(os.environ, CUPY_CACHE_DIR=str(cache_dir()), SPARSE_LLM_COMPILE_INPROCESS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(_PACKAGE_DIR.parent), env.get("PYTHONPATH"))))
     child = subprocess.run(
         [sys.executable, "-m", "sparse_llm.cuda", filename, name],
@@ -159,7 +170,7 @@ def precompile(
     `done(filename, name, error)` is called as each one finishes (error None on success, from a worker thread).
     Returns the failures, keyed like `kernels`. With SPARSE_LLM_COMPILE_INPROCESS=1 it does nothing (no callbacks):
     `get_function` then compiles in this process."""
-    if os.environ.get("SPARSE_LLM_COMPILE_INPROCESS") == "1":
+    if not compiles_in_children():
         return {}
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     failures: dict[tuple[str, str], Exception] = {}

@@ -14,43 +14,17 @@ import traceback
 
 import torch
 
-from sparse_llm import cuda
+from sparse_llm import cuda, kernel_set
 from sparse_llm.dispatch import SWITCH_MARGIN
-from sparse_llm.twell_train import _pieces, wgrad_slices
 
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
-_KV = _pieces(CHECK_K)  # template argument (KV) every launcher uses at that hidden size
-_KW = wgrad_slices(CHECK_K)[0]  # the weight-gradient kernel's slice width (KW) there
-KERNELS = (  # (source file, kernel name): inference kernels, then the training kernels, then the rotary one
-    ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
-    ("twell_pack.cu", "twell_pack_dense"),
-    ("twell_up_down.cu", f"twell_up_down<{_KV}>"),
-    ("gate_up_down.cu", f"gate_up_down_light<{_KV}>"),
-    ("gate_up_down.cu", f"gate_up_down_heavy<{_KV}>"),
-    ("dense_rows.cu", "gather_dense_rows"),
-    ("dense_rows.cu", "dense_rows_h"),
-    ("dense_rows.cu", "scatter_dense_rows"),
-    ("gate_up_then_down.cu", f"gate_up_entries<{_KV}>"),
-    ("gate_up_then_down.cu", "order_tokens"),
-    ("gate_up_then_down.cu", "entries_to_slots"),
-    ("gate_up_then_down.cu", "entries_down<16,false>"),
-    ("gate_up_then_down.cu", "entries_down<8,false>"),
-    ("transpose.cu", "transpose_cast<float,__nv_bfloat16>"),
-    ("transpose.cu", "transpose_cast<float,float>"),
-    ("train_forward.cu", f"train_fwd_gate<{_KV},true>"),
-    ("train_forward.cu", f"train_fwd_gate<{_KV},false>"),
-    ("train_backward.cu", f"train_bwd_sddmm<{_KV},short>"),
-    ("train_backward.cu", f"train_bwd_dx<{_KV}>"),
-    ("gate_up_then_down.cu", "ell_to_slots<true>"),
-    ("gate_up_then_down.cu", "ell_to_slots<false>"),
-    ("gate_up_then_down.cu", "entries_down<16,true>"),
-    ("train_backward.cu", "train_csc_columns<short>"),
-    ("train_backward.cu", "train_csc_chunks"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KW},1,__nv_bfloat16>"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KW},2,__nv_bfloat16>"),
-    ("train_backward.cu", f"train_csc_wgrad<{_KW},2,float>"),
-    ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),
-)
+CHECK_N = 5632  # and its FFN width
+WIDE_N = 11264  # an FFN too wide for 16-column slices of the slices walk (inference takes 8)
+KERNELS = tuple(dict.fromkeys(  # (source file, kernel name): every kernel a model of that width may run
+    kernel_set.inference_kernels(CHECK_K, CHECK_N) + kernel_set.gate_route_kernels(CHECK_K)
+    + kernel_set.inference_kernels(CHECK_K, WIDE_N) + kernel_set.training_kernels(CHECK_K, CHECK_N)
+    + list(kernel_set.ROPE_KERNELS)
+))
 
 
 def _versions() -> list[tuple[str, str]]:
@@ -96,7 +70,7 @@ def _numerical_check(route: str) -> str:
     from sparse_llm.formats import gated_mlp_ref
     from sparse_llm.twell_backend import direct_up_down, synthetic_block, twell_gated_mlp
 
-    x, wg, wu, wd = synthetic_block(300, CHECK_K, 5632, nnz_mean=56, sigma=0.5, seed=1)
+    x, wg, wu, wd = synthetic_block(300, CHECK_K, CHECK_N, nnz_mean=56, sigma=0.5, seed=1)
     if route == "slices":
         y, path = direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), walk="slices")[0], "twell-slices"
     else:
@@ -151,7 +125,7 @@ def main() -> int:
     from sparse_llm.backends import TorchFFN
     from sparse_llm.twell_backend import TwellFFN
 
-    m, k, n = 16384, CHECK_K, 5632
+    m, k, n = 16384, CHECK_K, CHECK_N
     for l0 in (28, 112, 560):
         sparse = TwellFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
         dense = TorchFFN().estimated_ms(m, k, n, l0, 2 * l0, False)

@@ -35,7 +35,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparse_llm import mc_tasks
+from sparse_llm import kernel_set, mc_tasks
 from sparse_llm.backends import get_backend
 from sparse_llm.data import DataConfig, held_out_documents
 from sparse_llm.dispatch import validate_kernel
@@ -473,6 +473,7 @@ def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[s
     """Load one checkpoint on the configured backend and measure everything on it."""
     tokenizer = plan.tokenizers[model_dir]
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=plan.dtype, device=str(plan.device))
+    kernel_set.warm(model, plan.device, training=False)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
                          f"{model.config.vocab_size}; pass the tokenizer the model was trained with")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 
+from sparse_llm import kernel_set
 from sparse_llm.evaluation import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
 from sparse_llm.model import load_pretrained, sparse_mlps
 from sparse_llm.tokenizer import load_tokenizer
@@ -112,6 +113,7 @@ def generate(cfg: GenerateConfig) -> Generation:
     check_kernel(cfg.kernel, device, dtype)
     tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir))
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=dtype, device=str(device)).eval()
+    kernel_set.warm(model, device, training=False)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
                          f"{model.config.vocab_size}; pass the tokenizer the model was trained with")

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
 from sparse_llm import checkpoint as ckpt
+from sparse_llm import kernel_set
 from sparse_llm.backends import get_backend
 from sparse_llm.config import TrainConfig, TrainerConfig
 from sparse_llm.data import build_token_data
@@ -356,6 +357,8 @@ class Trainer:
             log.info("trainer.compile: the first step compiles the decoder layers (%s%s; about a minute on a GPU host, "
                      "once per micro-batch shape)", t.compile_backend,
                      ", replayed as CUDA graphs" if t.cuda_graphs else "")
+        with self.acc.local_main_process_first():  # one process per machine compiles, the others load the cache
+            kernel_set.warm(model, self.acc.device, training=True)
         self.n_params = count_parameters(model)
         self.hf_config = model.config
         optimizer = make_optimizer(model, cfg, self.acc.device)

@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda, doctor, twell_backend
+from sparse_llm import cuda, doctor, kernel_set, twell_backend
 from sparse_llm.backends import Tail, TorchFFN, get_backend
+from sparse_llm.model import ModelConfig, build_model
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
     SLICES_MIN_M,
@@ -142,6 +143,54 @@ def test_precompile_runs_the_children_side_by_side_and_reports_each_kernel(monke
 
     monkeypatch.setenv("SPARSE_LLM_COMPILE_INPROCESS", "1")  # compiled by get_function in this process instead
     assert cuda.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
+
+
+def tiny_model(kernel: str) -> torch.nn.Module:
+    config = ModelConfig(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4, vocab_size=64)
+    return build_model(config, kernel=kernel)
+
+
+def test_model_kernels_follow_the_layers_backend_and_the_training_opt_in(monkeypatch):
+    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)
+    rope = list(kernel_set.ROPE_KERNELS)
+    inference, training = kernel_set.inference_kernels(512, 1024), kernel_set.training_kernels(512, 1024)
+    assert ("gate_up_down.cu", "gate_up_down_light<2>") in inference  # K = 512: two 16-byte pieces a lane
+    assert kernel_set.model_kernels(tiny_model("torch"), training=True) == rope  # the rotary kernel runs anyway
+    auto = tiny_model("auto")
+    assert kernel_set.model_kernels(auto, training=False) == list(dict.fromkeys(rope + inference))
+    assert kernel_set.model_kernels(auto, training=True) == list(dict.fromkeys(rope + inference))  # trains densely
+    monkeypatch.setenv("SPARSE_LLM_TWELL_TRAIN", "1")
+    with_training = list(dict.fromkeys(rope + inference + training))
+    assert kernel_set.model_kernels(auto, training=True) == with_training
+    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN")
+    assert kernel_set.model_kernels(tiny_model("twell"), training=True) == with_training
+
+
+def test_warm_compiles_only_what_the_cache_lacks_and_names_failures(monkeypatch, caplog):
+    monkeypatch.delenv("SPARSE_LLM_COMPILE_INPROCESS", raising=False)
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)  # as on a Hopper GPU
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: filename == "rope.cu")
+    asked: list[list[tuple[str, str]]] = []
+
+    def fake_precompile(kernels):
+        asked.append(list(kernels))
+        return {("dense_rows.cu", "dense_rows_h"): RuntimeError("nvrtc said no")}
+
+    monkeypatch.setattr(cuda, "precompile", fake_precompile)
+    model = tiny_model("auto")
+    with caplog.at_level("INFO", logger="sparse_llm.kernel_set"):
+        kernel_set.warm(model, torch.device("cuda"), training=False)
+    assert asked == [kernel_set.inference_kernels(512, 1024)]
+    assert "dense_rows_h" in caplog.text and "nvrtc said no" in caplog.text
+    assert f"Compiled {len(asked[0]) - 1} CUDA kernels" in caplog.text
+
+    kernel_set.warm(model, torch.device("cpu"), training=False)  # no kernels off the GPU
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: True)
+    kernel_set.warm(model, torch.device("cuda"), training=False)  # all cached
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: False)
+    monkeypatch.setenv("SPARSE_LLM_COMPILE_INPROCESS", "1")  # each compiles in this process on first use
+    kernel_set.warm(model, torch.device("cuda"), training=False)
+    assert len(asked) == 1
 
 
 def test_import_is_safe_without_gpu():

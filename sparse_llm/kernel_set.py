@@ -1,0 +1,131 @@
+"""Which compiled kernels a model may run, by layer shape, and compiling them before a run's first step.
+
+A kernel's first compile costs several seconds (a child process imports torch and CuPy and runs NVRTC,
+`sparse_llm.cuda`). Left to first use, a run on a fresh machine compiles the dozen or more kernels its layers
+need one after another, in the middle of its first steps, or later, whenever `kernel=auto` first moves a layer
+to the sparse path. `warm` compiles them at the start instead, several at a time, into the on-disk cache (a
+no-op once they are there). The lists name the kernels by the template arguments the launchers derive from the
+layer's width K and FFN width N; a kernel missing from them still compiles on first use, and a GPU test checks
+that the launchers ask for no other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from sparse_llm import cuda
+from sparse_llm.mlp import SparseMLP
+from sparse_llm.twell_backend import slice_width
+from sparse_llm.twell_train import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, training_opted_in, wgrad_slices
+
+log = logging.getLogger(__name__)
+
+Kernel = tuple[str, str]  # (source file, kernel name), as cuda.get_function takes them
+
+# The rotary embedding (sparse_llm.rope) of eager decoder layers, whatever the FFN's kernel: bf16 q and k with
+# float32 angles under autocast (training), bf16 angles in a bf16 model (inference); 16-byte pieces.
+ROPE_KERNELS: tuple[Kernel, ...] = (
+    ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),
+    ("rope.cu", "rope_rotate_half<__nv_bfloat16,__nv_bfloat16,8>"),
+)
+
+# The weight transposes and casts: w_down^T in bf16 from bf16 or float32 weights, dW_down^T into float32 masters.
+TRANSPOSE_KERNELS: tuple[Kernel, ...] = tuple(
+    ("transpose.cu", f"transpose_cast<{src},{dst}>")
+    for src, dst in (("__nv_bfloat16", "__nv_bfloat16"), ("float", "__nv_bfloat16"), ("float", "float"))
+)
+
+
+def _slices_down(n: int, sums: bool) -> list[Kernel]:
+    """entries_down at N's slice width (none where no slice fits shared memory); `sums`: the fp32-sums variant."""
+    ks = slice_width(n)
+    return [] if ks is None else [("gate_up_then_down.cu", f"entries_down<{ks},{str(sums).lower()}>")]
+
+
+def inference_kernels(k: int, n: int) -> list[Kernel]:
+    """The kernels of `kernel=twell` inference (the direct route: one-pass and slices walks, heavy tokens by dense
+    rows or split over warps) for layers of width K and FFN width N."""
+    kv = _pieces(k)
+    return [
+        ("gate_up_down.cu", f"gate_up_down_light<{kv}>"),
+        ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
+        ("dense_rows.cu", "gather_dense_rows"),
+        ("dense_rows.cu", "dense_rows_h"),
+        ("dense_rows.cu", "scatter_dense_rows"),
+        ("gate_up_then_down.cu", f"gate_up_entries<{kv}>"),
+        ("gate_up_then_down.cu", "order_tokens"),
+        ("gate_up_then_down.cu", "entries_to_slots"),
+        *_slices_down(n, sums=False),
+        *TRANSPOSE_KERNELS,
+    ]
+
+
+def gate_route_kernels(k: int) -> list[Kernel]:
+    """The kernels of the TwELL gate routes ("fused" and "cublas"), which only a forced `gate_route` takes."""
+    kv = _pieces(k)
+    return [
+        ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
+        ("twell_pack.cu", "twell_pack_dense"),
+        ("twell_up_down.cu", f"twell_up_down<{kv}>"),
+        ("twell_up_down.cu", "twell_reduce_splits"),
+    ]
+
+
+def training_kernels(k: int, n: int) -> list[Kernel]:
+    """The kernels of the sparse training op (`twell_train_ffn`, forward and backward) at K and N, for bf16 or
+    float32 weights."""
+    kv, kw, key = _pieces(k), wgrad_slices(k)[0], KEY_CTYPES[csc_key_dtype(n)]
+    return [
+        ("train_forward.cu", f"train_fwd_gate<{kv},true>"),
+        ("train_forward.cu", f"train_fwd_gate<{kv},false>"),
+        ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
+        ("train_backward.cu", f"train_bwd_sddmm<{kv},{key}>"),
+        ("train_backward.cu", f"train_bwd_dx<{kv}>"),
+        ("train_backward.cu", f"train_csc_columns<{key}>"),
+        ("train_backward.cu", "train_csc_chunks"),
+        *(("train_backward.cu", f"train_csc_wgrad<{kw},{values},{out}>")
+          for values in (1, 2) for out in OUT_CTYPES.values()),  # fmt: skip
+        ("gate_up_then_down.cu", "order_tokens"),
+        ("gate_up_then_down.cu", "ell_to_slots<true>"),
+        ("gate_up_then_down.cu", "ell_to_slots<false>"),
+        # y and dx by slices (walk_by_slices), which the training op takes at 16 columns a slice only
+        *(_slices_down(n, sums=False) + _slices_down(n, sums=True) if slice_width(n) == 16 else []),
+        *TRANSPOSE_KERNELS,
+    ]
+
+
+def model_kernels(model: nn.Module, training: bool) -> list[Kernel]:
+    """The kernels `model` may run: the rotary embedding's, and for each FFN shape of its `SparseMLP`s that is not
+    held on `kernel=torch`, the inference kernels, plus the training op's where training may take it (`kernel=twell`,
+    or `auto` with SPARSE_LLM_TWELL_TRAIN=1). In order, without repeats."""
+    kernels = list(ROPE_KERNELS)
+    for mlp in model.modules():
+        if not isinstance(mlp, SparseMLP) or mlp.dispatcher.kernel == "torch":
+            continue
+        k, n = mlp.hidden_size, mlp.intermediate_size
+        kernels += inference_kernels(k, n)
+        if training and (mlp.dispatcher.kernel == "twell" or training_opted_in()):
+            kernels += training_kernels(k, n)
+    return list(dict.fromkeys(kernels))
+
+
+def warm(model: nn.Module, device: torch.device, training: bool) -> None:
+    """Compile the kernels `model` may run on `device` that the cache lacks (`cuda.precompile`), logging how many
+    and how long. Nothing happens off a Hopper GPU, when all are cached, or with SPARSE_LLM_COMPILE_INPROCESS=1 (each
+    compiles in this process on first use). A kernel that fails to compile is logged here; its first use raises."""
+    if device.type != "cuda" or cuda.unavailable_reason(device) is not None or not cuda.compiles_in_children():
+        return
+    missing = [kernel for kernel in model_kernels(model, training) if not cuda.is_compiled(*kernel)]
+    if not missing:
+        return
+    log.info("Compiling %d CUDA kernels this model may run, several at a time (once per machine; cached in %s)",
+             len(missing), cuda.cache_dir())
+    start = time.perf_counter()
+    failures = cuda.precompile(missing)
+    for (filename, name), error in failures.items():
+        log.warning("CUDA kernel %s of %s failed to compile (its first use will raise): %s", name, filename, error)
+    log.info("Compiled %d CUDA kernels in %.0f s", len(missing) - len(failures), time.perf_counter() - start)
