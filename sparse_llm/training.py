@@ -624,4 +624,7 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> Path:
-    return Trainer(cfg, run_dir).run()
+    trainer = Trainer(cfg, run_dir)
+    final = trainer.run()
+    trainer.acc.end_training()  # leaves the process group (NCCL warns at exit where a run does not)
+    return final

@@ -164,6 +164,8 @@ def test_model_kernels_follow_the_layers_backend_and_the_training_opt_in(monkeyp
     assert kernel_set.model_kernels(auto, training=True) == with_training
     monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN")
     assert kernel_set.model_kernels(tiny_model("twell"), training=True) == with_training
+    narrow = build_model(ModelConfig(hidden_size=96, intermediate_size=256, num_layers=1, num_heads=2, vocab_size=64))
+    assert kernel_set.model_kernels(narrow, training=False) == rope  # K = 96: no kernel takes the layer
 
 
 def test_warm_compiles_only_what_the_cache_lacks_and_names_failures(monkeypatch, caplog):
