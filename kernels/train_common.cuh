@@ -7,8 +7,6 @@
 #define TRAIN_COMMON_CUH
 #include "twell_common.cuh"
 
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
 __device__ __forceinline__ float bf16_load(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
 
 __device__ __forceinline__ int warp_sum_int(int v) {

@@ -32,6 +32,9 @@ __device__ __forceinline__ float twell_value(uint32_t entry) { return __uint_as_
 
 __device__ __forceinline__ int twell_col(uint32_t entry) { return static_cast<int>(entry & 0xffffu); }
 
+// v rounded to bf16 (round to nearest even), as fp32: a value where the torch reference holds a bf16 tensor.
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // Eight bf16 packed in a 16-byte vector, widened to fp32.
 __device__ __forceinline__ void bf16x8_to_float(const uint4 &v, float (&f)[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};

@@ -11,7 +11,9 @@ so the host's latency to the first kernel counts, as in a decode step), their ra
 model runs it (dense plus its L1/L0/fired statistics) and the twell time with each gate route; relative error vs an
 fp32 reference (dense bf16 for comparison), energy per call (NVML counter over >= --energy-seconds of back-to-back
 calls), the path taken (overflow rows) and what `kernel=auto` would run (cost model: sparse only if predicted < 0.95x
-dense) with its ratio to the torch backend, both with the L1/L0/fired statistics.
+dense) with its ratio to the torch backend, both with the L1/L0/fired statistics. For decode sizes (M <= 64) also
+the device time per call with no host cost between kernels: GRAPH_LAYERS blocks of distinct weights (more than L2
+holds, as a model's layers in a decode step) called in turn, replayed as one CUDA graph.
 Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight). The twell
 calls know the block's mean and max non-zeros per token and its share of heavy tokens from its first call, as a model's
 layer does from its statistics (they set the direct route's walk, its dense rows, and the column parts of blocks wider
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.backends import TorchFFN, dense_block
-from sparse_llm.benchmark import energy_mj_per_call, time_ms
+from sparse_llm.benchmark import energy_mj_per_call, graph_ms, time_ms
 from sparse_llm.dispatch import SWITCH_MARGIN, density_of
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
@@ -39,6 +41,10 @@ from sparse_llm.twell_backend import (
     twell_gated_mlp,
     twell_up_down,
 )
+
+
+GRAPH_MAX_M = 64  # decode sizes: also timed as CUDA graphs
+GRAPH_LAYERS = 4  # blocks of distinct weights per graph: 4 x 69 MB at the paper's shape, beyond the H100's 50 MB L2
 
 
 def dense_block_infer(x, wg, wu, wd):
@@ -97,6 +103,13 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         row["twell_cublas_ms"] = time_ms(lambda: run_twell("cublas"), reps=reps)
         row["dense_mJ"] = energy_mj_per_call(meter, run_dense, energy_s)
         row["twell_mJ"] = energy_mj_per_call(meter, run_twell, energy_s)
+        if m <= GRAPH_MAX_M:
+            more = [synthetic_block(m, k, n, nnz, sigma, seed=seed + i) for i in range(1, GRAPH_LAYERS)]
+            layers = [(x, wg, wu, wd), *more]
+            row["dense_graph_ms"] = graph_ms(lambda: [dense_block_infer(*block) for block in layers]) / GRAPH_LAYERS
+            row["twell_graph_ms"] = graph_ms(
+                lambda: [twell_gated_mlp(*block, l0_hint=l0, statistics=False, tail=tail) for block in layers]
+            ) / GRAPH_LAYERS
     predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False, tail=tail)
     row["twell_predicted_ms"] = predicted
     row["auto"] = "twell" if predicted < SWITCH_MARGIN * dense.estimated_ms(m, k, n, 0, 0, False) else "torch"
@@ -195,10 +208,11 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | twell ms, direct (TwELL: "
+    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | twell ms, auto route (TwELL: "
           "fused / cublas) | speedup (vs compiled) | back to back ms dense / twell (speedup) | err twell (dense) | "
-          "energy mJ dense / twell | path (overflow rows) | auto | auto speedup |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "energy mJ dense / twell | path (overflow rows) | auto | auto speedup | "
+          "graph ms dense / twell (speedup) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["cases"]:
         print(
             f"| {r['M']} | {r['sigma']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']} | "
@@ -207,8 +221,15 @@ def main() -> None:
             f"({r['speedup_compiled']:.2f}x) | "
             f"{r['dense_b2b_ms']:.3f} / {r['twell_b2b_ms']:.3f} ({r['speedup_b2b']:.2f}x) | "
             f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | {fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
-            f"{r['path']} ({r['overflow_rows']}) | {r['auto']} | {r['auto_speedup']:.2f}x |"
+            f"{r['path']} ({r['overflow_rows']}) | {r['auto']} | {r['auto_speedup']:.2f}x | {graph_cell(r)} |"
         )
+
+
+def graph_cell(row: dict) -> str:
+    if "dense_graph_ms" not in row:
+        return "-"
+    dense, twell = row["dense_graph_ms"], row["twell_graph_ms"]
+    return f"{dense:.4f} / {twell:.4f} ({dense / twell:.2f}x)"
 
 
 if __name__ == "__main__":

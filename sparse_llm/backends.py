@@ -177,6 +177,10 @@ def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
 
 
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
+# A few tokens cannot keep the tensor cores busy: the dense block then streams its three weights from HBM. In CUDA
+# graphs (no host time) it took 35-39 us at K x N = 2048 x 5632 (69 MB) and 107-114 us at 4096 x 11008 (270 MB) for
+# 1-16 tokens (H100, 2026-11-26, BENCHMARKS.md); priced at its faster rate, so that a sparse path must beat its best.
+DENSE_WEIGHT_GBPS = 2500.0
 
 
 def with_residual(result: FFNResult, residual_MK: torch.Tensor | None) -> FFNResult:
@@ -211,10 +215,11 @@ class TorchFFN(FFNBackend):
         # Compiled, that work fuses into one pass: the block trained in 5.47-5.61 ms there against 5.67 ms of
         # GEMMs at this rate (BENCHMARKS.md, 2026-11-25 06:47), so the GEMMs alone price it. Inference calls skip
         # the statistics unless recorded, so a sparse backend is weighed against the bare GEMMs there: the
-        # stricter comparison.
+        # stricter comparison. Few tokens' inference streams the weights instead (DENSE_WEIGHT_GBPS).
         flops = 2.0 * m * k * n * (9 if training else 3)
         statistics_ms = m * n * STATS_MS_PER_ELEMENT if training and not compiled else 0.0
-        return flops / 600e12 * 1e3 + statistics_ms
+        weights_ms = 0.0 if training else 3 * k * n * 2 / (DENSE_WEIGHT_GBPS * 1e6)
+        return max(flops / 600e12 * 1e3, weights_ms) + statistics_ms
 
 
 _BACKENDS: dict[str, FFNBackend] = {}

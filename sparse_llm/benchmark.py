@@ -119,6 +119,29 @@ def wall_ms(fn: Callable[[], object], reps: int = 30, device: torch.device | str
     return (time.perf_counter() - start) * 1e3 / reps
 
 
+def graph_ms(fn: Callable[[], object], reps: int = 100) -> float:
+    """Device ms per fn() call replayed as a CUDA graph: the GPU's time with no host launch cost between kernels (a
+    decode step whose launches are captured once). fn must not wait for the GPU; it is run once on a side stream to
+    warm up, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def energy_mj_per_call(
     meter: EnergyMeter, fn: Callable[[], object], seconds: float = 1.0, calls_per_sync: int = 10
 ) -> float | None:

@@ -47,10 +47,12 @@ def _slices_down(n: int, sums: bool) -> list[Kernel]:
 
 
 def inference_kernels(k: int, n: int) -> list[Kernel]:
-    """The kernels of `kernel=twell` inference (the direct route: one-pass and slices walks, heavy tokens by dense
-    rows or split over warps) for layers of width K and FFN width N."""
+    """The kernels of `kernel=twell` inference (the decode kernel for few tokens; the direct route: one-pass and slices
+    walks, heavy tokens by dense rows or split over warps) for layers of width K and FFN width N."""
     kv = _pieces(k)
     return [
+        ("decode_ffn.cu", f"decode_ffn<{kv}>"),
+        ("decode_ffn.cu", "decode_finish"),
         ("gate_up_down.cu", f"gate_up_down_light<{kv}>"),
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
         ("dense_rows.cu", "gather_dense_rows"),

@@ -16,6 +16,12 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
   "twell-slices". Where the price puts slices ahead, one timed trial per shape and density settles the walk
   (`measured_walk`): the call that runs it waits for the GPU once.
+- Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
+  (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons, dots the neuron's gate row with every
+  token and reads its up row and its w_down column only if it fires for some token, adding h times that column
+  into fp32 output rows with atomics. Few tokens cannot share weight rows, so the block is bound by the weight bytes
+  it reads: all of w_gate, and of w_up and w_down only the firing neurons' rows (the dense block reads all three);
+  `path` says "twell-decode".
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
@@ -64,7 +70,11 @@ MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers
 TOKENS_PER_BLOCK = 1
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
-MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct"
+MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct", or decode_ffn for few tokens
+DECODE_MAX_M = 16  # DECODE_MAX_M in decode_ffn.cu: the most tokens decode_ffn stages in shared memory
+DECODE_WARPS = 16  # DECODE_WARPS there: warps per block
+DECODE_BLOCKS_PER_SM = 2
+DECODE_FINISH_THREADS = 256
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
@@ -116,6 +126,15 @@ TAIL_FULL_SHARE = 0.15
 HBM_GBPS = 3000.0
 # Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
 CPU_FLOOR_MS = 0.22
+# The decode kernel (`decode_ffn`, up to DECODE_MAX_M tokens), device time in CUDA graphs on the H100 (2026-11-26,
+# 28 and 56 non-zeros per token): 14.8-14.9 / 17.7-18.4 / 28.6-29.1 / 48.1-48.9 us at 1 / 4 / 8 / 16 tokens at
+# K x N = 2048 x 5632; 37-38 / 45-48 / 68-71 / 122-124 us at 4096 x 11008. Priced: a fixed cost, w_gate and the rows
+# of the neurons some token fires streamed at DECODE_GBPS, and the per-token dot products at DECODE_MS_PER_MAC per
+# weight: 0.93-1.22x the measurements at 2048 x 5632, 1.3-1.45x at 4096 x 11008 (where its dot products run faster
+# per weight). Its host time per call (~62 us, a memset and two launches) is below the dense block's (~80 us).
+DECODE_FIXED_MS = 0.005
+DECODE_GBPS = 2500.0
+DECODE_MS_PER_MAC = 1.6e-10
 # Tokens with more gate non-zeros than this leave the one-warp path: the TwELL routes compute them with
 # dense GEMMs (at ~1.5 ns per sparse non-zero, 8 KiB at 5.5 TB/s, vs ~0.1 us per dense GEMM row, the
 # break-even is ~70; 128 leaves margin for the gather/scatter around the dense rows), the direct route
@@ -237,10 +256,21 @@ def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[fl
 
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
-    """Predicted time of one inference call of the twell backend ("direct" route): the cuBLAS gate GEMM and the walk
-    `direct_walk` takes (`rows_walk_ms`, `slices_walk_ms`). `tail`: the layer's heavy tokens' shares, where known."""
+    """Predicted time of one inference call of the twell backend: for up to DECODE_MAX_M tokens the decode kernel's
+    (`decode_ms`), else the "direct" route's: the cuBLAS gate GEMM and the walk `direct_walk` takes (`rows_walk_ms`,
+    `slices_walk_ms`). `tail`: the layer's heavy tokens' shares, where known."""
+    if 0 < m <= DECODE_MAX_M:
+        return decode_ms(m, k, n, l0_mean)
     walk_ms = _priced_walk(m, k, n, l0_mean, l0_max, tail)[1]
     return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk_ms, CPU_FLOOR_MS)
+
+
+def decode_ms(m: int, k: int, n: int, l0_mean: float) -> float:
+    """Predicted device time of `decode_ffn` for M tokens of l0_mean non-zeros: w_gate, plus the up and down rows of
+    the neurons some token fires (spread evenly; a dense token fires all), and the tokens' gate dot products."""
+    fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
+    streamed = (n + 2 * fired) * k * 2
+    return DECODE_FIXED_MS + streamed / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
 
 
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
@@ -898,6 +928,37 @@ def split_token_up_down(
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
+def decode_ffn(
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
+    residual_MK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block for M <= DECODE_MAX_M tokens in one pass over the neurons (kernels/decode_ffn.cu): (y_MK bf16 [M, K],
+    plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M int32 [M]; fired_N int32 [N]).
+    w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight."""
+    (m, k), n, device = x_MK.shape, w_gate_NK.shape[0], x_MK.device
+    if not 1 <= m <= DECODE_MAX_M:
+        raise ValueError(f"decode_ffn takes 1 to {DECODE_MAX_M} tokens, got M={m}")
+    sums = torch.zeros(m * k + 2 * m, dtype=torch.float32, device=device)  # one fill: y's sums, l1, l0
+    y_sum_MK, l1_M = sums[: m * k].view(m, k), sums[m * k : m * k + m]
+    l0_M = sums[m * k + m :].view(torch.int32)
+    fired_N = torch.empty(n, dtype=torch.int32, device=device)
+    y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    kv = math.ceil(k / 256)
+    kernel = cuda.get_function("decode_ffn.cu", f"decode_ffn<{kv}>", device)
+    smem = m * kv * 32 * 16 + DECODE_WARPS * DECODE_MAX_M * 4  # the tokens' x rows, each warp's g / h values
+    cuda.set_dynamic_smem(kernel, smem)
+    blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
+    operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, y_sum_MK, l1_M, l0_M, fired_N)
+    args = (*map(cuda.ptr, operands), _i32(m), _i32(k), _i32(n))
+    cuda.launch(kernel, (blocks,), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
+    finish = cuda.get_function("decode_ffn.cu", "decode_finish", device)
+    pieces = m * k // 8
+    blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), cuda.sm_count(device))
+    args = (cuda.ptr(y_sum_MK), cuda.ptr(residual_MK), cuda.ptr(y_MK), _i32(pieces))
+    cuda.launch(finish, (blocks,), (DECODE_FINISH_THREADS,), args, device)
+    return y_MK, l1_M, l0_M, fired_N
+
+
 def dense_row_capacity(
     m: int, l0_hint: tuple[float, float] | None, split_nnz: int = DENSE_ROW_NNZ, tail: Tail | None = None
 ) -> int:
@@ -966,7 +1027,8 @@ def twell_gated_mlp(
 
     Args:
         x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
-        gate_route: "auto" (= "direct"), "direct", "cublas" or "fused" (see the module docstring).
+        gate_route: "auto" (= "direct", or for up to DECODE_MAX_M tokens `decode_ffn`), "direct", "cublas" or "fused"
+            (see the module docstring).
         dense_row_nnz: tokens with more gate non-zeros than this are computed by dense GEMMs ("direct": as many as
             `dense_row_capacity` reserves, the others split over a block of warps; TwELL routes: all of them).
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
@@ -989,9 +1051,15 @@ def twell_gated_mlp(
     check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     _check_gate_route(gate_route, MLP_ROUTES)
     fusable = residual_MK is not None and _check_residual(residual_MK, x_MK)
+    fused = residual_MK if fusable else None
+    if gate_route == "auto" and 0 < x_MK.shape[0] <= DECODE_MAX_M:
+        y_MK, l1_M, l0_M, fired_N = decode_ffn(x_MK, w_gate_NK, w_up_NK, _DOWN_T.get(w_down_KN), fused)
+        if residual_MK is not None and fused is None:
+            y_MK = residual_MK + y_MK
+        l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
+        return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-decode")
     if gate_route in ("auto", "direct"):
         gate_MN = F.linear(x_MK, w_gate_NK)
-        fused = residual_MK if fusable else None
         # gate_MN and the cached transpose are well formed by construction: no second validation.
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         w_down_t_NK = _DOWN_T.get(w_down_KN)

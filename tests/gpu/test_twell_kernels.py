@@ -357,6 +357,56 @@ def odd_rows(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> None:
     w_gate_NK[123, 0] = 10.0
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("k, n, nnz, sigma", [
+    (2048, 5632, 28, 0.0), (2048, 5632, 56, 1.0), (4096, 11008, 40, 0.5), (64, 256, 3, 0.3), (320, 768, 8, 0.0),
+])  # fmt: skip
+def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
+    """Up to DECODE_MAX_M tokens "auto" takes the one-pass decode kernel: exact at any density, heavy tails too."""
+    block = synthetic_block(m, k, n, nnz_mean=nnz, sigma=sigma, seed=m + k + nnz)
+    poison(((m * k + 2 * m,), torch.float32), ((n,), torch.int32))  # the sums are zeroed, the flags all written
+    result = run_case(*block)
+    assert result.path == "twell-decode" and result.overflow_rows == 0
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_decode_kernel_dense_zero_and_hot_rows(m):
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
+    odd_rows(x_MK, w_gate_NK)  # a fully dense token fires almost every neuron: every row pair is read
+    result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    assert result.path == "twell-decode" and bool(result.fired_N[123]) == (m > 2)  # it fires for tokens 2, 3, 4, ...
+    assert (result.l0_M[1::5] == 0).all() and result.l0_M[0] > 5000
+
+
+def test_decode_kernel_residual_statistics_and_graph_capture():
+    """The residual is added as adding it after; without statistics y and l0 stay; no host sync; a CUDA graph
+    replays it on new inputs. (Its fp32 sums are added by atomics, in an order that varies: compared within a
+    bf16 rounding.)"""
+    m = 9
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block = synthetic_block(m, 2048, 5632, nnz_mean=40, sigma=0.5, seed=2)
+    residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
+    plain = twell_gated_mlp(*block)
+    fused = twell_gated_mlp(*block, residual_MK=residual_MK)
+    torch.testing.assert_close(fused.y_MK, residual_MK + plain.y_MK, rtol=2**-7, atol=1e-3)
+    assert torch.equal(fused.l0_M, plain.l0_M) and torch.equal(fused.fired_N, plain.fired_N)
+    bare = twell_gated_mlp(*block, statistics=False)
+    assert bare.l1_sum is None and bare.fired_N is None and torch.equal(bare.l0_M, plain.l0_M)
+    torch.testing.assert_close(bare.y_MK, plain.y_MK, rtol=2**-7, atol=1e-3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        twell_gated_mlp(*block, statistics=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = twell_gated_mlp(*block, statistics=False)
+    x_MK.copy_(x_MK.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_ref(captured.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
+
+
 @pytest.mark.parametrize("m, k, n, nnz, sigma", [
     (1, 2048, 5632, 28, 0.0),  # fewer tokens than a warp item
     (33, 256, 512, 5, 0.0),  # a 32-token item and a one-token one
