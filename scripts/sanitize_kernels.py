@@ -10,7 +10,7 @@ piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route h
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
 residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
-the decode kernel at 1, 7 and 16 tokens;
+the decode kernel at 1, 7 and 16 tokens, its blocks summing in shared memory and not;
 the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
 dx through the slices walk; both transposes.
 """
@@ -24,7 +24,7 @@ import torch
 
 import torch.nn.functional as F
 
-from sparse_llm import twell_train
+from sparse_llm import twell_backend, twell_train
 from sparse_llm.twell_backend import column_parts, direct_up_down, synthetic_block, transposed_copy, twell_gated_mlp
 from sparse_llm.twell_train import twell_train_ffn
 
@@ -46,10 +46,11 @@ def main() -> None:
                 for dense_row_nnz in (8, 1 << 30):
                     twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
             twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
-            for tokens in (1, 7, 16):  # the decode kernel, with and without a residual
+            for tokens in (1, 7, 16):  # the decode kernel, with and without a residual, with and without block sums
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
-                twell_gated_mlp(few, wg, wu, wd, residual_MK=torch.randn_like(few))
+                with mock.patch.object(twell_backend, "DECODE_BLOCK_SUM_PIECES", 0):
+                    twell_gated_mlp(few, wg, wu, wd, residual_MK=torch.randn_like(few))
             if n >= 512:  # the walks of blocks wider than L2, in column parts
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))
             for residual in (None, torch.randn_like(x)):  # the slices walk (16-column slices at these widths)

@@ -179,8 +179,10 @@ def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
 # A few tokens cannot keep the tensor cores busy: the dense block then streams its three weights from HBM. In CUDA
 # graphs (no host time) it took 35-39 us at K x N = 2048 x 5632 (69 MB) and 107-114 us at 4096 x 11008 (270 MB) for
-# 1-16 tokens (H100, 2026-11-26, BENCHMARKS.md); priced at its faster rate, so that a sparse path must beat its best.
-DENSE_WEIGHT_GBPS = 2500.0
+# 1-16 tokens (H100, 2026-11-26, BENCHMARKS.md): priced as a fixed cost plus the weights at a rate that puts both
+# shapes at or under their fastest calls (34.7 and 106.6 us), so that a sparse path must beat the dense block's best.
+DENSE_WEIGHT_FIXED_MS = 0.010
+DENSE_WEIGHT_GBPS = 2800.0
 
 
 def with_residual(result: FFNResult, residual_MK: torch.Tensor | None) -> FFNResult:
@@ -218,7 +220,7 @@ class TorchFFN(FFNBackend):
         # stricter comparison. Few tokens' inference streams the weights instead (DENSE_WEIGHT_GBPS).
         flops = 2.0 * m * k * n * (9 if training else 3)
         statistics_ms = m * n * STATS_MS_PER_ELEMENT if training and not compiled else 0.0
-        weights_ms = 0.0 if training else 3 * k * n * 2 / (DENSE_WEIGHT_GBPS * 1e6)
+        weights_ms = 0.0 if training else DENSE_WEIGHT_FIXED_MS + 3 * k * n * 2 / (DENSE_WEIGHT_GBPS * 1e6)
         return max(flops / 600e12 * 1e3, weights_ms) + statistics_ms
 
 

@@ -75,6 +75,16 @@ DECODE_MAX_M = 16  # DECODE_MAX_M in decode_ffn.cu: the most tokens decode_ffn s
 DECODE_WARPS = 16  # DECODE_WARPS there: warps per block
 DECODE_BLOCKS_PER_SM = 2
 DECODE_FINISH_THREADS = 256
+# decode_ffn's blocks sum their share of y in shared memory first (`decode_block_sums`) where M * ceil(K / 256) <=
+# DECODE_BLOCK_SUM_PIECES (97 KiB a block, two blocks an SM) and a token may fire more than DECODE_GLOBAL_MAX_NNZ
+# neurons (no hint: it may). One global atomic per firing neuron queues thousands on each output address for a dense
+# token: at K x N = 2048 x 5632, one token firing every neuron took 216 us that way, 33 us with block sums (dense
+# block 37 us); block sums cost 3-9 us more for 1-8 tokens of ~30 non-zeros (H100, 2026-11-26). Priced per pair of
+# (firing neuron, token) at DECODE_MS_PER_PAIR for 2048 columns plus DECODE_BLOCK_SUMS_MS.
+DECODE_BLOCK_SUM_PIECES = 64
+DECODE_GLOBAL_MAX_NNZ = 512
+DECODE_MS_PER_PAIR = 2.3e-6
+DECODE_BLOCK_SUMS_MS = 0.004
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
@@ -255,22 +265,33 @@ def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[fl
     return above, light_mass / max(1.0 - above, 1e-9)
 
 
+def decode_block_sums(m: int, k: int, l0_max: float | None) -> bool:
+    """Whether decode_ffn's blocks sum in shared memory for M tokens of K columns whose busiest token fires l0_max
+    neurons (None: unknown)."""
+    fits = m * math.ceil(k / 256) <= DECODE_BLOCK_SUM_PIECES
+    return fits and (l0_max is None or l0_max > DECODE_GLOBAL_MAX_NNZ)
+
+
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """Predicted time of one inference call of the twell backend: for up to DECODE_MAX_M tokens the decode kernel's
     (`decode_ms`), else the "direct" route's: the cuBLAS gate GEMM and the walk `direct_walk` takes (`rows_walk_ms`,
     `slices_walk_ms`). `tail`: the layer's heavy tokens' shares, where known."""
     if 0 < m <= DECODE_MAX_M:
-        return decode_ms(m, k, n, l0_mean)
+        return decode_ms(m, k, n, l0_mean, l0_max)
     walk_ms = _priced_walk(m, k, n, l0_mean, l0_max, tail)[1]
     return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk_ms, CPU_FLOOR_MS)
 
 
-def decode_ms(m: int, k: int, n: int, l0_mean: float) -> float:
-    """Predicted device time of `decode_ffn` for M tokens of l0_mean non-zeros: w_gate, plus the up and down rows of
-    the neurons some token fires (spread evenly; a dense token fires all), and the tokens' gate dot products."""
+def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
+    """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: w_gate, plus the up
+    and down rows of the neurons some token fires (spread evenly; a dense token fires all), the tokens' gate dot
+    products, and the additions into y per (firing neuron, token) pair."""
     fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
     streamed = (n + 2 * fired) * k * 2
-    return DECODE_FIXED_MS + streamed / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
+    sums_ms = m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
+    if decode_block_sums(m, k, l0_max):
+        sums_ms += DECODE_BLOCK_SUMS_MS
+    return DECODE_FIXED_MS + streamed / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC + sums_ms
 
 
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
@@ -930,11 +951,12 @@ def split_token_up_down(
 
 def decode_ffn(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
-    residual_MK: torch.Tensor | None = None,
+    residual_MK: torch.Tensor | None = None, l0_max: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block for M <= DECODE_MAX_M tokens in one pass over the neurons (kernels/decode_ffn.cu): (y_MK bf16 [M, K],
     plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M int32 [M]; fired_N int32 [N]).
-    w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight."""
+    w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight. l0_max: the most non-zeros a token of the layer has
+    had recently (None: unknown), which sets how the kernel sums y (`decode_block_sums`)."""
     (m, k), n, device = x_MK.shape, w_gate_NK.shape[0], x_MK.device
     if not 1 <= m <= DECODE_MAX_M:
         raise ValueError(f"decode_ffn takes 1 to {DECODE_MAX_M} tokens, got M={m}")
@@ -944,8 +966,10 @@ def decode_ffn(
     fired_N = torch.empty(n, dtype=torch.int32, device=device)
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     kv = math.ceil(k / 256)
-    kernel = cuda.get_function("decode_ffn.cu", f"decode_ffn<{kv}>", device)
-    smem = m * kv * 32 * 16 + DECODE_WARPS * DECODE_MAX_M * 4  # the tokens' x rows, each warp's g / h values
+    block_sums = decode_block_sums(m, k, l0_max)
+    kernel = cuda.get_function("decode_ffn.cu", f"decode_ffn<{kv},{str(block_sums).lower()}>", device)
+    # The tokens' x rows, each warp's g / h values and, with block sums, the block's fp32 rows of y.
+    smem = m * kv * 512 + DECODE_WARPS * DECODE_MAX_M * 4 + (m * kv * 1024 if block_sums else 0)
     cuda.set_dynamic_smem(kernel, smem)
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, y_sum_MK, l1_M, l0_M, fired_N)
@@ -1053,7 +1077,9 @@ def twell_gated_mlp(
     fusable = residual_MK is not None and _check_residual(residual_MK, x_MK)
     fused = residual_MK if fusable else None
     if gate_route == "auto" and 0 < x_MK.shape[0] <= DECODE_MAX_M:
-        y_MK, l1_M, l0_M, fired_N = decode_ffn(x_MK, w_gate_NK, w_up_NK, _DOWN_T.get(w_down_KN), fused)
+        y_MK, l1_M, l0_M, fired_N = decode_ffn(
+            x_MK, w_gate_NK, w_up_NK, _DOWN_T.get(w_down_KN), fused, None if l0_hint is None else l0_hint[1]
+        )
         if residual_MK is not None and fused is None:
             y_MK = residual_MK + y_MK
         l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
