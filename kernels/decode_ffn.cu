@@ -53,22 +53,79 @@ __device__ __forceinline__ void add_scaled_row_shared(float *out, float h, const
     }
 }
 
+// d += a b for one m16n8k16 tile on the tensor cores: a = 16 x 16 bf16 (row-major fragments a0..a3), b = 16 x 8
+// bf16 (column-major fragments b0, b1), d = 16 x 8 fp32.
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+constexpr int MMA_NEURONS = 8;     // neurons per tensor-core gate tile (the n of m16n8k16)
+constexpr int MMA_LOAD_BATCH = 8;  // 32-column chunks of the tile's gate rows loaded before their products
+
+// The gate values g (bf16-rounded) of neurons n0 .. n0 + 7 for all M tokens on the tensor cores, into
+// vals[j * DECODE_MAX_M + t] (neuron n0 + j, token t). Lane l loads 16 bytes of gate row n0 + l / 4 at columns
+// 32c + 8 (l % 4) of each 32-column chunk c, and the same columns of token rows l / 4 and l / 4 + 8 from x_rows:
+// each 16 bytes then feed two m16n8k16 products as they are, because both operands take the same order of k within
+// the chunk (a dot product does not depend on the order of its terms).
+template <int KV>
+__device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, const __nv_bfloat16 *w_gate, int n0,
+                                              int lane, int M, int K, int N, uint64_t once) {
+    const int group = lane / 4, quad = lane % 4;
+    const bool row_in = n0 + group < N;
+    const __nv_bfloat16 *row = w_gate + static_cast<size_t>(row_in ? n0 + group : 0) * K + quad * 8;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const uint4 *x_lo = x_rows + group * KV * 32 + quad, *x_hi = x_rows + (group + 8) * KV * 32 + quad;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int chunks = (K + 31) / 32;
+    for (int c0 = 0; c0 < chunks; c0 += MMA_LOAD_BATCH) {
+        uint4 w[MMA_LOAD_BATCH];
+#pragma unroll
+        for (int b = 0; b < MMA_LOAD_BATCH; ++b) {
+            const int col = (c0 + b) * 32 + quad * 8;
+            w[b] = row_in && col < K ? load_keep<0>(row + (c0 + b) * 32, once) : zero;
+        }
+#pragma unroll
+        for (int b = 0; b < MMA_LOAD_BATCH; ++b) {
+            if (c0 + b < chunks) {
+                const uint4 lo = group < M ? x_lo[(c0 + b) * 4] : zero, hi = group + 8 < M ? x_hi[(c0 + b) * 4] : zero;
+                mma_16816(d, lo.x, hi.x, lo.y, hi.y, w[b].x, w[b].y);
+                mma_16816(d, lo.z, hi.z, lo.w, hi.w, w[b].z, w[b].w);
+            }
+        }
+    }
+    // d[0], d[1]: token `group`, neurons 2 quad and 2 quad + 1; d[2], d[3]: token group + 8, the same neurons.
+    vals[(2 * quad) * DECODE_MAX_M + group] = bf16_round(d[0]);
+    vals[(2 * quad + 1) * DECODE_MAX_M + group] = bf16_round(d[1]);
+    vals[(2 * quad) * DECODE_MAX_M + group + 8] = bf16_round(d[2]);
+    vals[(2 * quad + 1) * DECODE_MAX_M + group + 8] = bf16_round(d[3]);
+    __syncwarp();
+}
+
 // One pass over the N neurons for M tokens. x, w_gate, w_up, w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t
 // is w_down transposed: row n = neuron n's output weights). y_sum: fp32 [M, K], zeroed, receives h w_down^T.
 // l1 (fp32 [M]) and l0 (int32 [M]), zeroed: sum |h| and the count of h != 0 per token; fired (int32 [N]): 1 where
-// neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. Grid: any
+// neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
+// takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else one
+// neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
 // number of blocks of DECODE_WARPS warps (they stride over the neurons); dynamic shared memory: M * KV * 512 bytes of
-// x, DECODE_WARPS * DECODE_MAX_M floats of gate values and, with BLOCK_SUMS, M * KV * 1024 bytes of sums.
-template <int KV, bool BLOCK_SUMS>
+// x, DECODE_WARPS * DECODE_MAX_M floats of gate values (8 times that with MMA_GATE) and, with BLOCK_SUMS,
+// M * KV * 1024 bytes of sums.
+template <int KV, bool BLOCK_SUMS, bool MMA_GATE>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn(
     const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w_gate,
     const __nv_bfloat16 *__restrict__ w_up, const __nv_bfloat16 *__restrict__ w_down_t, float *__restrict__ y_sum,
     float *__restrict__ l1, int *__restrict__ l0, int *__restrict__ fired, int M, int K, int N) {
+    constexpr int TILE = MMA_GATE ? MMA_NEURONS : 1;  // neurons a warp takes at a time
     extern __shared__ uint4 smem[];
     uint4 *x_rows = smem;  // token t's row at [t * KV * 32], in stage_row's layout
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *values = reinterpret_cast<float *>(smem + M * KV * 32) + warp * DECODE_MAX_M;  // this warp's g, then h
-    float *sums = reinterpret_cast<float *>(smem + M * KV * 32) + DECODE_WARPS * DECODE_MAX_M;  // token t at t*KV*256
+    // This warp's g, then h, of its TILE neurons: neuron j's token t at [j * DECODE_MAX_M + t].
+    float *vals = reinterpret_cast<float *>(smem + M * KV * 32) + warp * TILE * DECODE_MAX_M;
+    float *sums = reinterpret_cast<float *>(smem + M * KV * 32) + DECODE_WARPS * TILE * DECODE_MAX_M;  // t at t*KV*256
     __shared__ float block_l1[DECODE_MAX_M];
     __shared__ int block_l0[DECODE_MAX_M];
     __shared__ unsigned block_live;  // bit t: token t has some h != 0 in this block
@@ -85,37 +142,30 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
     __syncthreads();
     unsigned warp_live = 0;  // tokens with some h != 0 among this warp's neurons
     const uint64_t once = l2_stream_policy();  // each weight row is read once per call
-    for (int n = blockIdx.x * DECODE_WARPS + warp; n < N; n += gridDim.x * DECODE_WARPS) {
+    // Neuron n, whose gate values are in g_n (token t at g_n[t]) and `live` (bit t: g > 0): its up row only if some
+    // token's gate is positive, h = g * u for those, and its w_down^T row only if some h != 0. `live` and the values
+    // are the same on all lanes, so lane 0 keeps the values where the other lanes read them after a __syncwarp.
+    auto up_down = [&](int n, float *g_n, unsigned live) {
         uint4 w[KV];
-        load_weight_row<KV>(w, w_gate + static_cast<size_t>(n) * K, lane, K, once);
-        // Butterfly sums leave every lane with the same dot products, so `live` (bit t: token t has h != 0 here) is
-        // the same on all lanes; lane 0 keeps the values where the other lanes read them after a __syncwarp.
-        unsigned live = 0;
-        for (int t = 0; t < M; ++t) {
-            const float g = bf16_round(warp_sum(lane_dot<KV>(x_rows + t * KV * 32, w, lane)));
-            if (lane == 0) values[t] = g;
-            if (g > 0.0f) live |= 1u << t;
-        }
-        __syncwarp();
         if (live != 0) {
             load_weight_row<KV>(w, w_up + static_cast<size_t>(n) * K, lane, K, once);
             for (unsigned rest = live; rest != 0; rest &= rest - 1) {
                 const int t = __ffs(rest) - 1;
                 const float u = bf16_round(warp_sum(lane_dot<KV>(x_rows + t * KV * 32, w, lane)));
-                const float h = bf16_round(values[t] * u);
+                const float h = bf16_round(g_n[t] * u);
                 __syncwarp();
-                if (lane == 0) values[t] = h;
+                if (lane == 0) g_n[t] = h;
                 if (h == 0.0f) live &= ~(1u << t);
             }
             __syncwarp();
         }
         if (lane == 0 && fired != nullptr) fired[n] = live != 0;
-        if (live == 0) continue;
+        if (live == 0) return;
         warp_live |= live;
         load_weight_row<KV>(w, w_down_t + static_cast<size_t>(n) * K, lane, K, once);
         for (unsigned rest = live; rest != 0; rest &= rest - 1) {
             const int t = __ffs(rest) - 1;
-            const float h = values[t];
+            const float h = g_n[t];
             if constexpr (BLOCK_SUMS) {
                 add_scaled_row_shared<KV>(sums + t * KV * 256, h, w, lane, K);
                 if (lane == 0) atomicAdd(block_l0 + t, 1), atomicAdd(block_l1 + t, fabsf(h));
@@ -125,6 +175,30 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             }
         }
         __syncwarp();
+    };
+    if constexpr (MMA_GATE) {
+        // Tiles dealt to the blocks first: the grid has more warps than a layer has 8-neuron tiles.
+        for (int tile = blockIdx.x + gridDim.x * warp; tile * TILE < N; tile += gridDim.x * DECODE_WARPS) {
+            gate_tile_mma<KV>(vals, x_rows, w_gate, tile * TILE, lane, M, K, N, once);
+            for (int j = 0; j < TILE && tile * TILE + j < N; ++j) {
+                const unsigned live = __ballot_sync(FULL_MASK, lane < M && vals[j * DECODE_MAX_M + lane] > 0.0f);
+                up_down(tile * TILE + j, vals + j * DECODE_MAX_M, live);
+            }
+            __syncwarp();  // the next tile's gate values overwrite these
+        }
+    } else {
+        for (int n = blockIdx.x * DECODE_WARPS + warp; n < N; n += gridDim.x * DECODE_WARPS) {
+            uint4 w[KV];
+            load_weight_row<KV>(w, w_gate + static_cast<size_t>(n) * K, lane, K, once);
+            unsigned live = 0;
+            for (int t = 0; t < M; ++t) {
+                const float g = bf16_round(warp_sum(lane_dot<KV>(x_rows + t * KV * 32, w, lane)));
+                if (lane == 0) vals[t] = g;
+                if (g > 0.0f) live |= 1u << t;
+            }
+            __syncwarp();
+            up_down(n, vals, live);
+        }
     }
     if constexpr (!BLOCK_SUMS) return;
     if (lane == 0 && warp_live != 0) atomicOr(&block_live, warp_live);
@@ -157,39 +231,71 @@ extern "C" __global__ void decode_finish(const float *__restrict__ y_sum, const 
     }
 }
 
-#define DECODE_FFN(KV, BLOCK_SUMS)                                                                            \
-    template __global__ void decode_ffn<KV, BLOCK_SUMS>(const __nv_bfloat16 *, const __nv_bfloat16 *,           \
-                                                        const __nv_bfloat16 *, const __nv_bfloat16 *, float *,  \
-                                                        float *, int *, int *, int, int, int);
-DECODE_FFN(1, false)
-DECODE_FFN(1, true)
-DECODE_FFN(2, false)
-DECODE_FFN(2, true)
-DECODE_FFN(3, false)
-DECODE_FFN(3, true)
-DECODE_FFN(4, false)
-DECODE_FFN(4, true)
-DECODE_FFN(5, false)
-DECODE_FFN(5, true)
-DECODE_FFN(6, false)
-DECODE_FFN(6, true)
-DECODE_FFN(7, false)
-DECODE_FFN(7, true)
-DECODE_FFN(8, false)
-DECODE_FFN(8, true)
-DECODE_FFN(9, false)
-DECODE_FFN(9, true)
-DECODE_FFN(10, false)
-DECODE_FFN(10, true)
-DECODE_FFN(11, false)
-DECODE_FFN(11, true)
-DECODE_FFN(12, false)
-DECODE_FFN(12, true)
-DECODE_FFN(13, false)
-DECODE_FFN(13, true)
-DECODE_FFN(14, false)
-DECODE_FFN(14, true)
-DECODE_FFN(15, false)
-DECODE_FFN(15, true)
-DECODE_FFN(16, false)
-DECODE_FFN(16, true)
+#define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE)                                                                  \
+    template __global__ void decode_ffn<KV, BLOCK_SUMS, MMA_GATE>(                                                  \
+        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *, float *, \
+        int *, int *, int, int, int);
+DECODE_FFN(1, false, false)
+DECODE_FFN(1, false, true)
+DECODE_FFN(1, true, false)
+DECODE_FFN(1, true, true)
+DECODE_FFN(2, false, false)
+DECODE_FFN(2, false, true)
+DECODE_FFN(2, true, false)
+DECODE_FFN(2, true, true)
+DECODE_FFN(3, false, false)
+DECODE_FFN(3, false, true)
+DECODE_FFN(3, true, false)
+DECODE_FFN(3, true, true)
+DECODE_FFN(4, false, false)
+DECODE_FFN(4, false, true)
+DECODE_FFN(4, true, false)
+DECODE_FFN(4, true, true)
+DECODE_FFN(5, false, false)
+DECODE_FFN(5, false, true)
+DECODE_FFN(5, true, false)
+DECODE_FFN(5, true, true)
+DECODE_FFN(6, false, false)
+DECODE_FFN(6, false, true)
+DECODE_FFN(6, true, false)
+DECODE_FFN(6, true, true)
+DECODE_FFN(7, false, false)
+DECODE_FFN(7, false, true)
+DECODE_FFN(7, true, false)
+DECODE_FFN(7, true, true)
+DECODE_FFN(8, false, false)
+DECODE_FFN(8, false, true)
+DECODE_FFN(8, true, false)
+DECODE_FFN(8, true, true)
+DECODE_FFN(9, false, false)
+DECODE_FFN(9, false, true)
+DECODE_FFN(9, true, false)
+DECODE_FFN(9, true, true)
+DECODE_FFN(10, false, false)
+DECODE_FFN(10, false, true)
+DECODE_FFN(10, true, false)
+DECODE_FFN(10, true, true)
+DECODE_FFN(11, false, false)
+DECODE_FFN(11, false, true)
+DECODE_FFN(11, true, false)
+DECODE_FFN(11, true, true)
+DECODE_FFN(12, false, false)
+DECODE_FFN(12, false, true)
+DECODE_FFN(12, true, false)
+DECODE_FFN(12, true, true)
+DECODE_FFN(13, false, false)
+DECODE_FFN(13, false, true)
+DECODE_FFN(13, true, false)
+DECODE_FFN(13, true, true)
+DECODE_FFN(14, false, false)
+DECODE_FFN(14, false, true)
+DECODE_FFN(14, true, false)
+DECODE_FFN(14, true, true)
+DECODE_FFN(15, false, false)
+DECODE_FFN(15, false, true)
+DECODE_FFN(15, true, false)
+DECODE_FFN(15, true, true)
+DECODE_FFN(16, false, false)
+DECODE_FFN(16, false, true)
+DECODE_FFN(16, true, false)
+DECODE_FFN(16, true, true)

@@ -10,7 +10,7 @@ piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route h
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
 residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
-the decode kernel at 1, 7 and 16 tokens, its blocks summing in shared memory and not;
+the decode kernel at 1, 7 and 16 tokens, its blocks summing in shared memory and not, its gates on the tensor cores and not;
 the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
 dx through the slices walk; both transposes.
 """
@@ -49,7 +49,8 @@ def main() -> None:
             for tokens in (1, 7, 16):  # the decode kernel, with and without a residual, with and without block sums
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
-                with mock.patch.object(twell_backend, "DECODE_BLOCK_SUM_PIECES", 0):
+                gates = 1 if tokens < 4 else 1 << 30  # the gate path the default does not take here
+                with mock.patch.multiple(twell_backend, DECODE_BLOCK_SUM_PIECES=0, DECODE_MMA_MIN_M=gates):
                     twell_gated_mlp(few, wg, wu, wd, residual_MK=torch.randn_like(few))
             if n >= 512:  # the walks of blocks wider than L2, in column parts
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))

@@ -51,8 +51,7 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     walks, heavy tokens by dense rows or split over warps) for layers of width K and FFN width N."""
     kv = _pieces(k)
     return [
-        ("decode_ffn.cu", f"decode_ffn<{kv},false>"),
-        ("decode_ffn.cu", f"decode_ffn<{kv},true>"),
+        *[("decode_ffn.cu", f"decode_ffn<{kv},{sums},{mma}>") for sums in ("false", "true") for mma in ("false", "true")],
         ("decode_ffn.cu", "decode_finish"),
         ("gate_up_down.cu", f"gate_up_down_light<{kv}>"),
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),

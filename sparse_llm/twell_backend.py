@@ -82,6 +82,14 @@ DECODE_FINISH_THREADS = 256
 # block 37 us); block sums cost 3-9 us more for 1-8 tokens of ~30 non-zeros (H100, 2026-11-26). Priced per pair of
 # (firing neuron, token) at DECODE_MS_PER_PAIR for 2048 columns plus DECODE_BLOCK_SUMS_MS.
 DECODE_BLOCK_SUM_PIECES = 64
+# From this many tokens decode_ffn computes the gates of 8 neurons at a time on the tensor cores (MMA_GATE in
+# decode_ffn.cu) instead of one warp-wide dot product per token and neuron. In CUDA graphs at K x N = 2048 x 5632,
+# 28 non-zeros per token (H100, 2026-11-26): 24.6 against 29.1 us at 8 tokens, 27.9 against 48.1 at 16, but 22.8
+# against 17.9 at 4 (fewer warps stream w_gate: priced at DECODE_MMA_GBPS, measured 1.1-1.25 TB/s there, ~1.7 TB/s
+# at 4096 x 11008).
+DECODE_MMA_MIN_M = 8
+DECODE_MMA_GBPS = 1100.0
+DECODE_MMA_NEURONS = 8  # MMA_NEURONS there
 DECODE_GLOBAL_MAX_NNZ = 512
 DECODE_MS_PER_PAIR = 2.3e-6
 DECODE_BLOCK_SUMS_MS = 0.004
@@ -287,11 +295,15 @@ def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     and down rows of the neurons some token fires (spread evenly; a dense token fires all), the tokens' gate dot
     products, and the additions into y per (firing neuron, token) pair."""
     fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
-    streamed = (n + 2 * fired) * k * 2
+    rows_ms = 2 * fired * k * 2 / (DECODE_GBPS * 1e6)
+    if m >= DECODE_MMA_MIN_M:  # the gates on the tensor cores
+        gate_ms = n * k * 2 / (DECODE_MMA_GBPS * 1e6)
+    else:  # w_gate streamed, one warp-wide dot product per token and neuron
+        gate_ms = n * k * 2 / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
     sums_ms = m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
     if decode_block_sums(m, k, l0_max):
         sums_ms += DECODE_BLOCK_SUMS_MS
-    return DECODE_FIXED_MS + streamed / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC + sums_ms
+    return DECODE_FIXED_MS + gate_ms + rows_ms + sums_ms
 
 
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
@@ -966,10 +978,13 @@ def decode_ffn(
     fired_N = torch.empty(n, dtype=torch.int32, device=device)
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     kv = math.ceil(k / 256)
-    block_sums = decode_block_sums(m, k, l0_max)
-    kernel = cuda.get_function("decode_ffn.cu", f"decode_ffn<{kv},{str(block_sums).lower()}>", device)
-    # The tokens' x rows, each warp's g / h values and, with block sums, the block's fp32 rows of y.
-    smem = m * kv * 512 + DECODE_WARPS * DECODE_MAX_M * 4 + (m * kv * 1024 if block_sums else 0)
+    block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
+    name = f"decode_ffn<{kv},{str(block_sums).lower()},{str(mma_gate).lower()}>"
+    kernel = cuda.get_function("decode_ffn.cu", name, device)
+    # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
+    # sums, the block's fp32 rows of y.
+    values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
+    smem = m * kv * 512 + values + (m * kv * 1024 if block_sums else 0)
     cuda.set_dynamic_smem(kernel, smem)
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, y_sum_MK, l1_M, l0_M, fired_N)

@@ -279,8 +279,8 @@ def test_dispatch_picks_sparse_only_where_it_pays():
     """At the paper's shapes: sparse at 28 and 56 non-zeros per token (measured 1.37-1.54x and 1.09x dense on the
     H100) and with a heavy tail at 28 (its heavy tokens through the dense rows: 1.57x on an H200, 2026-11-26); dense
     at 560 (10%) and with a heavy tail at 112. For decode sizes the decode kernel up to a few tokens (in CUDA graphs
-    2.5x dense at 1 token, 2.0-2.1x at 4, 1.5x at 8, 0.95x at 16, 2026-11-26), dense beyond, and for a token that fires
-    every neuron."""
+    2.5x dense at 1 token, 2.1x at 4, 1.5x at 8, 1.4x at 16 with the gates on the tensor cores, 2026-11-26), dense
+    beyond, and for a token that fires every neuron."""
     sparse, dense = TwellFFN(), TorchFFN()
     m, k, n = 16384, 2048, 5632
     assert sparse.estimated_ms(m, k, n, 28, 56, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 56, False)
@@ -288,10 +288,10 @@ def test_dispatch_picks_sparse_only_where_it_pays():
     assert sparse.estimated_ms(m, k, n, 28, 1353, False) < 0.95 * dense.estimated_ms(m, k, n, 28, 1353, False)
     assert sparse.estimated_ms(m, k, n, 112, 2028, False) > dense.estimated_ms(m, k, n, 112, 2028, False)
     assert sparse.estimated_ms(m, k, n, 560, 700, False) > dense.estimated_ms(m, k, n, 560, 700, False)
-    for tokens in (1, 4, 8):
+    for tokens in (1, 4, 8, 16):
         assert sparse.estimated_ms(tokens, k, n, 28, 28, False) < 0.95 * dense.estimated_ms(tokens, k, n, 28, 28, False)
-    assert sparse.estimated_ms(16, k, n, 28, 28, False) > dense.estimated_ms(16, k, n, 28, 28, False)
-    assert sparse.estimated_ms(1, k, n, n, n, False) > dense.estimated_ms(1, k, n, n, n, False)
+    for tokens in (1, 8):
+        assert sparse.estimated_ms(tokens, k, n, n, n, False) > dense.estimated_ms(tokens, k, n, n, n, False)
     assert sparse.estimated_ms(64, k, n, 28, 28, False) > dense.estimated_ms(64, k, n, 28, 28, False)
 
 

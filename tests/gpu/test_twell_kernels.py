@@ -371,9 +371,12 @@ def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
 
 @pytest.mark.parametrize("m", [1, 7, 16])
 @pytest.mark.parametrize("block_sums", [True, False])
-def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, monkeypatch):
-    """Dense, all-zero and hot rows, each block's sums in shared memory (up to DECODE_BLOCK_SUM_PIECES) or not."""
+@pytest.mark.parametrize("mma_gate", [True, False])
+def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, mma_gate, monkeypatch):
+    """Dense, all-zero and hot rows, each block's sums in shared memory (up to DECODE_BLOCK_SUM_PIECES) or not, the
+    gates on the tensor cores or not."""
     monkeypatch.setattr(twell_backend, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
+    monkeypatch.setattr(twell_backend, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
     odd_rows(x_MK, w_gate_NK)  # a fully dense token fires almost every neuron: every row pair is read
     result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN)
