@@ -5,7 +5,8 @@
 // dot products, so the block is bound by how many weight bytes it reads. The dense block reads all three
 // matrices; this kernel reads w_gate whole and, of w_up and w_down, only the rows of neurons that fire for some
 // token. Each warp takes whole neurons: it loads the neuron's gate row once, dots it with every token's x
-// (staged in shared memory by its block), and only where some token's gate is positive loads the neuron's up row,
+// (staged in shared memory by its block; from 8 tokens, 8 neurons at a time on the tensor cores: gate_tile_mma),
+// and only where some token's gate is positive loads the neuron's up row,
 // forms h, loads the neuron's row of w_down^T and adds h * that row into the tokens' fp32 output rows. Any density
 // is exact (nothing to overflow: a neuron firing for every token costs one more row pair, as in the dense block).
 // Where the tokens' rows fit in shared memory (BLOCK_SUMS), the block's warps add into its own copy there and the
