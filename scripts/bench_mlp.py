@@ -208,8 +208,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | twell ms, auto route (TwELL: "
-          "fused / cublas) | speedup (vs compiled) | back to back ms dense / twell (speedup) | err twell (dense) | "
+    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | "
+          "twell ms, auto route (TwELL: fused / cublas) | speedup (vs compiled) | "
+          "back to back ms dense / twell (speedup) | err twell (dense) | "
           "energy mJ dense / twell | path (overflow rows) | auto | auto speedup | "
           "graph ms dense / twell (speedup) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -19,7 +19,7 @@ from torch import nn
 
 from sparse_llm import cuda
 from sparse_llm.mlp import SparseMLP
-from sparse_llm.twell_backend import shape_unsupported_reason, slice_width
+from sparse_llm.twell_backend import decode_kernel_name, shape_unsupported_reason, slice_width
 from sparse_llm.twell_train import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, training_opted_in, wgrad_slices
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     walks, heavy tokens by dense rows or split over warps) for layers of width K and FFN width N."""
     kv = _pieces(k)
     return [
-        *[("decode_ffn.cu", f"decode_ffn<{kv},{sums},{mma}>") for sums in ("false", "true") for mma in ("false", "true")],
+        *[("decode_ffn.cu", decode_kernel_name(kv, sums, mma)) for sums in (False, True) for mma in (False, True)],
         ("decode_ffn.cu", "decode_finish"),
         ("gate_up_down.cu", f"gate_up_down_light<{kv}>"),
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),

@@ -17,11 +17,12 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   "twell-slices". Where the price puts slices ahead, one timed trial per shape and density settles the walk
   (`measured_walk`): the call that runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
-  (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons, dots the neuron's gate row with every
-  token and reads its up row and its w_down column only if it fires for some token, adding h times that column
-  into fp32 output rows with atomics. Few tokens cannot share weight rows, so the block is bound by the weight bytes
-  it reads: all of w_gate, and of w_up and w_down only the firing neurons' rows (the dense block reads all three);
-  `path` says "twell-decode".
+  (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons (8 at a time with their gates on the tensor
+  cores from DECODE_MMA_MIN_M tokens), dots the neuron's gate row with every token and reads its up row and its
+  w_down column only if it fires for some token, adding h times that column into fp32 output rows with atomics
+  (summed per block in shared memory first where a token may fire many neurons: `decode_block_sums`). Few tokens
+  cannot share weight rows, so the block is bound by the weight bytes it reads: all of w_gate, and of w_up and
+  w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode".
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
@@ -82,6 +83,9 @@ DECODE_FINISH_THREADS = 256
 # block 37 us); block sums cost 3-9 us more for 1-8 tokens of ~30 non-zeros (H100, 2026-11-26). Priced per pair of
 # (firing neuron, token) at DECODE_MS_PER_PAIR for 2048 columns plus DECODE_BLOCK_SUMS_MS.
 DECODE_BLOCK_SUM_PIECES = 64
+DECODE_GLOBAL_MAX_NNZ = 512
+DECODE_MS_PER_PAIR = 2.3e-6
+DECODE_BLOCK_SUMS_MS = 0.004
 # From this many tokens decode_ffn computes the gates of 8 neurons at a time on the tensor cores (MMA_GATE in
 # decode_ffn.cu) instead of one warp-wide dot product per token and neuron. In CUDA graphs at K x N = 2048 x 5632,
 # 28 non-zeros per token (H100, 2026-11-26): 24.6 against 29.1 us at 8 tokens, 27.9 against 48.1 at 16, but 22.8
@@ -90,9 +94,6 @@ DECODE_BLOCK_SUM_PIECES = 64
 DECODE_MMA_MIN_M = 8
 DECODE_MMA_GBPS = 1100.0
 DECODE_MMA_NEURONS = 8  # MMA_NEURONS there
-DECODE_GLOBAL_MAX_NNZ = 512
-DECODE_MS_PER_PAIR = 2.3e-6
-DECODE_BLOCK_SUMS_MS = 0.004
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
@@ -144,12 +145,14 @@ TAIL_FULL_SHARE = 0.15
 HBM_GBPS = 3000.0
 # Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
 CPU_FLOOR_MS = 0.22
-# The decode kernel (`decode_ffn`, up to DECODE_MAX_M tokens), device time in CUDA graphs on the H100 (2026-11-26,
-# 28 and 56 non-zeros per token): 14.8-14.9 / 17.7-18.4 / 28.6-29.1 / 48.1-48.9 us at 1 / 4 / 8 / 16 tokens at
-# K x N = 2048 x 5632; 37-38 / 45-48 / 68-71 / 122-124 us at 4096 x 11008. Priced: a fixed cost, w_gate and the rows
-# of the neurons some token fires streamed at DECODE_GBPS, and the per-token dot products at DECODE_MS_PER_MAC per
-# weight: 0.93-1.22x the measurements at 2048 x 5632, 1.3-1.45x at 4096 x 11008 (where its dot products run faster
-# per weight). Its host time per call (~62 us, a memset and two launches) is below the dense block's (~80 us).
+# The decode kernel (`decode_ffn`, up to DECODE_MAX_M tokens) with its gates as warp-wide dot products, device time
+# in CUDA graphs on the H100 (2026-11-26, 28 and 56 non-zeros per token): 14.8-14.9 / 17.7-18.4 / 28.6-29.1 /
+# 48.1-48.9 us at 1 / 4 / 8 / 16 tokens at K x N = 2048 x 5632; 37-38 / 45-48 / 68-71 / 122-124 us at 4096 x 11008.
+# Priced (`decode_ms`): a fixed cost, w_gate and the rows of the neurons some token fires streamed at DECODE_GBPS,
+# and the per-token dot products at DECODE_MS_PER_MAC per weight: 0.93-1.22x the measurements at 2048 x 5632,
+# 1.3-1.45x at 4096 x 11008 (where its dot products run faster per weight); from DECODE_MMA_MIN_M tokens the gates
+# are priced at DECODE_MMA_GBPS instead. Its host time per call (~62 us, a memset and two launches) is below the
+# dense block's (~80 us).
 DECODE_FIXED_MS = 0.005
 DECODE_GBPS = 2500.0
 DECODE_MS_PER_MAC = 1.6e-10
@@ -961,6 +964,12 @@ def split_token_up_down(
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
+def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool) -> str:
+    """decode_ffn's instantiation for rows of kv 256-column pieces, summing y per block or not, gates on the tensor
+    cores or not."""
+    return f"decode_ffn<{kv},{str(block_sums).lower()},{str(mma_gate).lower()}>"
+
+
 def decode_ffn(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     residual_MK: torch.Tensor | None = None, l0_max: float | None = None,
@@ -979,8 +988,7 @@ def decode_ffn(
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     kv = math.ceil(k / 256)
     block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
-    name = f"decode_ffn<{kv},{str(block_sums).lower()},{str(mma_gate).lower()}>"
-    kernel = cuda.get_function("decode_ffn.cu", name, device)
+    kernel = cuda.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate), device)
     # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
     values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
@@ -1095,10 +1103,7 @@ def twell_gated_mlp(
         y_MK, l1_M, l0_M, fired_N = decode_ffn(
             x_MK, w_gate_NK, w_up_NK, _DOWN_T.get(w_down_KN), fused, None if l0_hint is None else l0_hint[1]
         )
-        if residual_MK is not None and fused is None:
-            y_MK = residual_MK + y_MK
-        l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
-        return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-decode")
+        return _finished(y_MK, l1_M, l0_M, fired_N, residual_MK if fused is None else None, statistics, "twell-decode")
     if gate_route in ("auto", "direct"):
         gate_MN = F.linear(x_MK, w_gate_NK)
         # gate_MN and the cached transpose are well formed by construction: no second validation.
@@ -1115,12 +1120,8 @@ def twell_gated_mlp(
         walk = direct_walk(m, k, n, l0_hint, tail)
         if walk == "slices" and walk_choice() == "measured":
             walk = measured_walk((m, k, n, _mean_bucket(l0_hint[0])), walk_through)
-        y_MK, l1_M, l0_M, fired_N = walk_through(walk)
-        if residual_MK is not None and fused is None:
-            y_MK = residual_MK + y_MK
         path = "twell-slices" if walk == "slices" else "twell-direct"
-        l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
-        return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=path)
+        return _finished(*walk_through(walk), residual_MK if fused is None else None, statistics, path)
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
     dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
@@ -1143,6 +1144,18 @@ def twell_gated_mlp(
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
+
+
+def _finished(
+    y_MK: torch.Tensor, l1_M: torch.Tensor, l0_M: torch.Tensor, fired_N: torch.Tensor,
+    unfused_residual_MK: torch.Tensor | None, statistics: bool, path: str,
+) -> FFNResult:
+    """The result of a route whose kernels returned (y_MK, l1_M, l0_M, fired_N): the residual they could not fuse
+    added to y, and the L1 sum and fired flags only where statistics were asked for."""
+    if unfused_residual_MK is not None:
+        y_MK = unfused_residual_MK + y_MK
+    l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
+    return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=path)
 
 
 def walk_choice() -> str:
