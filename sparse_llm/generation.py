@@ -17,6 +17,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from sparse_llm import kernel_set
+from sparse_llm.decoding import decode
 from sparse_llm.evaluation import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
 from sparse_llm.model import load_pretrained, sparse_mlps
 from sparse_llm.tokenizer import load_tokenizer
@@ -37,6 +38,8 @@ class GenerateConfig:
         top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p.
         seed: random seed of the sampling.
         kernel: FFN backend: auto | torch | twell.
+        cuda_graph: on a GPU, replay each decoding step as one CUDA graph (the FFN backends are then chosen once,
+            at the first step); false issues every kernel from Python.
         device: auto (cuda if present, else cpu) | cpu | cuda | cuda:N.
         dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.
         tokenizer: tokenizer to use ("" = the one saved with the checkpoint).
@@ -49,6 +52,7 @@ class GenerateConfig:
     top_p: float = 0.95
     seed: int = 0
     kernel: str = "auto"
+    cuda_graph: bool = True
     device: str = "auto"
     dtype: str = "auto"
     tokenizer: str = ""
@@ -126,20 +130,15 @@ def generate(cfg: GenerateConfig) -> Generation:
                          f"that exceeds the model's context of {context}. Shorten it or lower max_new_tokens.")
 
     torch.manual_seed(cfg.seed)
-    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 \
-        else {"do_sample": False}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=cfg.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling,
-    )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    new_ids = decode(
+        model, input_ids, attention_mask, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+        end_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, cuda_graph=cfg.cuda_graph,
+    ).cpu()  # fmt: skip
+    seconds = time.perf_counter() - start  # .cpu() waited for the GPU
 
-    new_ids = out[:, longest:].cpu()
     # A row that ended its document early is padded after its end token: count only what was sampled.
     ended = new_ids == tokenizer.eos_token_id
     first_end = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new_ids.shape[1])

@@ -1033,7 +1033,7 @@ def dense_heavy_rows(
     outs = (y_MK, l1_M, l0_M, fired_N) with the dense bf16 block's rounding (kernels/dense_rows.cu).
 
     Returns (rows, count_1) of the heavy tokens past the capacity, for `split_token_up_down`."""
-    (m, k), n, device = x_MK.shape, gate_MN.shape[1], x_MK.device
+    k, n, device = x_MK.shape[1], gate_MN.shape[1], x_MK.device
     y_MK, l1_M, l0_M, fired_N = outs
     x_CK = torch.empty(capacity, k, dtype=torch.bfloat16, device=device)
     rest_1 = torch.empty(1, dtype=torch.int32, device=device)

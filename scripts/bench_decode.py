@@ -1,0 +1,187 @@
+"""Decoding-step benchmark: the whole model feeding one token per row, dense FFNs vs the sparse decode kernel,
+each step issued eagerly and replayed as a CUDA graph (sparse_llm.decoding, what generate.py runs).
+
+    python scripts/bench_decode.py --size 2b --density-l0 24 --batches 1,4,16
+    python scripts/bench_decode.py --checkpoint outputs/<run>/final --batches 1,8
+    python scripts/bench_decode.py --size tiny --batches 1,2 --prompt-len 16 --steps 4 --device cpu   # smoke run
+
+The model and its sparsity are built as scripts/bench_model.py builds them (--density-l0: a random-init model
+given ~T positive gate pre-activations per token, calibrated on random prompts). Per batch of B prompts of
+--prompt-len random tokens: prefill, one eager step and one captured step, then --steps steps timed with CUDA
+events, each feeding the arg-max of the last logits (greedy decoding, its arg-max included); the median over
+--reps such runs, as ms per step and new tokens per second. Kernels: `stock` (transformers' own modules: the
+plain dense model), `torch` (our modules, dense FFN) and `auto` (each layer's FFN path chosen by the cost model
+from the per-layer L0 that the `torch` pass measured on the prompts, which the report gives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from bench_model import (
+    CALIBRATION_TOKENS,
+    SIZES,
+    STOCK,
+    LayerStats,
+    layer_stats,
+    load_model,
+    make_sparse,
+    set_kernel,
+)
+
+from sparse_llm.benchmark import Clock, hardware_summary
+from sparse_llm.decoding import DecodeSteps
+from sparse_llm.mlp import recording_statistics
+from sparse_llm.model import sparse_mlps
+
+KERNELS = (STOCK, "torch", "auto")
+
+
+@dataclass
+class StepTiming:
+    """ms per decoding step of one (kernel, batch), eager and replayed; `paths`: FFN path -> layers."""
+
+    kernel: str
+    batch: int
+    eager_ms: float
+    graph_ms: float | None  # None on a CPU
+    paths: dict[str, int]
+
+
+def step_ms(model: torch.nn.Module, prompts_BS: torch.Tensor, steps: int, cuda_graph: bool) -> float:
+    """ms per decoding step after the prompts prompts_BS [B, S], the first two steps (warm-up, capture) excluded."""
+    clock = Clock(prompts_BS.device)
+    with torch.no_grad():
+        decoder = DecodeSteps(model, torch.ones_like(prompts_BS), steps + 2, cuda_graph)
+        logits_BV = decoder.prefill(prompts_BS)
+        for _ in range(2):
+            logits_BV = decoder(logits_BV.argmax(dim=-1))
+        start = clock.mark()
+        for _ in range(steps):
+            logits_BV = decoder(logits_BV.argmax(dim=-1))
+        return clock.elapsed_ms(start, clock.mark()) / steps
+
+
+def bench(model, prompts_BS, kernel: str, observed: list[LayerStats] | None, args) -> StepTiming:
+    set_kernel(model, kernel, observed)
+    median = {}
+    for graph in (False, True) if prompts_BS.is_cuda else (False,):
+        median[graph] = statistics.median(step_ms(model, prompts_BS, args.steps, graph) for _ in range(args.reps))
+    paths = Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))  # none on the stock modules
+    return StepTiming(kernel, prompts_BS.shape[0], median[False], median.get(True), dict(paths))
+
+
+def prompt_l0(model, prompts_BS: torch.Tensor) -> list[LayerStats]:
+    """Per-layer L0 of the prompts on the dense path: what `auto` decides from."""
+    set_kernel(model, "torch", None)
+    with torch.no_grad(), recording_statistics(model):
+        model.model(input_ids=prompts_BS, use_cache=False)
+    return layer_stats(model)
+
+
+def table(rows: list[StepTiming]) -> list[str]:
+    """Markdown rows: ms per step eager and replayed, tokens/s, and the replayed speed vs the dense paths."""
+    dense = {(r.kernel, r.batch): r for r in rows if r.kernel in (STOCK, "torch")}
+    lines = [
+        "| batch | FFN | eager ms/step | graph ms/step | tokens/s | vs torch | vs stock | FFN paths |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = r.graph_ms if r.graph_ms is not None else r.eager_ms
+        ratios = []
+        for base in ("torch", STOCK):
+            other = dense.get((base, r.batch))
+            other_ms = None if other is None else (other.graph_ms if other.graph_ms is not None else other.eager_ms)
+            ratios.append("-" if other_ms is None else f"{other_ms / best:.2f}x")
+        graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
+        paths = ", ".join(f"{p} x{n}" for p, n in r.paths.items()) or "LlamaMLP"
+        lines.append(f"| {r.batch} | {r.kernel} | {r.eager_ms:.3f} | {graph} | {r.batch * 1000 / best:.0f} | "
+                     f"{ratios[0]} | {ratios[1]} | {paths} |")
+    return lines
+
+
+def l0_line(stats: list[LayerStats]) -> str:
+    means = [s.l0_mean for s in stats]
+    return (f"Prompt L0 per layer (non-zeros of h per token): mean {statistics.mean(means):.1f} "
+            f"(layers {min(means):.1f}-{max(means):.1f}), p99 up to {max(s.l0_p99 for s in stats):.0f}, "
+            f"max {max(s.l0_max for s in stats):.0f}.")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
+    source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
+    parser.add_argument("--density-l0", type=float, default=None, help="make a --size model ~T non-zeros/token")
+    parser.add_argument("--batches", default="1,4,16", help="prompts decoded together, comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--steps", type=int, default=64, help="timed decoding steps per run")
+    parser.add_argument("--reps", type=int, default=3, help="runs per case (the median is reported)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {list(KERNELS)}")
+    parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
+    parser.add_argument("--json", default=None, help="write every measurement here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    args.kernel_list = args.kernels.split(",")
+    unknown = sorted(set(args.kernel_list) - set(KERNELS))
+    if unknown:
+        parser.error(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
+    if min(args.batch_list) < 1 or args.steps < 1 or args.reps < 1:
+        parser.error("--batches, --steps and --reps must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    model = load_model(args, device)
+    if args.prompt_len + args.steps + 2 > model.config.max_position_embeddings:
+        raise SystemExit(f"--prompt-len + --steps + 2 exceeds the model's context of "
+                         f"{model.config.max_position_embeddings}")
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts_BS = torch.randint(0, model.config.vocab_size, (max(args.batch_list), args.prompt_len), generator=gen)
+    prompts_BS = prompts_BS.to(device)
+    if args.density_l0 is not None:
+        make_sparse(model, args.density_l0, prompts_BS[: max(1, CALIBRATION_TOKENS // args.prompt_len)])
+    model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    observed = prompt_l0(model, prompts_BS)
+    rows = []
+    for batch in args.batch_list:
+        for kernel in args.kernel_list:
+            rows.append(bench(model, prompts_BS[:batch], kernel, observed, args))
+            print(table(rows[-1:])[-1], flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    report = "\n".join([
+        f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
+        "",
+        f"Hardware: {hardware_summary(device)}. Settings: `python scripts/bench_decode.py "
+        f"{' '.join(sys.argv[1:] if argv is None else argv)}` (prompts of {args.prompt_len} random tokens, "
+        f"{args.steps} timed steps, median of {args.reps} runs).",
+        l0_line(observed),
+        "",
+        *table(rows),
+    ])
+    print("\n" + report, flush=True)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n\n" + report + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""scripts/bench_decode.py on the CPU: every case runs and the report names what it measured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
+    out = tmp_path / "decode.json"
+    markdown = tmp_path / "BENCH.md"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--size", "tiny", "--batches", "1,3",
+               "--prompt-len", "8", "--steps", "2", "--reps", "1", "--density-l0", "8", "--device", "cpu",
+               "--json", str(out), "--markdown", str(markdown)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["kernel"]) for r in rows] == [(b, k) for b in (1, 3) for k in ("stock", "torch", "auto")]
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in rows)  # no CUDA graphs on a CPU
+    text = markdown.read_text()
+    assert "### Decoding steps, tiny" in text and "Prompt L0 per layer" in text
+    assert "| 3 | stock |" in text and "LlamaMLP |" in text
+
+
+def test_bad_kernel_is_named():
+    command = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--size", "tiny", "--kernels", "twel"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "unknown ['twel']" in run.stderr
