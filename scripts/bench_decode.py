@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from bench_model import (
     CALIBRATION_TOKENS,
-    SIZES,
     STOCK,
     LayerStats,
+    add_model_source,
     layer_stats,
     load_model,
     make_sparse,
@@ -118,10 +118,7 @@ def l0_line(stats: list[LayerStats]) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
-    source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
-    parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
+    add_model_source(parser)
     parser.add_argument("--density-l0", type=float, default=None, help="make a --size model ~T non-zeros/token")
     parser.add_argument("--batches", default="1,4,16", help="prompts decoded together, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")

@@ -767,12 +767,17 @@ GRAPHS_NOTE = "compiled parts replayed as CUDA graphs, peak memory = peak reserv
 
 
 # -------------------------------------------------------------------------------------------------- main
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_source(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint or --size (with --vocab-size): the model `load_model` builds."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
     source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_source(parser)
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward call")
     parser.add_argument("--train-batch", type=int, default=None, help="training micro-batch (default --batch)")
     parser.add_argument(

@@ -12,15 +12,13 @@ their own statistics during the replays.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers import StaticCache
 
-from sparse_llm.model import sparse_mlps
+from sparse_llm.mlp import backends_held
 
 log = logging.getLogger(__name__)
 
@@ -108,28 +106,13 @@ class DecodeSteps:
         captured. Capturing runs no kernel: the graph's first replay is this step."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with frozen_backends(self.model), torch.cuda.graph(graph):
+            with backends_held(self.model), torch.cuda.graph(graph):
                 self.logits_BV = self._step()
         except RuntimeError as error:
             log.warning("decoding steps run eagerly: a step could not be captured as a CUDA graph (%s)", error)
             self.cuda_graph = False  # nothing captured ran: the caller runs this step eagerly
             return None
         return graph
-
-
-@contextlib.contextmanager
-def frozen_backends(model: nn.Module) -> Iterator[None]:
-    """Within the block no SparseMLP of `model` observes its own statistics (that reads them back to the host,
-    which a CUDA graph capture forbids); each keeps the backend it has chosen."""
-    mlps = sparse_mlps(model)
-    before = [mlp.self_observe for mlp in mlps]
-    for mlp in mlps:
-        mlp.self_observe = False
-    try:
-        yield
-    finally:
-        for mlp, value in zip(mlps, before, strict=True):
-            mlp.self_observe = value
 
 
 def next_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

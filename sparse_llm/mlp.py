@@ -88,14 +88,25 @@ class SparseMLP(nn.Module):
 
 
 @contextlib.contextmanager
-def recording_statistics(model: nn.Module) -> Iterator[None]:
-    """Within the block, inference calls of every SparseMLP in `model` keep L1/L0/fired in `last_result`."""
+def _every_layer(model: nn.Module, attribute: str, value: bool) -> Iterator[None]:
+    """Within the block every SparseMLP of `model` has `attribute` set to `value`; restored after."""
     mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
-    before = [m.record_statistics for m in mlps]
+    before = [getattr(m, attribute) for m in mlps]
     for m in mlps:
-        m.record_statistics = True
+        setattr(m, attribute, value)
     try:
         yield
     finally:
-        for m, value in zip(mlps, before, strict=True):
-            m.record_statistics = value
+        for m, kept in zip(mlps, before, strict=True):
+            setattr(m, attribute, kept)
+
+
+def recording_statistics(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within the block, inference calls of every SparseMLP in `model` keep L1/L0/fired in `last_result`."""
+    return _every_layer(model, "record_statistics", True)
+
+
+def backends_held(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within the block no SparseMLP of `model` observes its own statistics, so each keeps the backend it has
+    chosen and reads nothing back to the host (what a CUDA graph capture needs)."""
+    return _every_layer(model, "self_observe", False)
