@@ -13,6 +13,8 @@ their own statistics during the replays.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -129,6 +131,26 @@ def next_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float) -> to
     return order_BV.gather(-1, picked_B1).squeeze(-1)
 
 
+@dataclass
+class Decoded:
+    """What `decode` produced: the new tokens' ids [B, T], and the wall-clock ms per step (its sampling included)
+    of the steps after the first `SETUP_STEPS`, None where there were none."""
+
+    new_ids_BT: torch.Tensor
+    step_ms: float | None
+
+
+# The first steps also load kernels and capture the graph: `Decoded.step_ms` leaves them out.
+SETUP_STEPS = 2
+
+
+def _settled_time(device: torch.device) -> float:
+    """perf_counter() once the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.no_grad()
 def decode(
     model: nn.Module,
@@ -140,21 +162,27 @@ def decode(
     end_id: int,
     pad_id: int,
     cuda_graph: bool = True,
-) -> torch.Tensor:
+) -> Decoded:
     """Continue each left-padded prompt of input_ids_BS [B, S] (attention_mask_BS 0 on the padding) by up to
-    `max_new_tokens` tokens. Returns their ids [B, T], T <= max_new_tokens: a row that ended its document (token
-    `end_id`) is padded with `pad_id` after it; decoding stops early once every row has ended."""
+    `max_new_tokens` tokens, T <= max_new_tokens of them: a row that ended its document (token `end_id`) is padded
+    with `pad_id` after it; decoding stops early once every row has ended."""
     device = model.device
     steps = DecodeSteps(model, attention_mask_BS, max_new_tokens, cuda_graph)
     logits_BV = steps.prefill(input_ids_BS.to(device))
     ended_B = torch.zeros(input_ids_BS.shape[0], dtype=torch.bool, device=device)
     new_ids: list[torch.Tensor] = []
+    timed_since = None
     for step in range(max_new_tokens):
+        if step == SETUP_STEPS:
+            timed_since = _settled_time(device)
         token_B = next_tokens(logits_BV, temperature, top_p).masked_fill(ended_B, pad_id)
         new_ids.append(token_B)
         ended_B |= token_B == end_id
-        last = step == max_new_tokens - 1
-        if last or ((step + 1) % END_CHECK_EVERY == 0 and bool(ended_B.all())):
+        if step == max_new_tokens - 1 or ((step + 1) % END_CHECK_EVERY == 0 and bool(ended_B.all())):
             break
         logits_BV = steps(token_B)
-    return torch.stack(new_ids, dim=1)
+    timed_steps = len(new_ids) - 1 - SETUP_STEPS  # model steps after the setup ones (the last token needs none)
+    step_ms = None
+    if timed_since is not None and timed_steps > 0:
+        step_ms = (_settled_time(device) - timed_since) * 1e3 / timed_steps
+    return Decoded(torch.stack(new_ids, dim=1), step_ms)

@@ -70,7 +70,8 @@ class Generation:
     prompts: list[str]
     continuations: list[str]
     new_tokens: int  # summed over the prompts
-    seconds: float
+    seconds: float  # the whole call: the prompts' forward and the first steps' setup included
+    step_ms: float | None  # per decoding step after the first ones (decoding.SETUP_STEPS); None if none ran
     ffn_paths: dict[str, int]  # backend of each FFN layer's last call (a decoding step) -> layers
 
     @property
@@ -133,10 +134,11 @@ def generate(cfg: GenerateConfig) -> Generation:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    new_ids = decode(
+    decoded = decode(
         model, input_ids, attention_mask, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
         end_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, cuda_graph=cfg.cuda_graph,
-    ).cpu()  # fmt: skip
+    )  # fmt: skip
+    new_ids = decoded.new_ids_BT.cpu()
     seconds = time.perf_counter() - start  # .cpu() waited for the GPU
 
     # A row that ended its document early is padded after its end token: count only what was sampled.
@@ -144,7 +146,9 @@ def generate(cfg: GenerateConfig) -> Generation:
     first_end = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new_ids.shape[1])
     continuations = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new_ids, first_end)]
     paths = collections.Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))
-    return Generation(prompts, continuations, int(first_end.sum()), seconds, dict(paths.most_common()))
+    return Generation(
+        prompts, continuations, int(first_end.sum()), seconds, decoded.step_ms, dict(paths.most_common())
+    )
 
 
 def report(result: Generation) -> str:
@@ -152,6 +156,7 @@ def report(result: Generation) -> str:
     blocks = [f"--- {prompt}\n{prompt}{text}" for prompt, text in zip(result.prompts, result.continuations)]
     paths = ", ".join(f"{path} x{n}" for path, n in result.ffn_paths.items())
     together = f"{len(result.prompts)} prompts decoded together" if len(result.prompts) > 1 else "one prompt"
+    steady = "" if result.step_ms is None else f", then {result.step_ms:.2f} ms a step"
     blocks.append(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s, "
-                  f"{together}); FFN layers on: {paths}")
+                  f"{together}{steady}); FFN layers on: {paths}")
     return "\n\n".join(blocks)

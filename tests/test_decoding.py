@@ -26,12 +26,21 @@ def test_greedy_decoding_matches_transformers_generate():
     torch.manual_seed(0)
     model = build_model(TINY, vocab_size=VOCAB).eval()
     ids_BS, mask_BS = left_padded([5, 1, 9], seed=1)
-    ours_BT = decode(model, ids_BS, mask_BS, max_new_tokens=12, temperature=0, top_p=1.0, end_id=END, pad_id=PAD)
+    ours = decode(model, ids_BS, mask_BS, max_new_tokens=12, temperature=0, top_p=1.0, end_id=END, pad_id=PAD)
     theirs = model.generate(
         input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=12, do_sample=False, eos_token_id=END,
         pad_token_id=PAD,
     )  # fmt: skip
-    assert torch.equal(ours_BT, theirs[:, ids_BS.shape[1]:])
+    assert torch.equal(ours.new_ids_BT, theirs[:, ids_BS.shape[1]:])
+    assert ours.step_ms > 0  # 12 tokens: 11 model steps, the last 9 timed
+
+
+def test_no_step_time_without_steps_past_the_setup_ones():
+    torch.manual_seed(0)
+    model = build_model(TINY, vocab_size=VOCAB).eval()
+    ids_BS, mask_BS = left_padded([4], seed=3)
+    short = decode(model, ids_BS, mask_BS, max_new_tokens=3, temperature=0, top_p=1.0, end_id=END, pad_id=PAD)
+    assert short.new_ids_BT.shape == (1, 3) and short.step_ms is None
 
 
 def test_a_row_that_ends_is_padded_and_decoding_stops_when_all_have_ended():
@@ -40,7 +49,7 @@ def test_a_row_that_ends_is_padded_and_decoding_stops_when_all_have_ended():
     with torch.no_grad():  # all logits 0: greedy takes token 0, here the end token
         model.model.norm.weight.zero_()
     ids_BS, mask_BS = left_padded([3, 4], seed=2)
-    new_BT = decode(model, ids_BS, mask_BS, max_new_tokens=40, temperature=0, top_p=1.0, end_id=0, pad_id=5)
+    new_BT = decode(model, ids_BS, mask_BS, 40, temperature=0, top_p=1.0, end_id=0, pad_id=5).new_ids_BT
     assert new_BT.shape == (2, END_CHECK_EVERY)  # stopped at the first check after all rows ended
     assert (new_BT[:, 0] == 0).all() and (new_BT[:, 1:] == 5).all()
 

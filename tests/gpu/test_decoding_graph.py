@@ -61,5 +61,5 @@ def test_greedy_decoding_with_graphs_equals_eager_on_the_dense_path():
     model = model_on_gpu("torch")
     ids_BS, mask_BS = prompts([5, 2, 9])
     runs = [decode(model, ids_BS, mask_BS, 20, temperature=0, top_p=1.0, end_id=-1, pad_id=0, cuda_graph=graph)
-            for graph in (False, True)]
+            .new_ids_BT for graph in (False, True)]
     assert torch.equal(*runs)
