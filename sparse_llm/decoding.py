@@ -167,8 +167,8 @@ def decode(
     `max_new_tokens` tokens, T <= max_new_tokens of them: a row that ended its document (token `end_id`) is padded
     with `pad_id` after it; decoding stops early once every row has ended."""
     device = model.device
-    steps = DecodeSteps(model, attention_mask_BS, max_new_tokens, cuda_graph)
-    logits_BV = steps.prefill(input_ids_BS.to(device))
+    decoder = DecodeSteps(model, attention_mask_BS, max_new_tokens, cuda_graph)
+    logits_BV = decoder.prefill(input_ids_BS.to(device))
     ended_B = torch.zeros(input_ids_BS.shape[0], dtype=torch.bool, device=device)
     new_ids: list[torch.Tensor] = []
     timed_since = None
@@ -180,7 +180,7 @@ def decode(
         ended_B |= token_B == end_id
         if step == max_new_tokens - 1 or ((step + 1) % END_CHECK_EVERY == 0 and bool(ended_B.all())):
             break
-        logits_BV = steps(token_B)
+        logits_BV = decoder(token_B)
     timed_steps = len(new_ids) - 1 - SETUP_STEPS  # model steps after the setup ones (the last token needs none)
     step_ms = None
     if timed_since is not None and timed_steps > 0:
