@@ -21,6 +21,11 @@
 //   train_csc_wgrad : weight gradients out[n] += sum over the entries e of column n of value(e) * src[row(e)],
 //                     e.g. dW_gate = dg^T x, dW_up = du^T x (NV = 2, one gather of x for both) and
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
+//   train_backup_grads : the heavy (backup) tokens' pointwise step between their cuBLAS GEMMs, all of it in
+//                     one pass over their [R, N] rows (one launch where torch needs about a dozen):
+//                       g = relu(x w_gate^T), u = x w_up^T on g's support, h = bf16(g * u),
+//                       dh = bf16((dy w_down)_g's support + dl1 * sign(h)), du = bf16(dh * g), dg = bf16(dh * u).
+//                     torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
 #include "train_common.cuh"
 
 template <int KV, typename Key>
@@ -431,3 +436,39 @@ TRAIN_CSC_WGRAD(1, 1, __nv_bfloat16)
 TRAIN_CSC_WGRAD(1, 2, __nv_bfloat16)
 TRAIN_CSC_WGRAD(4, 1, __nv_bfloat16)
 TRAIN_CSC_WGRAD(4, 2, __nv_bfloat16)
+
+// One thread per 8 consecutive elements of the heavy tokens' [R, N] rows (N % 8 == 0). The GEMMs' outputs are
+// rewritten in place: the gate pre-activations become dg, the up products du, dy w_down becomes h.
+constexpr int BACKUP_GRADS_THREADS = 256;
+
+extern "C" __global__ void __launch_bounds__(BACKUP_GRADS_THREADS) train_backup_grads(
+    __nv_bfloat16 *__restrict__ gate_dg,  // [R, N] in: x w_gate^T; out: dg
+    __nv_bfloat16 *__restrict__ up_du,    // [R, N] in: x w_up^T; out: du
+    __nv_bfloat16 *__restrict__ dhd_h,    // [R, N] in: dy w_down; out: h
+    const float *__restrict__ dl1,        // [1] gradient of the loss w.r.t. sum |h|
+    long long pieces) {                   // R * N / 8
+    const long long i = static_cast<long long>(blockIdx.x) * BACKUP_GRADS_THREADS + threadIdx.x;
+    if (i >= pieces) return;
+    uint4 *gate8 = reinterpret_cast<uint4 *>(gate_dg) + i;
+    uint4 *up8 = reinterpret_cast<uint4 *>(up_du) + i;
+    uint4 *dhd8 = reinterpret_cast<uint4 *>(dhd_h) + i;
+    float g[8], u[8], dh[8], h[8], du[8], dg[8];
+    bf16x8_to_float(*gate8, g);
+    bf16x8_to_float(*up8, u);
+    bf16x8_to_float(*dhd8, dh);
+    const float l1_grad = *dl1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float gj = g[j] > 0.0f || isnan(g[j]) ? g[j] : 0.0f;  // relu, which passes NaN on as torch's does
+        const bool on = gj != 0.0f;                                     // the ReLU's support
+        const float uj = on ? u[j] : 0.0f;
+        h[j] = bf16_round(gj * uj);
+        const float sign_h = h[j] > 0.0f ? 1.0f : (h[j] < 0.0f ? -1.0f : 0.0f);
+        const float dhj = bf16_round((on ? dh[j] : 0.0f) + l1_grad * sign_h);
+        du[j] = dhj * gj;  // rounded by pack_bf16x8
+        dg[j] = dhj * uj;
+    }
+    *gate8 = pack_bf16x8(dg);
+    *up8 = pack_bf16x8(du);
+    *dhd8 = pack_bf16x8(h);
+}

@@ -89,6 +89,7 @@ def training_kernels(k: int, n: int) -> list[Kernel]:
         ("train_backward.cu", f"train_bwd_dx<{kv}>"),
         ("train_backward.cu", f"train_csc_columns<{key}>"),
         ("train_backward.cu", "train_csc_chunks"),
+        ("train_backward.cu", "train_backup_grads"),
         *(("train_backward.cu", f"train_csc_wgrad<{kw},{values},{out}>")
           for values in (1, 2) for out in OUT_CTYPES.values()),  # fmt: skip
         ("gate_up_then_down.cu", "order_tokens"),

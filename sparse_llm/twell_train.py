@@ -155,6 +155,7 @@ CSC_WHOLE_PER_MEAN = 2
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
 CSC_CHUNKS_THREADS = 1024  # the one block of train_csc_chunks
+BACKUP_GRADS_THREADS = 256  # BACKUP_GRADS_THREADS in train_backward.cu (train_backup_grads)
 # Scratch rows (per value array) in which the weight-gradient kernel sums the columns cut into several chunks: more
 # than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
 WGRAD_SLOTS = 512
@@ -448,9 +449,8 @@ def heavy_rows(heavy_M: Tensor, heavy_counts: Tensor) -> Tensor:
 
 
 def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Tensor) -> tuple[Tensor, Tensor]:
-    """Heavy tokens' dense gate and up rows through cuBLAS: (g_RN = relu(x w_gate^T), u_RN = x w_up^T masked by
-    g's support). The backward recomputes them rather than the forward keeping [R, N] rows (or waiting to
-    learn R).
+    """Heavy tokens' dense gate and up rows for the torch reference's backward: (g_RN = relu(x w_gate^T),
+    u_RN = x w_up^T masked by g's support), recomputed as the CUDA backward recomputes them (`_backup_backward`).
 
     torch reference: the backup branch of formats.hybrid_sddmm / pack_hybrid.
     """
@@ -811,10 +811,9 @@ def _cuda_backward(
             _light_weight_gradients(csc, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs)
         del csc, ell_h_MW, ell_du_MW, ell_dg_MW
         if rows_R.numel():
-            backup_g_RN, backup_u_RN = _backup_gate_up(x_MK, w_gate_NK, w_up_NK, rows_R)
             _backup_backward(
-                x_MK, w_gate_NK, w_up_NK, w_down_t_NK.t(), rows_R, backup_g_RN, backup_u_RN, dy_MK, dl1_1,
-                dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
+                x_MK, w_gate_NK, w_up_NK, w_down_t_NK.t(), rows_R, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK,
+                dw_down_NK,
             )  # fmt: skip
         return (
             dx_MK, dw_gate_NK.to(weight_dtype), dw_up_NK.to(weight_dtype), transposed_copy(dw_down_NK, weight_dtype)
@@ -822,21 +821,27 @@ def _cuda_backward(
 
 
 def _backup_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, g_RN, u_RN, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
 ) -> None:  # fmt: skip
-    """Heavy tokens' gradients through cuBLAS: writes their dx rows, adds to the fp32 weight gradients.
+    """Heavy tokens' gradients: writes their dx rows, adds to the fp32 weight gradients ([N, K] each).
+
+    g and u are recomputed from the tokens' x rows (the forward keeps no [R, N] rows and never learns R). Between
+    cuBLAS GEMMs one kernel (`train_backup_grads`) does the pointwise steps, and the weight gradients are
+    accumulated by the GEMMs themselves in fp32: a handful of launches, since the host issues all of them for
+    every layer with heavy tokens and a model's backward is otherwise close to waiting on the host.
 
     torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
     """
     x_RK, dy_RK = x_MK.index_select(0, rows_R), dy_MK.index_select(0, rows_R)
-    h_RN = g_RN * u_RN
-    dh_RN = torch.where(g_RN != 0, dy_RK @ w_down_KN, 0)
-    dh_RN = (dh_RN.float() + dl1_1 * h_RN.float().sign()).to(dh_RN.dtype)
-    du_RN, dg_RN = dh_RN * g_RN, dh_RN * u_RN
-    dx_MK.index_copy_(0, rows_R, du_RN @ w_up_NK + dg_RN @ w_gate_NK)
-    dw_gate_NK += dg_RN.t() @ x_RK
-    dw_up_NK += du_RN.t() @ x_RK
-    dw_down_NK += h_RN.t() @ dy_RK
+    # In: x w_gate^T, x w_up^T, dy w_down. Out (in place): dg, du, h.
+    dg_RN, du_RN, h_RN = torch.mm(x_RK, w_gate_NK.t()), torch.mm(x_RK, w_up_NK.t()), torch.mm(dy_RK, w_down_KN)
+    pieces = dg_RN.numel() // 8  # N % 256 == 0
+    args = (cuda.ptr(dg_RN), cuda.ptr(du_RN), cuda.ptr(h_RN), cuda.ptr(dl1_1), np.int64(pieces))
+    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", x_MK.device)
+    cuda.launch(kernel, (math.ceil(pieces / BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, x_MK.device)
+    dx_MK.index_copy_(0, rows_R, torch.addmm(torch.mm(du_RN, w_up_NK), dg_RN, w_gate_NK))
+    for dw_NK, grad_RN, src_RK in ((dw_gate_NK, dg_RN, x_RK), (dw_up_NK, du_RN, x_RK), (dw_down_NK, h_RN, dy_RK)):
+        torch.addmm(dw_NK, grad_RN.t(), src_RK, out_dtype=torch.float32, out=dw_NK)
 
 
 # ------------------------------------------------------------------------------------------------

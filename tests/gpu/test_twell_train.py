@@ -12,12 +12,19 @@ more than 65536 tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.formats import hybrid_sddmm, hybrid_t_matmul, pack_hybrid
+from sparse_llm.formats import (
+    hybrid_gated_mlp_backward_ref,
+    hybrid_gated_mlp_forward_ref,
+    hybrid_sddmm,
+    hybrid_t_matmul,
+    pack_hybrid,
+)
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
@@ -26,7 +33,9 @@ if REASON is None:
     from sparse_llm import twell_train
     from sparse_llm.twell_backend import column_parts, synthetic_block
     from sparse_llm.twell_train import (
+        BACKUP_GRADS_THREADS,
         STATE_NAMES,
+        _backup_backward,
         _csc_wgrad,
         csc_chunk_columns,
         csc_chunk_starts,
@@ -149,6 +158,56 @@ def test_dense_zero_and_hot_rows():
     result = check_case(x, wg, wu, wd)
     assert result.dense_rows() >= len(range(0, 2048, 5))
     assert (result.l0_M[1::5] == 0).all() and bool(result.fired_N[123])
+
+
+def test_backup_grads_kernel_matches_the_torch_steps():
+    """train_backup_grads (the heavy tokens' pointwise step) against the torch ops it replaces, bit for bit:
+    gates at, below and above zero, a NaN gate (relu passes it on), and an L1 gradient on every non-zero h."""
+    r, n = 37, 512
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    gate, up, dhd = (torch.randn(r, n, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    gate[:, ::7] = 0.0
+    gate[5, 11] = float("nan")
+    up[:, ::13] = 0.0  # h = 0 where the gate fires: no L1 term there
+    dl1 = torch.tensor([DL1], device="cuda")
+    g = F.relu(gate)
+    u = torch.where(g != 0, up, 0)
+    h = g * u
+    dh = (torch.where(g != 0, dhd, 0).float() + dl1 * h.float().sign()).bfloat16()
+    expected = (dh * u, dh * g, h)  # dg, du, h
+    outs = [t.clone() for t in (gate, up, dhd)]  # rewritten in place
+    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", torch.device("cuda"))
+    pieces = r * n // 8
+    args = (*map(cuda.ptr, outs), cuda.ptr(dl1), np.int64(pieces))
+    cuda.launch(kernel, (-(-pieces // BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, torch.device("cuda"))
+    for name, got, want in zip(("dg", "du", "h"), outs, expected):
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), name
+
+
+def test_backup_backward_matches_the_reference():
+    """The heavy tokens' backward (cuBLAS GEMMs around train_backup_grads, the weight gradients accumulated in
+    fp32 by the GEMMs) against formats' hybrid reference on the same bf16 inputs, every token heavy (width 1),
+    an all-zero token among them; the weight gradients are added to what the buffers held."""
+    m, k, n = 48, 256, 512
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x, wg, wu, dy = (torch.randn(s, device="cuda", generator=gen).bfloat16() for s in ((m, k), (n, k), (n, k), (m, k)))
+    wd = (torch.randn(k, n, device="cuda", generator=gen) / n**0.5).bfloat16()
+    wg, wu = wg / k**0.5, wu / k**0.5
+    x[5] = 0.0
+    ref = hybrid_gated_mlp_forward_ref(x, wg, wu, wd, width=1)
+    rows = ref.saved.g.heavy_M.nonzero()[:, 0]
+    assert rows.numel() >= m - 1
+    want = hybrid_gated_mlp_backward_ref(x, wg, wu, wd, ref.saved, dy, DL1)
+    dx = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    before = torch.randn(3, n, k, device="cuda", generator=gen)
+    dws = list(before.clone().unbind(0))
+    _backup_backward(x, wg, wu, wd, rows, dy, torch.tensor([DL1], device="cuda"), dx, *dws)
+    pairs = [("dx", dx[rows], want.dx_MK[rows]), ("dw_gate", dws[0] - before[0], want.dw_gate_NK),
+             ("dw_up", dws[1] - before[1], want.dw_up_NK), ("dw_down", (dws[2] - before[2]).t(), want.dw_down_KN)]  # fmt: skip
+    for name, got, ref_grad in pairs:
+        err = (got.float() - ref_grad.float()).norm() / ref_grad.float().norm()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("width", [1, 16, 512])
