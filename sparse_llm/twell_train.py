@@ -54,8 +54,8 @@ backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the e
           and its work chunks; its size is bounded by the ELL, so the transpose can never overflow)  ->
           train_csc_wgrad (dW_gate, dW_up fused; dW_down; written in the weights' dtype: a one-chunk column's
           rows are stored from registers, the chunks of a longer one are summed in fp32 scratch rows and stored
-          by the last)  ->  cuBLAS on the heavy tokens' rows (g and u recomputed; with heavy tokens the weight
-          gradients are summed in fp32 first).
+          by the last)  ->  the heavy tokens' rows: cuBLAS GEMMs around one pointwise kernel, train_backup_grads
+          (g and u recomputed; with heavy tokens the weight gradients are summed in fp32 by the GEMMs first).
 A block whose weight rows outgrow L2 (`walk_column_parts`: more than 48 MiB of rows per walk, e.g. K = 4096, N = 11008)
 has train_fwd_gate, train_bwd_sddmm and train_bwd_dx walk it in column parts, one launch per part, each drawing on
 its part's rows only; y's and dx's fp32 sums are carried from part to part, so the results are the one-pass bits.
