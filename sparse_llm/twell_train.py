@@ -820,6 +820,15 @@ def _cuda_backward(
         )  # fmt: skip
 
 
+def backup_pointwise(gate_dg_RN: Tensor, up_du_RN: Tensor, dhd_h_RN: Tensor, dl1_1: Tensor) -> None:
+    """The heavy tokens' pointwise backward step (`train_backup_grads`), in place on bf16 [R, N] tensors:
+    x w_gate^T becomes dg, x w_up^T becomes du, dy w_down becomes h; dl1_1 is the fp32 [1] L1 gradient."""
+    pieces = gate_dg_RN.numel() // 8  # N % 256 == 0
+    args = (*map(cuda.ptr, (gate_dg_RN, up_du_RN, dhd_h_RN, dl1_1)), np.int64(pieces))
+    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", gate_dg_RN.device)
+    cuda.launch(kernel, (math.ceil(pieces / BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, gate_dg_RN.device)
+
+
 def _backup_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, rows_R, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK, dw_down_NK,
 ) -> None:  # fmt: skip
@@ -834,12 +843,9 @@ def _backup_backward(
     torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
     """
     x_RK, dy_RK = x_MK.index_select(0, rows_R), dy_MK.index_select(0, rows_R)
-    # In: x w_gate^T, x w_up^T, dy w_down. Out (in place): dg, du, h.
+    # Named for what they hold once backup_pointwise has rewritten them.
     dg_RN, du_RN, h_RN = torch.mm(x_RK, w_gate_NK.t()), torch.mm(x_RK, w_up_NK.t()), torch.mm(dy_RK, w_down_KN)
-    pieces = dg_RN.numel() // 8  # N % 256 == 0
-    args = (cuda.ptr(dg_RN), cuda.ptr(du_RN), cuda.ptr(h_RN), cuda.ptr(dl1_1), np.int64(pieces))
-    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", x_MK.device)
-    cuda.launch(kernel, (math.ceil(pieces / BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, x_MK.device)
+    backup_pointwise(dg_RN, du_RN, h_RN, dl1_1)
     dx_MK.index_copy_(0, rows_R, torch.addmm(torch.mm(du_RN, w_up_NK), dg_RN, w_gate_NK))
     for dw_NK, grad_RN, src_RK in ((dw_gate_NK, dg_RN, x_RK), (dw_up_NK, du_RN, x_RK), (dw_down_NK, h_RN, dy_RK)):
         torch.addmm(dw_NK, grad_RN.t(), src_RK, out_dtype=torch.float32, out=dw_NK)

@@ -12,7 +12,6 @@ more than 65536 tokens.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,10 +32,10 @@ if REASON is None:
     from sparse_llm import twell_train
     from sparse_llm.twell_backend import column_parts, synthetic_block
     from sparse_llm.twell_train import (
-        BACKUP_GRADS_THREADS,
         STATE_NAMES,
         _backup_backward,
         _csc_wgrad,
+        backup_pointwise,
         csc_chunk_columns,
         csc_chunk_starts,
         csc_index,
@@ -176,10 +175,7 @@ def test_backup_grads_kernel_matches_the_torch_steps():
     dh = (torch.where(g != 0, dhd, 0).float() + dl1 * h.float().sign()).bfloat16()
     expected = (dh * u, dh * g, h)  # dg, du, h
     outs = [t.clone() for t in (gate, up, dhd)]  # rewritten in place
-    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", torch.device("cuda"))
-    pieces = r * n // 8
-    args = (*map(cuda.ptr, outs), cuda.ptr(dl1), np.int64(pieces))
-    cuda.launch(kernel, (-(-pieces // BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, torch.device("cuda"))
+    backup_pointwise(*outs, dl1)
     for name, got, want in zip(("dg", "du", "h"), outs, expected):
         assert torch.equal(got.isnan(), want.isnan()), name
         assert torch.equal(got.nan_to_num(), want.nan_to_num()), name
