@@ -291,6 +291,9 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
         fused = FUSED_CLASSES.get(type(module))
         if fused is not None:
             module.__class__ = fused  # same attributes; only the forward differs
+    # The unit that must stay on one device (and that FSDP wraps when its config names no class) is now the fused
+    # layer: the stock name would match no module.
+    model._no_split_modules = [FusedDecoderLayer.__name__]
     return model
 
 

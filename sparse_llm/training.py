@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, gather_object, set_seed
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
@@ -138,6 +138,13 @@ def defer_clipping(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.
     return norm
 
 
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a plain tensor: FSDP2 gives the gradient norm as a DTensor, which torch will not combine with the
+    plain tensors of the step's readout. On every rank (the conversion may reduce across them)."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else value
+
+
 def skip_update_if_non_finite(optimizer: torch.optim.Optimizer, values: torch.Tensor) -> bool:
     """Have the optimizer's next step leave the weights and its own state untouched when any of `values` (the
     step's loss terms and gradient norm, on the device) is not finite; returns False where the optimizer cannot
@@ -244,6 +251,26 @@ def check_compile_setup(backend: str, fsdp: bool) -> None:
         )
 
 
+def check_fsdp_wrap(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+    """Raise ValueError where FSDP's transformer-based wrap (settings `plugin`) names a layer class that `model`
+    lacks, before accelerate fails on it without naming the class to use."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy  # only FSDP runs need torch.distributed
+
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy is not transformer_auto_wrap_policy:
+        return
+    names = plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or []
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        layer = type(model.model.layers[0]).__name__
+        raise ValueError(
+            f"The FSDP config wraps {', '.join(missing)}, which this model does not have: its decoder layers are "
+            f"{layer} (sparse_llm's fused LlamaDecoderLayer). Set fsdp_transformer_layer_cls_to_wrap: {layer} in "
+            "the accelerate config, as configs/accelerate/fsdp.yaml does."
+        )
+
+
 def check_cuda_graphs_setup(t: TrainerConfig, device: torch.device) -> None:
     """Raise ValueError where trainer.cuda_graphs=true (settings `t`) cannot run: without compiled layers, with a
     backend other than inductor, with gradient checkpointing (not tried together: its recomputed forwards would
@@ -347,6 +374,8 @@ class Trainer:
             log.warning("model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
                         "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
                         model.config.vocab_size, self.data.vocab_size)
+        if self.acc.distributed_type == DistributedType.FSDP:
+            check_fsdp_wrap(self.acc.state.fsdp_plugin, model)
         for mlp in sparse_mlps(model):
             mlp.self_observe = False  # fed with rank-reduced statistics by the tracker instead
         if t.gradient_checkpointing:
@@ -474,7 +503,7 @@ class Trainer:
         if self.acc.distributed_type != DistributedType.FSDP:  # FSDP's norm is over shards: accelerate computes it
             grad_norm = defer_clipping(optimizer, self.model.parameters(), self.cfg.trainer.grad_clip)
         if grad_norm is None:
-            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+            grad_norm = plain_tensor(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
         # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes.
         world = self.acc.num_processes
         stop_vote = torch.tensor(float(stop.requested is not None), device=self.acc.device)

@@ -1,5 +1,7 @@
 """SparseMLP equals the stock LlamaMLP(relu); model sizes; HF round trip; backend switch."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -370,3 +372,28 @@ def test_training_forward_leaves_each_ffn_add_to_the_next_layer():
         layer(torch.randn(2, 16, TINY.hidden_size), position_embeddings=model.model.rotary_emb(
             torch.randn(2, 16, TINY.hidden_size), torch.arange(16)[None]), defer_ffn_add=True)
     assert model(ids, use_cache=False).logits.shape == training_logits.shape  # a stock MLP in a layer: no deferring
+
+
+def test_fsdp_wraps_the_fused_decoder_layers_and_names_the_class_on_a_stale_config():
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from sparse_llm.model import FusedDecoderLayer
+    from sparse_llm.training import check_fsdp_wrap
+
+    def plugin(names: list[str] | None) -> FullyShardedDataParallelPlugin:
+        return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                              transformer_cls_names_to_wrap=names)
+
+    model = build_model(TINY, kernel="torch")
+    config = Path(__file__).resolve().parents[1] / "configs/accelerate/fsdp.yaml"
+    shipped = yaml.safe_load(config.read_text())["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]
+    for names in (shipped, None):  # the repo's config, and a config that leaves the class to the model
+        check_fsdp_wrap(plugin(names), model)
+        wrapped = fsdp2_prepare_auto_wrap_policy(plugin(names), model)
+        assert [m for m in model.modules() if wrapped(m)] == list(model.model.layers)
+        assert all(type(layer) is FusedDecoderLayer for layer in model.model.layers)
+    stale = "wraps LlamaDecoderLayer.*fsdp_transformer_layer_cls_to_wrap: FusedDecoderLayer"
+    with pytest.raises(ValueError, match=stale):
+        check_fsdp_wrap(plugin(["LlamaDecoderLayer"]), model)

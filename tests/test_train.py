@@ -17,7 +17,7 @@ from sparse_llm.config import TrainConfig, register_configs
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
 from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
-                                 plan_batches, skip_update_if_non_finite, train)
+                                 plain_tensor, plan_batches, skip_update_if_non_finite, train)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -328,3 +328,24 @@ def test_optimizers_without_a_gradient_scale_are_clipped_before_the_step():
     param.grad = torch.ones(3)
     optimizer = torch.optim.AdamW([param], foreach=True)
     assert defer_clipping(optimizer, [param], 1.0) is None and getattr(optimizer, "grad_scale", None) is None
+
+
+def test_an_fsdp_gradient_norm_joins_the_step_readout(tmp_path):
+    """FSDP2's clip_grad_norm_ returns a DTensor; the step's readout concatenates it with plain tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        norm = DTensor.from_local(torch.tensor(2.5), mesh, [Partial()])
+        losses = torch.tensor([3.0, 0.5])
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            torch.cat([losses, norm.reshape(1)])
+        values = torch.cat([losses, plain_tensor(norm).reshape(1)])
+        assert type(values) is torch.Tensor and values.tolist() == [3.0, 0.5, 2.5]
+        plain = torch.tensor(1.5)
+        assert plain_tensor(plain) is plain
+    finally:
+        dist.destroy_process_group()
