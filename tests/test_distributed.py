@@ -30,10 +30,12 @@ pytestmark = [
 ]
 
 
-def _command(run_dir: Path, processes: int, *overrides: str) -> list[str]:
+def _command(run_dir: Path, processes: int, *overrides: str, fsdp: bool = False) -> list[str]:
     launcher = ["python", "train.py"]
     if processes > 1:
-        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+        # The shipped FSDP config as users launch it (its bf16 off: gloo on CPU, compared in fp32).
+        mode = ["--config_file", str(ROOT / "configs/accelerate/fsdp.yaml")] if fsdp else ["--multi_gpu"]
+        launcher = ["accelerate", "launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
                     "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
     launcher[0] = shutil.which(launcher[0]) or sys.executable
     return [*launcher, *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
@@ -46,9 +48,9 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path: Path, name: str, processes: int, *overrides: str) -> list[float]:
-    out = subprocess.run(_command(tmp_path / name, processes, *overrides), cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=300)
+def _run(tmp_path: Path, name: str, processes: int, *overrides: str, fsdp: bool = False) -> list[float]:
+    out = subprocess.run(_command(tmp_path / name, processes, *overrides, fsdp=fsdp), cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return _losses(tmp_path / name)
 
@@ -63,17 +65,18 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} process under the launcher")
 
 
-def test_two_ranks_match_one_process_and_resume(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_match_one_process_and_resume(tmp_path, fsdp):
     single = _run(tmp_path, "single", 1, "trainer.max_steps=6")
-    ddp = _run(tmp_path, "ddp", 2, "trainer.max_steps=6")
-    assert len(ddp) == 3  # one line per logging step: rank 1 wrote nothing
-    assert ddp == pytest.approx(single, rel=1e-5)
-    log = (tmp_path / "ddp" / "train.log").read_text()
+    ranks = _run(tmp_path, "ranks", 2, "trainer.max_steps=6", fsdp=fsdp)
+    assert len(ranks) == 3  # one line per logging step: rank 1 wrote nothing
+    assert ranks == pytest.approx(single, rel=1e-5)
+    log = (tmp_path / "ranks" / "train.log").read_text()
     assert "2 ranks" in log
 
-    _run(tmp_path, "cut", 2, "trainer.max_steps=3")
-    resumed = _run(tmp_path, "cut", 2, "trainer.max_steps=6", "checkpoint.resume=auto")
-    assert resumed[-2:] == pytest.approx(ddp[-2:], rel=1e-5)
+    _run(tmp_path, "cut", 2, "trainer.max_steps=3", fsdp=fsdp)
+    resumed = _run(tmp_path, "cut", 2, "trainer.max_steps=6", "checkpoint.resume=auto", fsdp=fsdp)
+    assert resumed[-2:] == pytest.approx(ranks[-2:], rel=1e-5)
 
 
 def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
