@@ -30,12 +30,10 @@ pytestmark = [
 ]
 
 
-def _command(run_dir: Path, processes: int, *overrides: str, fsdp: bool = False) -> list[str]:
+def _command(run_dir: Path, processes: int, *overrides: str) -> list[str]:
     launcher = ["python", "train.py"]
     if processes > 1:
-        # The shipped FSDP config as users launch it (its bf16 off: gloo on CPU, compared in fp32).
-        mode = ["--config_file", str(ROOT / "configs/accelerate/fsdp.yaml")] if fsdp else ["--multi_gpu"]
-        launcher = ["accelerate", "launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
+        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                     "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
     launcher[0] = shutil.which(launcher[0]) or sys.executable
     return [*launcher, *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
@@ -48,9 +46,9 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path: Path, name: str, processes: int, *overrides: str, fsdp: bool = False) -> list[float]:
-    out = subprocess.run(_command(tmp_path / name, processes, *overrides, fsdp=fsdp), cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+def _run(tmp_path: Path, name: str, processes: int, *overrides: str) -> list[float]:
+    out = subprocess.run(_command(tmp_path / name, processes, *overrides), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return _losses(tmp_path / name)
 
@@ -65,18 +63,17 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} process under the launcher")
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_ranks_match_one_process_and_resume(tmp_path, fsdp):
+def test_two_ranks_match_one_process_and_resume(tmp_path):
     single = _run(tmp_path, "single", 1, "trainer.max_steps=6")
-    ranks = _run(tmp_path, "ranks", 2, "trainer.max_steps=6", fsdp=fsdp)
-    assert len(ranks) == 3  # one line per logging step: rank 1 wrote nothing
-    assert ranks == pytest.approx(single, rel=1e-5)
-    log = (tmp_path / "ranks" / "train.log").read_text()
+    ddp = _run(tmp_path, "ddp", 2, "trainer.max_steps=6")
+    assert len(ddp) == 3  # one line per logging step: rank 1 wrote nothing
+    assert ddp == pytest.approx(single, rel=1e-5)
+    log = (tmp_path / "ddp" / "train.log").read_text()
     assert "2 ranks" in log
 
-    _run(tmp_path, "cut", 2, "trainer.max_steps=3", fsdp=fsdp)
-    resumed = _run(tmp_path, "cut", 2, "trainer.max_steps=6", "checkpoint.resume=auto", fsdp=fsdp)
-    assert resumed[-2:] == pytest.approx(ranks[-2:], rel=1e-5)
+    _run(tmp_path, "cut", 2, "trainer.max_steps=3")
+    resumed = _run(tmp_path, "cut", 2, "trainer.max_steps=6", "checkpoint.resume=auto")
+    assert resumed[-2:] == pytest.approx(ddp[-2:], rel=1e-5)
 
 
 def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
@@ -106,3 +103,12 @@ def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
     losses = _run(tmp_path, "stopped", 2, f"trainer.max_steps={step + 2}", "checkpoint.every=0",
                   "checkpoint.resume=auto")
     assert len(losses) > 0 and (run_dir / "final").is_dir()
+
+
+def test_distributed_step_check_passes_where_ranks_agree():
+    launcher = [shutil.which("accelerate") or sys.executable, "launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--dynamo_backend", "no", "scripts/dist_step_check.py",
+                "--mixed-precision", "no", "--tol", "1e-4"]
+    out = subprocess.run(launcher, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MULTI_CPU x 2" in out.stdout and "worst over 38 parameters" in out.stdout
