@@ -6,8 +6,8 @@ each parameter's gradient and update, to find where a distributed run departs fr
         --tol 1e-4                      # fp32: the step must match to rounding (exit code 1 if not)
 
 Every rank builds the same model from one seed, takes its share of one random batch, and steps the prepared
-model (the trainer's accelerator, AdamW, clipping and autocast); each rank also steps an unprepared copy on the whole batch.
-Rank 0 prints the parameters whose gradients and updates differ most (relative L2 error).
+model (the trainer's accelerator, AdamW, clipping and autocast); each rank also steps an unprepared copy on the
+whole batch. Rank 0 prints the parameters whose gradients and updates differ most (relative L2 error).
 """
 
 from __future__ import annotations
