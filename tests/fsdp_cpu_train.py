@@ -24,7 +24,8 @@ make_accelerator = training.make_accelerator
 def fsdp_accelerator(cfg):
     acc = make_accelerator(cfg)
     settings = yaml.safe_load((ROOT / "configs/accelerate/fsdp.yaml").read_text())["fsdp_config"]
-    # Both states: the accelerator reads one, objects created later (loggers, gathers) the other.
+    # accelerate keeps the type in two shared states, and a later AcceleratorState() copies PartialState's over its
+    # own: set both.
     acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
         fsdp_version=settings["fsdp_version"], auto_wrap_policy=settings["fsdp_auto_wrap_policy"],
