@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from bench_model import SIZES, size_config
 
 from sparse_llm.config import TrainConfig
+from sparse_llm.dispatch import KERNEL_CHOICES
 from sparse_llm.model import build_model
 from sparse_llm.training import make_accelerator, make_optimizer, plain_tensor
 
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=8, help="parameters listed, the largest errors first")
+    parser.add_argument("--kernel", choices=KERNEL_CHOICES, default="torch", help="the FFN path (as train.py's kernel)")
     parser.add_argument("--mixed-precision", default="auto", help="as trainer.mixed_precision: auto, bf16 or no")
     parser.add_argument("--tol", type=float, help="exit 1 where any gradient or update error exceeds this")
     args = parser.parse_args()
@@ -67,7 +69,7 @@ def main() -> None:
     acc = make_accelerator(cfg)
     torch.manual_seed(args.seed)
     with torch.device(acc.device):
-        model = build_model(size_config(args.size, None), kernel="torch")
+        model = build_model(size_config(args.size, None), kernel=args.kernel)
     reference = copy.deepcopy(model)
     ids_BS = torch.randint(model.config.vocab_size, (args.batch * acc.num_processes, args.seq),
                            generator=torch.Generator().manual_seed(args.seed + 1)).to(acc.device)
@@ -82,7 +84,7 @@ def main() -> None:
     rows = sorted(((relative_error(grads[n], ref_grads[n]), relative_error(updates[n], ref_updates[n]), n)
                    for n in ref_grads), reverse=True)
     print(f"{acc.distributed_type.value} x {acc.num_processes}, mixed precision {acc.mixed_precision}, "
-          f"{args.size}, {args.batch} x {args.seq} tokens a rank")
+          f"{args.size}, {args.batch} x {args.seq} tokens a rank, kernel {args.kernel}")
     print(f"loss {loss:.6f}, one process {ref_loss:.6f}")
     print("| parameter | gradient rel. error | update rel. error |\n|---|---|---|")
     for grad_err, update_err, name in rows[:args.top]:

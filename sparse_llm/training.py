@@ -414,10 +414,6 @@ class Trainer:
             check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP)
         if t.cuda_graphs:
             check_cuda_graphs_setup(t, self.acc.device)
-        if self.acc.distributed_type == DistributedType.FSDP and self.acc.is_main_process:
-            log.warning("FSDP: a 0.5B run on 2 H100s trained up to 0.23 nats behind DDP and one GPU over 200 steps "
-                        "(cause not yet found; README, known limits). Where the model fits on one GPU, prefer "
-                        "configs/accelerate/ddp.yaml.")
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
                              "use the DDP config or set sparsity.reinit_dead=false.")

