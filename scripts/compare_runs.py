@@ -10,6 +10,11 @@ peak memory and energy per token. With --eval (an eval.py results.json that scor
 checkpoints) a second table gives each run's held-out CE and its gap to the baseline, perplexity, L0,
 sparsity, the share of neurons that never fired on the held-out text, the dead-neuron fraction of the last
 training window, and the task accuracies.
+
+Repeats of one configuration are named <configuration>_r<k> (outputs/ddp_r1, outputs/ddp_r2, ...). Where any
+configuration has several, a third table gives each configuration's final loss as mean, standard deviation and
+range, and the gap of its mean to the first configuration's with the standard error of that gap: identical GPU runs
+do not end at identical losses, so a single run's gap says little until it is read against that spread.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -63,6 +69,42 @@ def table(run_dirs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def configuration(run_dir: Path) -> str:
+    """The configuration a run repeats: its directory name without a trailing _r<k>."""
+    return re.sub(r"_r\d+$", "", run_dir.name)
+
+
+def spread_table(run_dirs: list[Path]) -> str | None:
+    """Final loss per configuration over its repeats (see the module docstring); None where no configuration
+    was repeated."""
+    groups: dict[str, list[dict]] = {}
+    for run_dir in run_dirs:
+        groups.setdefault(configuration(run_dir), []).append(summarize(run_dir, None))
+    if all(len(rows) == 1 for rows in groups.values()):
+        return None
+
+    def stats(rows: list[dict]) -> tuple[float, float, int]:
+        finals = [r["final_loss"] for r in rows]
+        return statistics.mean(finals), statistics.stdev(finals) if len(finals) > 1 else float("nan"), len(finals)
+
+    base_mean, base_sd, base_n = stats(next(iter(groups.values())))
+    base_tps = statistics.median(r["tokens_per_s"] for r in next(iter(groups.values())))
+    lines = ["| configuration | runs | final loss mean | sd | range | mean gap vs first | its standard error | "
+             "tokens/s | speed vs first |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, (name, rows) in enumerate(groups.items()):
+        mean, sd, n = stats(rows)
+        finals = [r["final_loss"] for r in rows]
+        gap = error = float("nan")
+        if i:
+            gap = mean - base_mean
+            error = math.sqrt(base_sd**2 / base_n + sd**2 / n)  # NaN unless both configurations were repeated
+        tps = statistics.median(r["tokens_per_s"] for r in rows)
+        cells = [name, str(n), f"{mean:.4f}", _cell(sd, ".4f"), f"{min(finals):.4f}-{max(finals):.4f}",
+                 _cell(gap, "+.4f"), _cell(error, ".4f"), _cell(tps, ",.0f"), _cell(tps / base_tps, ".2f", suffix="x")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _last(records: list[dict], key: str) -> float:
     values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
     return values[-1] if values else float("nan")
@@ -102,6 +144,9 @@ def main() -> None:
     parser.add_argument("--eval", type=Path, help="eval.py results.json that scored the runs' final/ checkpoints")
     args = parser.parse_args()
     text = table(args.runs)
+    spread = spread_table(args.runs)
+    if spread is not None:
+        text += "\n\n" + spread
     if args.eval:
         text += "\n\n" + quality_table(args.runs, args.eval)
     print(text)

@@ -63,3 +63,14 @@ def test_quality_table_names_a_run_that_was_not_evaluated(tmp_path):
     results.write_text(json.dumps({"models": [_model(dense, 2.0, 40.0, [0.0], 0.5)]}))
     with pytest.raises(SystemExit, match="no result for .*other"):
         compare_runs.quality_table([dense, other], results)
+
+
+def test_spread_table_groups_repeats_and_compares_means(tmp_path):
+    runs = [_run(tmp_path, name, [3.0, final], dead=0.0) for name, final in
+            [("one_r1", 1.0), ("one_r2", 1.2), ("one_r3", 1.1), ("ddp_r1", 1.3), ("ddp_r2", 1.1), ("fsdp", 1.25)]]
+    header, rule, one, ddp, fsdp = compare_runs.spread_table(runs).splitlines()
+    assert one == "| one | 3 | 1.1000 | 0.1000 | 1.0000-1.2000 | - | - | 2,000 | 1.00x |"
+    # gap 1.2 - 1.1; its standard error sqrt(0.1^2 / 3 + 0.1414^2 / 2)
+    assert ddp == "| ddp | 2 | 1.2000 | 0.1414 | 1.1000-1.3000 | +0.1000 | 0.1155 | 2,000 | 1.00x |"
+    assert fsdp == "| fsdp | 1 | 1.2500 | - | 1.2500-1.2500 | +0.1500 | - | 2,000 | 1.00x |"  # one run: no spread
+    assert compare_runs.spread_table(runs[:1] + runs[3:4]) is None  # nothing repeated: no table
