@@ -83,23 +83,24 @@ def spread_table(run_dirs: list[Path]) -> str | None:
     if all(len(rows) == 1 for rows in groups.values()):
         return None
 
-    def stats(rows: list[dict]) -> tuple[float, float, int]:
+    def spread(rows: list[dict]) -> tuple[list[float], float, float]:
         finals = [r["final_loss"] for r in rows]
-        return statistics.mean(finals), statistics.stdev(finals) if len(finals) > 1 else float("nan"), len(finals)
+        return finals, statistics.mean(finals), statistics.stdev(finals) if len(finals) > 1 else float("nan")
 
-    base_mean, base_sd, base_n = stats(next(iter(groups.values())))
-    base_tps = statistics.median(r["tokens_per_s"] for r in next(iter(groups.values())))
+    first = next(iter(groups.values()))
+    base_finals, base_mean, base_sd = spread(first)
+    base_tps = statistics.median(r["tokens_per_s"] for r in first)
     lines = ["| configuration | runs | final loss mean | sd | range | mean gap vs first | its standard error | "
              "tokens/s | speed vs first |", "|---|---|---|---|---|---|---|---|---|"]
-    for i, (name, rows) in enumerate(groups.items()):
-        mean, sd, n = stats(rows)
-        finals = [r["final_loss"] for r in rows]
+    for name, rows in groups.items():
+        finals, mean, sd = spread(rows)
         gap = error = float("nan")
-        if i:
+        if rows is not first:
             gap = mean - base_mean
-            error = math.sqrt(base_sd**2 / base_n + sd**2 / n)  # NaN unless both configurations were repeated
+            # NaN unless both configurations were repeated
+            error = math.sqrt(base_sd**2 / len(base_finals) + sd**2 / len(finals))
         tps = statistics.median(r["tokens_per_s"] for r in rows)
-        cells = [name, str(n), f"{mean:.4f}", _cell(sd, ".4f"), f"{min(finals):.4f}-{max(finals):.4f}",
+        cells = [name, str(len(finals)), f"{mean:.4f}", _cell(sd, ".4f"), f"{min(finals):.4f}-{max(finals):.4f}",
                  _cell(gap, "+.4f"), _cell(error, ".4f"), _cell(tps, ",.0f"), _cell(tps / base_tps, ".2f", suffix="x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
