@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.backends import TorchFFN, dense_block
-from sparse_llm.benchmark import energy_mj_per_call, graph_ms, time_ms
+from sparse_llm.benchmark import energy_mj_per_call, graph_ms, relative_error, time_ms
 from sparse_llm.dispatch import SWITCH_MARGIN, density_of
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
@@ -54,10 +54,6 @@ def dense_block_infer(x, wg, wu, wd):
 
 # The baseline through inductor (relu and mul fused into one pass over [M, N]), as trainer.compile=true runs layers.
 compiled_dense_block_infer = torch.compile(dense_block_infer)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
 
 
 def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
@@ -86,8 +82,8 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
             "nnz_mean": l0_mean,
             "nnz_p99": result.l0_M.float().quantile(0.99).item() if m > 1 else result.l0_M.float().max().item(),
             "nnz_max": result.l0_M.max().item(),
-            "err_twell": rel_err(result.y_MK, ref),
-            "err_dense": rel_err(run_dense(), ref),
+            "err_twell": relative_error(result.y_MK, ref),
+            "err_dense": relative_error(run_dense(), ref),
             "path": result.path, "overflow_rows": result.dense_rows(),
         }  # fmt: skip
         del ref

@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 
 from sparse_llm.backends import dense_block
-from sparse_llm.benchmark import time_ms, wall_ms
+from sparse_llm.benchmark import relative_error, time_ms, wall_ms
 from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.twell_backend import synthetic_block
 from sparse_llm.twell_train import DEFAULT_WIDTH, OPT_IN_ENV, dx_by_slices, twell_train_ffn
@@ -101,10 +101,6 @@ def auto_choice(x: torch.Tensor, wg: torch.Tensor, l0_hint: tuple[float, float])
         return dispatcher.choose(x, wg, training=True).name
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     nnz, sigma = CASES[name]
     x, wg, wu, wd = synthetic_block(m, k, n, nnz, sigma, seed=list(CASES).index(name), device=DEVICE)
@@ -135,7 +131,7 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
             y = forward(*leaves)[0]
         grads = step(forward, leaves, dy, coeff)
         for what, got, ref in zip(names, [y, *grads], [ref_y, *ref_grads]):
-            row[f"err_{what}_{label}"] = rel_err(got, ref)
+            row[f"err_{what}_{label}"] = relative_error(got, ref)
         del y, grads
         run = functools.partial(step, forward, leaves, dy, coeff)
         row[f"{label}_ms"] = time_ms(run, warmup=3, reps=reps, drain=False)

@@ -19,14 +19,11 @@ import torch
 from accelerate import Accelerator
 from bench_model import SIZES, size_config
 
+from sparse_llm.benchmark import relative_error
 from sparse_llm.config import TrainConfig
 from sparse_llm.dispatch import KERNEL_CHOICES
 from sparse_llm.model import build_model
 from sparse_llm.training import make_accelerator, make_optimizer, plain_tensor
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30)).item()
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids_BS: torch.Tensor, acc: Accelerator,

@@ -302,6 +302,12 @@ def device_ms_by_family(fn: Callable[[], object], device: torch.device | str) ->
     return {"busy": busy_us / 1e3, **totals}
 
 
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """||got - reference|| / ||reference|| (L2 over all elements, in fp32; an all-zero reference divides by 1e-30)."""
+    reference = reference.float()
+    return ((got.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
 def l0_summary(l0_M: torch.Tensor) -> tuple[float, float, float]:
     """(mean, p99, max) of per-token non-zero counts l0_M [M]."""
     if l0_M.numel() == 0:

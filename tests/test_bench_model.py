@@ -18,6 +18,7 @@ from sparse_llm.benchmark import (
     energy_mj_per_call,
     kernel_family,
     l0_summary,
+    relative_error,
     time_ms,
     wall_ms,
 )
@@ -344,3 +345,9 @@ def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
         assert train.returncode != 0 and "bench_train_mlp.py needs a CUDA GPU" in train.stderr
     refused = run("--mode", "infer", "--cases", "u28")
     assert refused.returncode == 2 and "unrecognized arguments: --cases u28" in refused.stderr
+
+
+def test_relative_error_is_over_all_elements_in_fp32():
+    reference = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    assert relative_error(reference.bfloat16() + torch.tensor([[0.0, 0.5], [0.0, 0.0]]).bfloat16(), reference) == pytest.approx(0.1)
+    assert relative_error(torch.ones(2), torch.zeros(2)) == pytest.approx(2**0.5 / 1e-30, rel=1e-6)
