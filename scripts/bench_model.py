@@ -66,7 +66,7 @@ a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0
 `l0_p99/...`, `l0_max/...`), then benchmark the checkpoint on held-out text:
 
     python scripts/tokenize_corpus.py --out data/embedded      # the shipped corpus (or a fineweb_edu file)
-    SPARSE_LLM_TWELL_TRAIN=1 python train.py model=2b l1=5e-4 data=tokens 'data.paths=[data/embedded.bin]' \\
+    python train.py model=2b l1=5e-4 train_kernels=true data=tokens 'data.paths=[data/embedded.bin]' \\
         trainer.max_steps=200 trainer.global_batch=8 trainer.micro_batch=4 trainer.warmup_steps=50 seed=0
     python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/embedded --batch 8
 
@@ -134,7 +134,6 @@ from sparse_llm.model import (
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import FrozenHeap, HostCopy, defer_clipping, make_optimizer, skip_update_if_non_finite
-from sparse_llm.twell_train import OPT_IN_ENV, training_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
@@ -283,8 +282,11 @@ def use_stock_modules(model: LlamaForCausalLM) -> None:
         layer.mlp = new
 
 
-def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None) -> None:
-    """Route every FFN through `kernel` (or the stock MLP); `auto` layers decide from `observed`.
+def set_kernel(
+    model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None, train_kernels: bool = False
+) -> None:
+    """Route every FFN through `kernel` (or the stock MLP); `auto` layers decide from `observed`, in training only
+    between the dense path and, with `train_kernels`, the sparse training kernels.
 
     Self-observation is switched off so that no layer changes its mind (or syncs the host) mid-timing.
     """
@@ -294,7 +296,7 @@ def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] 
     for layer in decoder_layers(model):
         if layer in _SPARSE_MLPS:  # it shares its Linear modules (and so any dtype change) with the stock MLP
             layer.mlp = _SPARSE_MLPS.pop(layer)
-    sparsify(model, kernel)  # resets each layer's dispatcher to `kernel`
+    sparsify(model, kernel, train_kernels and kernel == "auto")  # resets each layer's dispatcher
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:
@@ -508,7 +510,7 @@ def bench_train(
     result = VariantResult("train", kernel, ids.shape[0], ids.numel())
     model.load_state_dict(master)
     model.train()
-    set_kernel(model, kernel, observed)
+    set_kernel(model, kernel, observed, args.train_kernels)
     step: TrainStep | None = None
     try:
         with FrozenHeap() as heap:  # as the trainer runs its steps
@@ -739,9 +741,7 @@ def report_header(
         sparsity = f"made sparse with --density-l0 {args.density_l0} (gate shifts {min(shifts):.2f}-{max(shifts):.2f})"
     else:
         sparsity = "sparsity as trained" if args.checkpoint else "no sparsity imposed"
-    # The opt-in that lets `auto` train through the sparse kernels changes what `auto` runs: show it.
-    opt_in = f"{OPT_IN_ENV}=1 " if training_opted_in() else ""
-    command = f"{opt_in}python scripts/bench_model.py {' '.join(args.argv)}".rstrip()
+    command = f"python scripts/bench_model.py {' '.join(args.argv)}".rstrip()
     forward_dtype = "bf16" if device.type == "cuda" else "fp32"
     train_precision = "fp32 weights + bf16 autocast" if device.type == "cuda" else "fp32"
     return [
@@ -812,6 +812,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="AdamW lr of the timed steps: AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed",
+    )
+    parser.add_argument(
+        "--train-kernels",
+        action="store_true",
+        help="the `auto` variant may train on the sparse kernels where their cost model predicts a win (train.py's "
+        "train_kernels=true); without it `auto` trains on the dense path",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
     parser.add_argument(

@@ -14,7 +14,7 @@ is included), host wall-clock ms per step of back-to-back steps, forward-only ms
 inputs and weights during forward+backward and the memory held between forward and backward (the saved
 activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
 them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows, and what
-`kernel=auto` runs with the training kernels opted in (SPARSE_LLM_TWELL_TRAIN=1; the layer's dispatcher, eager
+`kernel=auto` runs with the training kernels allowed (train.py's train_kernels=true; the layer's dispatcher, eager
 layers, given the block's mean and max non-zeros) with its ratio to the dense path. Sparsity
 is controlled with `synthetic_block` (a constant input feature with a negative gate weight; sigma > 0 scales
 tokens log-normally for heavy tails).
@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-from unittest import mock
 
 import torch
 
@@ -34,7 +32,7 @@ from sparse_llm.backends import dense_block
 from sparse_llm.benchmark import relative_error, time_ms, wall_ms
 from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.twell_backend import synthetic_block
-from sparse_llm.twell_train import DEFAULT_WIDTH, OPT_IN_ENV, dx_by_slices, twell_train_ffn
+from sparse_llm.twell_train import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
 CASES = {
@@ -93,12 +91,11 @@ def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
 
 
 def auto_choice(x: torch.Tensor, wg: torch.Tensor, l0_hint: tuple[float, float]) -> str:
-    """The backend a training layer with `kernel=auto` takes, the training kernels opted in, at this block's
+    """The backend a training layer with `kernel=auto` and the training kernels allowed takes at this block's
     sparsity."""
-    dispatcher = LayerDispatcher("auto")
+    dispatcher = LayerDispatcher("auto", train_kernels=True)
     dispatcher.observe(*l0_hint)
-    with mock.patch.dict(os.environ, {OPT_IN_ENV: "1"}):
-        return dispatcher.choose(x, wg, training=True).name
+    return dispatcher.choose(x, wg, training=True).name
 
 
 def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:

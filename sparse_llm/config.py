@@ -72,6 +72,10 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/sparsity.py)
     kernel: str = "auto"  # auto | torch | twell
+    # With kernel=auto: let training steps, not only inference, take the sparse kernels in layers where their cost
+    # model predicts a win. Off by default: the sparse step is faster only when the host keeps up with the GPU
+    # (trainer.compile and trainer.cuda_graphs, 6k+ tokens per micro-batch; README "Known limits").
+    train_kernels: bool = False
     seed: int = 0
     run_name: str = "${launch_stamp:}"  # run directory: outputs/<run_name>
 

@@ -3,7 +3,9 @@
 `kernel=torch` or `kernel=twell` force one backend for every layer (a forced backend that cannot run
 here is an error, never a silent fallback). `kernel=auto` asks each available backend's cost model
 for the layer's last measured sparsity and takes the cheapest, with hysteresis so a layer near the
-break-even point does not flip back and forth.
+break-even point does not flip back and forth. In training, `auto` considers the sparse backends only where
+`train_kernels` is on (train.py's `train_kernels=true`): a sparse training step needs the host to keep up with
+the GPU (compiled layers, CUDA graphs, 6k+ tokens per micro-batch), which the cost models cannot see.
 
 Rank consistency: in distributed training the decision must be the same on every rank (or ranks
 would run different kernels and disagree on statistics). The trainer therefore feeds `observe` with
@@ -53,9 +55,10 @@ def validate_kernel(kernel: str) -> None:
 class LayerDispatcher:
     """Chooses and remembers the backend of one FFN layer."""
 
-    def __init__(self, kernel: str = "auto") -> None:
+    def __init__(self, kernel: str = "auto", train_kernels: bool = False) -> None:
         validate_kernel(kernel)
         self.kernel = kernel
+        self.train_kernels = train_kernels  # `auto` may train on a sparse backend (see the module docstring)
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known
@@ -96,6 +99,8 @@ class LayerDispatcher:
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         estimates = {}
         for name in backend_names():
+            if training and name != "torch" and not self.train_kernels:
+                continue
             backend = get_backend(name)
             reason = backend.unavailable_reason(x_MK.device)
             if reason is not None:

@@ -20,7 +20,7 @@ from torch import nn
 from sparse_llm import cuda
 from sparse_llm.mlp import SparseMLP
 from sparse_llm.twell_backend import decode_kernel_name, shape_unsupported_reason, slice_width
-from sparse_llm.twell_train import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, training_opted_in, wgrad_slices
+from sparse_llm.twell_train import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, wgrad_slices
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def training_kernels(k: int, n: int) -> list[Kernel]:
 def model_kernels(model: nn.Module, training: bool) -> list[Kernel]:
     """The kernels `model` may run: the rotary embedding's, and for each FFN shape of its `SparseMLP`s that the
     kernels take and that is not held on `kernel=torch`, the inference kernels, plus the training op's where training
-    may take it (`kernel=twell`, or `auto` with SPARSE_LLM_TWELL_TRAIN=1). In order, without repeats."""
+    may take it (`kernel=twell`, or `auto` with the layer's `train_kernels` on). In order, without repeats."""
     kernels = list(ROPE_KERNELS)
     for mlp in model.modules():
         if not isinstance(mlp, SparseMLP) or mlp.dispatcher.kernel == "torch":
@@ -113,7 +113,7 @@ def model_kernels(model: nn.Module, training: bool) -> list[Kernel]:
         if shape_unsupported_reason(k, n) is not None:
             continue
         kernels += inference_kernels(k, n)
-        if training and (mlp.dispatcher.kernel == "twell" or training_opted_in()):
+        if training and (mlp.dispatcher.kernel == "twell" or mlp.dispatcher.train_kernels):
             kernels += training_kernels(k, n)
     return list(dict.fromkeys(kernels))
 

@@ -36,16 +36,19 @@ class SparseMLP(nn.Module):
         hidden_size: K, model width.
         intermediate_size: N, FFN width.
         kernel: "auto" | "torch" | "twell" (see `sparse_llm.dispatch`).
+        train_kernels: whether "auto" may also train on the sparse kernels (`LayerDispatcher`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernel: str = "auto") -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, kernel: str = "auto", train_kernels: bool = False
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.dispatcher = LayerDispatcher(kernel)
+        self.dispatcher = LayerDispatcher(kernel, train_kernels)
         self.self_observe = True  # the trainer turns this off and feeds rank-reduced statistics instead
         self.record_statistics = False  # inference calls keep L1/L0/fired in last_result (recording_statistics)
         self.compile_backend: str | None = None  # torch.compile backend of the torch path's block (compile_layers)
@@ -84,7 +87,8 @@ class SparseMLP(nn.Module):
         return result.y_MK.reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"
+        train = ", train_kernels=True" if self.dispatcher.train_kernels else ""
+        return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}{train}"
 
 
 @contextlib.contextmanager

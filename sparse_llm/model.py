@@ -268,9 +268,10 @@ FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
-def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
+def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool = False) -> LlamaForCausalLM:
     """Swap every `LlamaMLP` of `model` for a `SparseMLP` that reuses the same weight tensors, and each
-    module of `FUSED_CLASSES` for its fused twin (in place; parameters and state-dict keys are unchanged)."""
+    module of `FUSED_CLASSES` for its fused twin (in place; parameters and state-dict keys are unchanged).
+    kernel, train_kernels: every layer's backend choice (`LayerDispatcher`)."""
     if model.config.hidden_act != "relu":
         raise ValueError(
             f"The model's hidden_act is {model.config.hidden_act!r}; sparse FFNs need a ReLU gate "
@@ -279,12 +280,12 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
     for layer in model.model.layers:
         old = layer.mlp
         if isinstance(old, SparseMLP):
-            old.dispatcher = LayerDispatcher(kernel)
+            old.dispatcher = LayerDispatcher(kernel, train_kernels)
             continue
         if getattr(old.gate_proj, "bias", None) is not None:
             raise ValueError("SparseMLP has no biases; this checkpoint has mlp_bias=True.")
         with torch.device("meta"):  # its own Linear layers are replaced at once: don't allocate or init them
-            new = SparseMLP(old.hidden_size, old.intermediate_size, kernel=kernel)
+            new = SparseMLP(old.hidden_size, old.intermediate_size, kernel, train_kernels)
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
         layer.mlp = new
     for module in model.modules():
@@ -297,13 +298,16 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
     return model
 
 
-def build_model(cfg: ModelConfig, vocab_size: int | None = None, kernel: str = "auto") -> LlamaForCausalLM:
-    """A freshly initialised sparse Llama (weights ~ N(0, init_std^2), as in the paper).
+def build_model(
+    cfg: ModelConfig, vocab_size: int | None = None, kernel: str = "auto", train_kernels: bool = False
+) -> LlamaForCausalLM:
+    """A freshly initialised sparse Llama (weights ~ N(0, init_std^2), as in the paper); kernel and train_kernels
+    as `sparsify` takes them.
 
     Build it under `torch.device("meta")` to count parameters without allocating them.
     """
     model = LlamaForCausalLM(llama_config(cfg, vocab_size))
-    return sparsify(model, kernel)
+    return sparsify(model, kernel, train_kernels)
 
 
 def load_pretrained(

@@ -369,7 +369,7 @@ class Trainer:
             step_sequences=self.plan.tokens_per_step // self.plan.seq_len,
         )
         self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
-        model = build_model(cfg.model, vocab_size=self.data.vocab_size, kernel=cfg.kernel)
+        model = build_model(cfg.model, self.data.vocab_size, cfg.kernel, cfg.train_kernels)
         if model.config.vocab_size > self.data.vocab_size:
             log.warning("model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
                         "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
@@ -409,6 +409,9 @@ class Trainer:
             if reason is not None:
                 raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
                                  "Use kernel=auto or kernel=torch.")
+        if cfg.train_kernels and cfg.kernel != "auto":
+            raise ValueError(f"train_kernels=true applies to kernel=auto only (kernel={cfg.kernel} decides every "
+                             "layer's path by itself: twell trains on the sparse kernels, torch never does). Drop one.")
         t = cfg.trainer
         if t.compile:
             check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP)

@@ -35,9 +35,9 @@ Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u pe
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
 with h != 0 for some token, l1_sum = sum |h| in fp32.
 
-Training (`training=True`) goes to the hybrid ELL + dense-backup op of sparse_llm/twell_train.py. Its
-cost model answers only when SPARSE_LLM_TWELL_TRAIN=1, so `kernel=auto` trains densely by default and
-`kernel=twell` forces the sparse training kernels.
+Training (`training=True`) goes to the hybrid ELL + dense-backup op of sparse_llm/twell_train.py. `kernel=auto`
+considers it only where the layer's dispatcher allows training kernels (train.py's `train_kernels=true`), so it
+trains densely by default; `kernel=twell` forces the sparse training kernels.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.42x faster than the
 trainer's eager dense path at 28 non-zeros per token (1.87x faster than that path compiled) and 1.56x at 56, with
 0.28x of its peak memory during forward + backward (the block timed alone, steps issued back to back;
-BENCHMARKS.md, 2026-11-26 09:30). The per-layer
-dispatcher picks this path only on request: `train_estimated_ms` returns None unless the environment sets
-SPARSE_LLM_TWELL_TRAIN=1, because at small micro-batches the host cannot keep up. At M = 8192 the host needs
+BENCHMARKS.md, 2026-11-26 09:30). `kernel=auto` picks this path only on request (`LayerDispatcher.train_kernels`,
+train.py's `train_kernels=true`), because at small micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
@@ -94,7 +93,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import torch
@@ -159,7 +157,6 @@ BACKUP_GRADS_THREADS = 256  # BACKUP_GRADS_THREADS in train_backward.cu (train_b
 # Scratch rows (per value array) in which the weight-gradient kernel sums the columns cut into several chunks: more
 # than such columns are ever in flight at once (a few hundred warps' items), so no item waits for a slot.
 WGRAD_SLOTS = 512
-OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 # The walk of y where "slices" fits (`walk_by_slices`): on an H100 at M = 16384, K = 2048, N = 5632 the slices walk
 # (train_fwd_gate without its down half, then ordering, entry copy and entries_down) took 0.53 / 0.89 / 0.46 ms where
 # train_fwd_gate's rows walk took 0.66 / 1.17 / 0.55 ms, at 28 / 56 uniform and 60 heavy-tailed non-zeros per token.
@@ -211,13 +208,8 @@ _Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 
 
 # ------------------------------------------------------------------------------------------------
-# Opt-in and cost model
+# Cost model
 # ------------------------------------------------------------------------------------------------
-
-
-def training_opted_in() -> bool:
-    """True when SPARSE_LLM_TWELL_TRAIN=1: lets `kernel=auto` consider the training kernels (opt-in)."""
-    return os.environ.get(OPT_IN_ENV) == "1"
 
 
 def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
@@ -227,7 +219,7 @@ def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
 
 
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
-    """Predicted ms of one forward + backward, or None (not opted in, or a shape the kernels cannot take).
+    """Predicted ms of one forward + backward, or None (a shape the kernels cannot take).
 
     The gate (cuBLAS + packing), weight rows streamed per light non-zero at the inference kernel's row rate (slower
     where a walk's rows outgrow L2 more than at the calibration block: `_walk_slowdown`): forward w_up's, and w_down's
@@ -243,7 +235,7 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     A call never costs less than TRAIN_EXPOSED_HOST_MS, the part of the host's time to issue it that a model step
     sees: below that the GPU waits.
     """
-    if not training_opted_in() or shape_unsupported_reason(k, n) is not None:
+    if shape_unsupported_reason(k, n) is not None:
         return None
     y_slices = walk_by_slices(FWD_WALK, m, k, n, DEFAULT_WIDTH)
     dx_slices = dx_by_slices(m, k, n, DEFAULT_WIDTH, (l0_mean, l0_max))

@@ -54,6 +54,16 @@ def test_auto_takes_the_cheaper_backend_that_accepts_the_inputs(fake):
     assert dispatcher.choose(x, w.float(), False).name == "torch"  # fp32 weights: not accepted
 
 
+def test_auto_trains_on_a_sparse_backend_only_with_train_kernels(fake):
+    """Inference takes the cheaper sparse backend either way; training only where the layer allows it."""
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
+    for train_kernels, trained_on in ((False, "torch"), (True, "fake")):
+        dispatcher = LayerDispatcher("auto", train_kernels=train_kernels)
+        dispatcher.observe(3.0, 9.0)
+        assert dispatcher.choose(x, w, False).name == "fake"
+        assert dispatcher.choose(x, w, True).name == trained_on
+
+
 def test_switching_to_sparse_needs_a_margin(fake):
     dispatcher = LayerDispatcher("auto")
     dispatcher.observe(3.0, 9.0)
@@ -70,7 +80,7 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
     m, k, n = 16384, 2048, 5632
     eager, compiled = (TorchFFN().estimated_ms(m, k, n, 56.0, 95.0, True, compiled=c) for c in (False, True))
     assert compiled == pytest.approx(9 * 2 * m * k * n / 600e12 * 1e3) and eager > compiled + 0.5
-    dispatcher = LayerDispatcher("auto")
+    dispatcher = LayerDispatcher("auto", train_kernels=True)
     dispatcher.observe(56.0, 95.0)
     fake.ms = 0.9 * eager  # faster than the eager dense block, slower than the compiled one
     with torch.device("meta"):

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.model import sparse_mlps
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
 from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
@@ -128,6 +129,14 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
 def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=named):
         Trainer(small_config(*overrides), tmp_path)
+
+
+def test_train_kernels_reach_every_layer_and_need_kernel_auto(tmp_path):
+    trainer = Trainer(small_config("train_kernels=true"), tmp_path / "on")
+    assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(trainer.model)] == [True, True]
+    assert not any(mlp.dispatcher.train_kernels for mlp in sparse_mlps(Trainer(small_config(), tmp_path / "off").model))
+    with pytest.raises(ValueError, match="train_kernels=true applies to kernel=auto only"):
+        Trainer(small_config("train_kernels=true", "kernel=torch"), tmp_path / "torch")
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_no_update(tmp_path):

@@ -145,13 +145,12 @@ def test_precompile_runs_the_children_side_by_side_and_reports_each_kernel(monke
     assert cuda.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
 
 
-def tiny_model(kernel: str) -> torch.nn.Module:
+def tiny_model(kernel: str, train_kernels: bool = False) -> torch.nn.Module:
     config = ModelConfig(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4, vocab_size=64)
-    return build_model(config, kernel=kernel)
+    return build_model(config, kernel=kernel, train_kernels=train_kernels)
 
 
-def test_model_kernels_follow_the_layers_backend_and_the_training_opt_in(monkeypatch):
-    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)
+def test_model_kernels_follow_the_layers_backend_and_train_kernels():
     rope = list(kernel_set.ROPE_KERNELS)
     inference, training = kernel_set.inference_kernels(512, 1024), kernel_set.training_kernels(512, 1024)
     assert ("gate_up_down.cu", "gate_up_down_light<2>") in inference  # K = 512: two 16-byte pieces a lane
@@ -159,10 +158,8 @@ def test_model_kernels_follow_the_layers_backend_and_the_training_opt_in(monkeyp
     auto = tiny_model("auto")
     assert kernel_set.model_kernels(auto, training=False) == list(dict.fromkeys(rope + inference))
     assert kernel_set.model_kernels(auto, training=True) == list(dict.fromkeys(rope + inference))  # trains densely
-    monkeypatch.setenv("SPARSE_LLM_TWELL_TRAIN", "1")
     with_training = list(dict.fromkeys(rope + inference + training))
-    assert kernel_set.model_kernels(auto, training=True) == with_training
-    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN")
+    assert kernel_set.model_kernels(tiny_model("auto", train_kernels=True), training=True) == with_training
     assert kernel_set.model_kernels(tiny_model("twell"), training=True) == with_training
     narrow = build_model(ModelConfig(hidden_size=96, intermediate_size=256, num_layers=1, num_heads=2, vocab_size=64))
     assert kernel_set.model_kernels(narrow, training=False) == rope  # K = 96: no kernel takes the layer
@@ -260,10 +257,9 @@ def test_direct_up_down_names_a_bad_argument(mutate, name):
 # ---------------------------------------------------------------- cost model and dispatch
 
 
-def test_cost_model_declines_training_and_unsupported_shapes(monkeypatch):
-    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)  # the opt-in makes training estimates appear
+def test_cost_model_declines_unsupported_shapes():
     backend = TwellFFN()
-    assert backend.estimated_ms(16384, 2048, 5632, 28, 50, training=True) is None
+    assert backend.estimated_ms(16384, 2000, 5632, 28, 50, training=True) is None
     assert backend.estimated_ms(16384, 2000, 5632, 28, 50, training=False) is None
     assert backend.estimated_ms(16384, 2048, 5600, 28, 50, training=False) is None
 
@@ -490,11 +486,6 @@ def test_inference_asks_the_kernels_for_statistics_only_when_the_layer_does(monk
     monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *args, **kwargs: calls.append(kwargs))
     TwellFFN().forward(*block(), training=False, statistics=statistics)
     assert calls[0]["statistics"] is statistics
-
-
-def test_auto_never_trains_sparse_without_opt_in(monkeypatch):
-    monkeypatch.delenv("SPARSE_LLM_TWELL_TRAIN", raising=False)
-    assert TwellFFN().estimated_ms(16384, 2048, 5632, 28, 56, training=True) is None
 
 
 def test_cpu_falls_back_to_torch_with_one_warning():

@@ -22,7 +22,6 @@ from sparse_llm.twell_train import (
     CSC_CHUNK,
     CSC_WHOLE_COLUMN,
     CSC_WHOLE_PER_MEAN,
-    OPT_IN_ENV,
     STATE_NAMES,
     _backup_gate_up,
     check_train_inputs,
@@ -273,21 +272,17 @@ def test_transposed_down_weight_gets_a_hint():
         twell_train_ffn(x, wg, wu, wd.t().contiguous())
 
 
-# ---------------------------------------------------------------- dispatch opt-in and cost model
+# ---------------------------------------------------------------- cost model
 
 
-def test_not_picked_by_auto_unless_opted_in(monkeypatch):
-    monkeypatch.delenv(OPT_IN_ENV, raising=False)
-    assert train_estimated_ms(16384, 2048, 5632, 28, 50) is None
-    monkeypatch.setenv(OPT_IN_ENV, "1")
+def test_price_grows_with_density_and_declines_unsupported_shapes():
     times = [train_estimated_ms(16384, 2048, 5632, l0, 1.5 * l0) for l0 in (28, 56, 112)]
     assert all(t is not None and t > 0 for t in times) and times == sorted(times)
     assert train_estimated_ms(16384, 2000, 5632, 28, 50) is None  # K not a multiple of 64
 
 
-def test_opted_in_auto_trains_sparse_only_where_the_host_keeps_up(monkeypatch):
+def test_auto_trains_sparse_only_where_the_host_keeps_up():
     """Measured on the H100: the sparse step wins at 16384 tokens per layer and loses at 4096 (host-bound)."""
-    monkeypatch.setenv(OPT_IN_ENV, "1")
     dense = TorchFFN()
     for m, sparse_wins in ((16384, True), (4096, False)):
         sparse_ms = train_estimated_ms(m, 2048, 5632, 24, 60)
@@ -295,27 +290,24 @@ def test_opted_in_auto_trains_sparse_only_where_the_host_keeps_up(monkeypatch):
 
 
 @pytest.mark.parametrize("l0_mean, l0_max, measured_ms", [(28, 56, 2.57), (56, 95, 3.99), (279, 362, 14.79)])
-def test_cost_model_follows_the_paper_block(monkeypatch, l0_mean, l0_max, measured_ms):
+def test_cost_model_follows_the_paper_block(l0_mean, l0_max, measured_ms):
     """bench_train_mlp.py on the H100 (M = 16384, K = 2048, N = 5632, 2026-11-26 09:55): y through the slices walk,
     dx through rows at 28 and slices at 56, every token heavy at 279; the price within -5% .. +10%."""
-    monkeypatch.setenv(OPT_IN_ENV, "1")
     assert 0.95 * measured_ms <= train_estimated_ms(16384, 2048, 5632, l0_mean, l0_max) <= 1.1 * measured_ms
 
 
 @pytest.mark.parametrize("l0_mean, l0_max, measured_ms", [(28.6, 55, 4.65), (57.2, 95, 6.83)])
-def test_cost_model_prices_wide_blocks_walks_from_hbm(monkeypatch, l0_mean, l0_max, measured_ms):
+def test_cost_model_prices_wide_blocks_walks_from_hbm(l0_mean, l0_max, measured_ms):
     """M = 8192, K = 4096, N = 11008 on the H100 (scripts/bench_train_mlp.py, 2026-11-26, the weight walks in two
     column parts): the weight rows outgrow L2, and the price follows (within 10% below, 30% above); at the
     calibration block's L2 rate it was 0.73-0.75x the one-pass times (4.72 / 7.28 ms)."""
-    monkeypatch.setenv(OPT_IN_ENV, "1")
     assert 0.9 * measured_ms <= train_estimated_ms(8192, 4096, 11008, l0_mean, l0_max) <= 1.3 * measured_ms
 
 
-def test_training_tail_price_has_no_step_at_the_threshold(monkeypatch):
+def test_training_tail_price_has_no_step_at_the_threshold():
     """The light rows' tail factor follows the share of the non-zeros above 128 (as in the inference price): a few
     tokens just over it do not price the whole layer 1.4x dearer, a heavy tail still does (priced high, towards the
     dense path)."""
-    monkeypatch.setenv(OPT_IN_ENV, "1")
     at, over = train_estimated_ms(16384, 2048, 5632, 80, 128), train_estimated_ms(16384, 2048, 5632, 80, 131)
     assert at <= over < 1.01 * at
     assert 5.04 < train_estimated_ms(16384, 2048, 5632, 60, 1173) < 1.15 * 5.04  # measured 5.04 ms (2026-11-26)
@@ -326,11 +318,10 @@ def test_training_tail_price_has_no_step_at_the_threshold(monkeypatch):
     [(28, 56, True, True), (56, 95, True, True), (60, 1173, True, False), (110, 169, False, False),
      (155, 2015, False, False), (279, 362, False, False)],
 )  # fmt: skip
-def test_opted_in_auto_follows_the_measured_block(monkeypatch, l0_mean, l0_max, eager_wins, compiled_wins):
+def test_auto_follows_the_measured_block(l0_mean, l0_max, eager_wins, compiled_wins):
     """bench_train_mlp.py on the H100 (M = 16384, BENCHMARKS.md 2026-11-26 09:55): the op beat the eager dense path
     at 28, 56 and heavy-tailed 60 non-zeros per token (2.44x, 1.57x, 1.25x) and the compiled one at 28 and 56 only
     (1.92x, 1.26x; 0.98x heavy-tailed); it lost at 110, heavy-tailed 155 and 279 either way."""
-    monkeypatch.setenv(OPT_IN_ENV, "1")
     sparse_ms = train_estimated_ms(16384, 2048, 5632, l0_mean, l0_max)
     for compiled, wins in ((False, eager_wins), (True, compiled_wins)):
         dense_ms = TorchFFN().estimated_ms(16384, 2048, 5632, l0_mean, l0_max, True, compiled)
