@@ -59,8 +59,13 @@ def _line_style(n_points: int) -> dict[str, Any]:
     return {"marker": "o", "markersize": 3} if n_points < 30 else {}
 
 
+class NothingToPlot(ValueError):
+    """The run's metrics file holds no step (e.g. trainer.max_steps=0)."""
+
+
 def plot_run(run_dir: Path) -> Path:
-    """Plot ``run_dir/metrics.jsonl`` into ``run_dir/training.png`` and return the PNG's path."""
+    """Plot ``run_dir/metrics.jsonl`` into ``run_dir/training.png`` and return the PNG's path; NothingToPlot when the
+    file holds no step."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -73,7 +78,7 @@ def plot_run(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / METRICS_FILE)
     if not records:
-        raise ValueError(f"{run_dir / METRICS_FILE} holds no records; nothing to plot")
+        raise NothingToPlot(f"{run_dir / METRICS_FILE} holds no records; nothing to plot")
 
     fig, (ax_loss, ax_l0) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
     fig.suptitle(f"run {run_dir.resolve().name}")

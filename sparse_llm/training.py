@@ -34,7 +34,7 @@ from sparse_llm.dispatch import validate_kernel
 from sparse_llm.energy import EnergyMeter
 from sparse_llm.loader import TrainLoader, val_batches
 from sparse_llm.model import build_model, compile_layers, count_parameters, sparse_mlps
-from sparse_llm.plots import plot_run
+from sparse_llm.plots import NothingToPlot, plot_run
 from sparse_llm.preemption import StopSignals, TrainingStopped
 from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
 from sparse_llm.telemetry import Telemetry
@@ -420,7 +420,10 @@ class Trainer:
         if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
             raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
                              "use the DDP config or set sparsity.reinit_dead=false.")
-        if cfg.trainer.warmup_steps >= cfg.trainer.max_steps:
+        if cfg.trainer.max_steps < 0:
+            raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps}: give a step count >= 1 (or 0, which writes "
+                             "the initialised model to final/ without training).")
+        if 0 < cfg.trainer.max_steps <= cfg.trainer.warmup_steps:
             log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches its peak.",
                         cfg.trainer.warmup_steps, cfg.trainer.max_steps)
         fresh = cfg.checkpoint.resume in ("", "none", "None")
@@ -653,6 +656,8 @@ class Trainer:
             log.info("Training curves: %s", plot_run(self.run_dir))
         except ImportError as err:  # matplotlib is an optional extra
             log.warning("No training plot: %s", err)
+        except NothingToPlot as err:  # no step was logged, e.g. trainer.max_steps=0 exports the initial model
+            log.info("No training plot: %s", err)
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> Path:

@@ -176,6 +176,13 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_state_alone():
     assert all(torch.equal(state[k], state_after_inf[k]) for k in state)
 
 
+def test_zero_steps_write_the_initial_model_and_negative_steps_are_named(tmp_path):
+    final = Trainer(small_config("trainer.max_steps=0"), tmp_path / "zero").run()
+    assert (final / "model.safetensors").is_file() and not (tmp_path / "zero" / "training.png").exists()
+    with pytest.raises(ValueError, match="trainer.max_steps=-1"):
+        Trainer(small_config("trainer.max_steps=-1"), tmp_path / "negative")
+
+
 def test_resume_from_a_missing_path_names_it(tmp_path):
     trainer = Trainer(small_config("checkpoint.resume=" + str(tmp_path / "nope")), tmp_path)
     with pytest.raises(FileNotFoundError, match="nope"):
