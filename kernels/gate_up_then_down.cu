@@ -70,8 +70,12 @@ __device__ __forceinline__ void order_by_bank(uint32_t *list, int total, int pie
 // Offset of a token's entry j from its first slot (entries[m / 32][0][m % 32][0]).
 __device__ __forceinline__ int entry_slot(int j) { return (j / 4) * 128 + j % 4; }
 
+// One warp per block (launched with 32 threads). The walk is bound per SM by its warps' random w_up rows, so more
+// resident warps help while nothing spills: 20 blocks per SM cap the registers at 102 (94 used at K = 2048, against
+// 113 under the former 128-thread bound), 21 warps resident instead of 17, 4-6% faster, the same bits (H100,
+// BENCHMARKS.md 2026-11-27); a cap of 93 or less spills and loses it again.
 template <int KV>
-__global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_entries(
+__global__ void __launch_bounds__(32, KV <= 8 ? 20 : 4) gate_up_entries(
     const __nv_bfloat16 *__restrict__ gate,  // [M, N] pre-activation x w_gate^T
     const __nv_bfloat16 *__restrict__ x,     // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,  // [N, K]
