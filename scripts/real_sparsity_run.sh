@@ -3,7 +3,8 @@
 # checkpoint (the recipe of scripts/bench_model.py's docstring, in one command). Re-running resumes the
 # training where it stopped, so it can be spread over several shorter GPU sessions.
 #   [SIZE=2b] [L1=5e-4] [STEPS=200] [GLOBAL_BATCH=8] [CHECKPOINT_EVERY=50] [RUN=real_<size>] [TOKENS=data/embedded] \
-#     [TRAIN_KERNELS=true] [BENCH_ARGS="--batch 8 --train-batch 2"] bash scripts/real_sparsity_run.sh [train.py overrides...]
+#     [TRAIN_KERNELS=true] [BENCH_ARGS="--batch 8 --train-batch 2"] \
+#     bash scripts/real_sparsity_run.sh [train.py overrides...]
 # TOKENS is a token file prefix (scripts/tokenize_corpus.py); data/embedded is written when missing.
 # TRAIN_KERNELS: train.py's train_kernels (layers train on the sparse kernels once sparse enough) and bench_model's
 # --train-kernels.
@@ -25,9 +26,10 @@ BENCH_ARGS=${BENCH_ARGS:-"--batch 8 --train-batch 2"}
 [ "$TRAIN_KERNELS" != true ] || BENCH_ARGS="$BENCH_ARGS --train-kernels"
 [ -f "$TOKENS.bin" ] || [ "$TOKENS" != data/embedded ] || python scripts/tokenize_corpus.py --out data/embedded
 if [ ! -d "outputs/$RUN/final" ]; then
-  python train.py model="$SIZE" l1="$L1" train_kernels="$TRAIN_KERNELS" data=tokens "data.paths=[$TOKENS.bin]" trainer.max_steps="$STEPS" \
-    trainer.global_batch="$GLOBAL_BATCH" trainer.micro_batch=4 trainer.warmup_steps=50 seed=0 run_name="$RUN" \
-    checkpoint.every="$CHECKPOINT_EVERY" checkpoint.resume=auto logging.wandb=false logging.progress_bar=false "$@"
+  python train.py model="$SIZE" l1="$L1" train_kernels="$TRAIN_KERNELS" data=tokens "data.paths=[$TOKENS.bin]" \
+    trainer.max_steps="$STEPS" trainer.global_batch="$GLOBAL_BATCH" trainer.micro_batch=4 trainer.warmup_steps=50 \
+    seed=0 run_name="$RUN" checkpoint.every="$CHECKPOINT_EVERY" checkpoint.resume=auto logging.wandb=false \
+    logging.progress_bar=false "$@"
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
 python scripts/bench_model.py --checkpoint "outputs/$RUN/final" --tokens "$TOKENS" $BENCH_ARGS --markdown BENCHMARKS.md
