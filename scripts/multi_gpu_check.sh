@@ -5,8 +5,8 @@
 # Run directories: outputs/mgpu_{one,ddp,fsdp}_r<k> and outputs/mgpu_fsdp_resumed; the tables are printed and
 # appended to BENCHMARKS.md.
 # Duration on 2x H100: each launch spends 40-70 s starting and saving checkpoints beyond its steps (one GPU ~114k
-# tokens/s, DDP ~213k, FSDP ~235k at 32k tokens a step), so the defaults take about 20 minutes; STEPS=40 REPEATS=2
-# took 9 (2026-11-27).
+# tokens/s, DDP ~213k, FSDP ~235k at 32k tokens a step), so the defaults take about 20 minutes; with STEPS=40
+# REPEATS=2 the six runs and the resume to its last steps took 9.3 minutes (2026-11-27).
 #
 # Why repeats: identical runs do not end at identical losses on the GPU, and this short high-learning-rate run on a
 # small corpus amplifies the differences (seven identical 1-GPU runs of 200 steps ended at 1.03-1.15 on an H100,
