@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -25,6 +26,9 @@ from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, Tail, backend_names
 log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "torch", "twell")
+# The environment variable that allowed `auto` to train on the sparse kernels before `train_kernels` replaced it.
+# Older commands (BENCHMARKS.md) still set it; it does nothing now, which a user copying them should hear.
+RETIRED_OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
 
@@ -59,6 +63,10 @@ class LayerDispatcher:
         validate_kernel(kernel)
         self.kernel = kernel
         self.train_kernels = train_kernels  # `auto` may train on a sparse backend (see the module docstring)
+        if kernel == "auto" and not train_kernels and os.environ.get(RETIRED_OPT_IN_ENV):
+            _warn_once(f"{RETIRED_OPT_IN_ENV} is no longer read, and kernel=auto trains on the dense path. To let it "
+                       "take the sparse training kernels pass train_kernels=true to train.py (--train-kernels to "
+                       "scripts/bench_model.py, train_kernels=True to sparsify/build_model).")
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparse_llm import backends
+from sparse_llm import backends, dispatch
 from sparse_llm.backends import FFNBackend, TorchFFN
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, Tail
 from sparse_llm.dispatch import LayerDispatcher, density_of
@@ -62,6 +62,18 @@ def test_auto_trains_on_a_sparse_backend_only_with_train_kernels(fake):
         dispatcher.observe(3.0, 9.0)
         assert dispatcher.choose(x, w, False).name == "fake"
         assert dispatcher.choose(x, w, True).name == trained_on
+
+
+def test_the_retired_environment_opt_in_is_named(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setenv(dispatch.RETIRED_OPT_IN_ENV, "1")
+    LayerDispatcher("auto", train_kernels=True)
+    LayerDispatcher("twell")
+    assert not caplog.records  # nothing changes for these two
+    LayerDispatcher("auto")
+    LayerDispatcher("auto")
+    assert [r.getMessage().split(" is")[0] for r in caplog.records] == [dispatch.RETIRED_OPT_IN_ENV]
+    assert "train_kernels=true" in caplog.records[0].getMessage()
 
 
 def test_switching_to_sparse_needs_a_margin(fake):
