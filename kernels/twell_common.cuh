@@ -311,4 +311,41 @@ __device__ __forceinline__ void prefetch_row_async(uint4 *smem_row, const __nv_b
     }
     cp_async_commit();
 }
+
+// ---- Bulk copies: the TMA engine copies a contiguous global range into shared memory and reports the bytes on an
+// mbarrier, so a warp can keep rows in flight without holding them in registers. Addresses are shared-space
+// (__cvta_generic_to_shared); sizes and addresses are multiples of 16 bytes.
+
+// An mbarrier expecting one arrival per phase (the thread that starts each copy).
+__device__ __forceinline__ void mbarrier_init(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+
+// Makes mbarrier_init's writes visible to the copy engine; then a __syncwarp() before other lanes wait.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One thread: the barrier's next phase completes once `bytes` bytes from src have landed at dst.
+__device__ __forceinline__ void bulk_copy_to_smem(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar,
+                                                  uint64_t policy) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+}
+
+// Waits until the barrier's phase of the given parity (0 for its first phase, then alternating) has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+
 #endif  // TWELL_COMMON_CUH

@@ -889,7 +889,8 @@ def _up_then_down(
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
     operands = (gate_MN, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
-    cuda.launch(up, (m,), (32,), args, device, shared_mem=kv * 32 * 16 + DIRECT_LIST_CAP * 4)  # x row + list
+    # two row slots, the list, two barriers (up_barriers_offset in the kernel)
+    cuda.launch(up, (m,), (32,), args, device, shared_mem=2 * kv * 512 + DIRECT_LIST_CAP * 4 + 16)
     token_slots_M, slot_counts_M, slot_tokens_M = order_slots(counts_M)
     to_slots = cuda.get_function("gate_up_then_down.cu", "entries_to_slots", device)
     operands = (entries, counts_M, token_slots_M, slot_entries)
