@@ -218,6 +218,9 @@ SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 
 # waited for its densest token; with the tokens ordered by count the two tie (mean 28, sigma 0.3: 0.97-0.98 ms each,
 # H200), while the walks' prices (the rows one deliberately dear) rank them apart.
 SLICES_MAX_HEAVY_SHARE = 0.05
+# The up kernel has since taken its rows and gate row by bulk copies: 0.307 / 0.557 ms (H100, 2026-11-27), the same
+# rate per row and a cheaper gate read (~2900 GB/s). The fit below still prices the former kernel, 0.04 ms dear at
+# the paper's block: `auto` may pass over the slices walk where it would now just win, never take it where it loses.
 UP_GBPS = 7700.0
 GATE_READ_GBPS = 1800.0
 DOWN_MS_PER_ITEM = {16: 8.3e-7, 8: 3.2e-6}
