@@ -5,11 +5,12 @@
 // pass and has no slot capacity, so no token is ever recomputed, and the call needs no host
 // synchronisation: the host never learns how many tokens were heavy.
 //
-//   gate_up_down_light : one warp per token. One pass over the token's gate row (GATE_BATCH chunks of 256
-//                        columns loaded together) lists its positives as TwELL entries (bf16 value << 16 |
-//                        column) in ascending column order in shared memory. A token with more than
-//                        split_nnz positives (split_nnz <= LIST_CAP) is appended to heavy_rows for
-//                        gate_up_down_heavy; the others are computed entry by entry (up_down_entry).
+//   gate_up_down_light : one warp per token. One pass over the token's gate row (brought into shared memory
+//                        by bulk copies) lists its positives as TwELL entries (bf16 value << 16 | column)
+//                        in ascending column order in shared memory. A token with more than split_nnz
+//                        positives (split_nnz <= LIST_CAP) is appended to heavy_rows for gate_up_down_heavy;
+//                        the others are computed entry by entry, as up_down_entry computes one, with the
+//                        weight rows also brought by bulk copies.
 //   gate_up_down_heavy : heavy_warps<KV>() warps per heavy token, so a token with hundreds or thousands of
 //                        positives does not hold one warp for the whole tail of the call. Persistent blocks
 //                        walk heavy_rows (its length is read on the device); warp w takes the 256-column
@@ -35,17 +36,35 @@ __host__ __device__ constexpr int heavy_warps() {
     return KV <= 8 ? 16 : 8;
 }
 
-// gate_up_down_light's shared memory: the block's `warps` x rows (KV * 32 uint4 each) | their lists (LIST_CAP
-// uint32 each) | with a residual, their residual rows. The residual row of `warp`:
+// gate_up_down_light's ring: up to K = 2048, two slots and 16 warps per SM (128 registers); wider rows, three slots:
+// their 8 KiB slots hold an SM to 6 warps by shared memory, where a third row in flight pays.
 template <int KV>
-__device__ __forceinline__ uint4 *residual_row(uint4 *smem, int warp, int warps) {
-    return smem + warps * (KV * 32 + LIST_CAP / 4) + warp * KV * 32;
+__host__ __device__ constexpr int light_slots() {
+    return KV <= 8 ? 2 : 3;
+}
+template <int KV>
+__host__ __device__ constexpr int light_warps_per_sm() {
+    return KV <= 8 ? 16 : 6;
+}
+// Its shared memory: the ring's slots (first: bulk copies land fastest 128-byte aligned) | the x row | the list
+// (LIST_CAP entries) | the ring's barriers and the residual's, padded to 128 bytes | with a residual, its row.
+// The launcher sizes it as light_smem_bytes (twell_backend.py).
+template <int KV>
+__host__ __device__ constexpr int light_list_offset() {
+    return (light_slots<KV>() + 1) * KV * 512;
+}
+template <int KV>
+__host__ __device__ constexpr int light_residual_offset() {
+    return light_list_offset<KV>() + LIST_CAP * 4 + 128;
 }
 
-// Up to K = 2048, 4 blocks per SM (128 registers): 16 warps, as many weight rows in flight as the register
-// file allows without spilling. Wider rows need the whole register file.
+// One warp per block (launched with 32 threads). The walk is bound per SM by the latency of its warps' random weight
+// rows, so it keeps many warps resident, each with light_slots rows in flight: w_up[n0], w_down_t[n0], w_up[n1], ...
+// come by bulk copies into the warp's ring (no registers held while they fly), and the gate row comes through the
+// same ring first. The arithmetic is up_down_entry's, in its order. Against register loads of both rows (16 warps of
+// 128 registers) the kernel is 5-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
 template <int KV>
-__global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
+__global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_light(
     const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
@@ -59,28 +78,43 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
     int *__restrict__ heavy_count,               // [1] zeroed
     float *__restrict__ partial,                 // [M, K] fp32 running y sums between parts, or null (one part)
     int M, int K, int N, int split_nnz, int col_begin, int col_end, int part) {
+    constexpr int SLOTS = light_slots<KV>();
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x / 32;
-    const int warps = blockDim.x / 32;
-    extern __shared__ uint4 smem[];
-    uint4 *x_smem;
-    uint32_t *list;
-    const long long m = warp_token<KV>(smem, LIST_CAP, x_smem, list);
-    if (m >= M) return;  // whole warp leaves together; no block-wide barrier below
-    const int total = list_gate_row(gate + m * N + col_begin, (col_end - col_begin) / 256, list, LIST_CAP, lane);
+    extern __shared__ __align__(128) uint8_t light_smem[];
+    const long long m = blockIdx.x;
+    if (m >= M) return;
+    uint4 *x_smem = reinterpret_cast<uint4 *>(light_smem + SLOTS * KV * 512);
+    uint32_t *list = reinterpret_cast<uint32_t *>(light_smem + light_list_offset<KV>());
+    uint64_t *barriers = reinterpret_cast<uint64_t *>(list + LIST_CAP);  // the ring's, then the residual's
+    uint4 *residual_row = reinterpret_cast<uint4 *>(light_smem + light_residual_offset<KV>());
+    const uint32_t residual_bar = static_cast<uint32_t>(__cvta_generic_to_shared(barriers + SLOTS));
+    if (lane == 0) mbarrier_init(residual_bar);  // before the ring's fence, which covers it
+    RowRing<KV, SLOTS> ring(reinterpret_cast<uint4 *>(light_smem), barriers, lane);
+    __syncwarp();  // the barriers are initialised
+    const int total = list_gate_row_ring<KV, SLOTS>(gate + m * N + col_begin, col_end - col_begin, ring, list, LIST_CAP,
+                                                    lane);
     if (total > split_nnz) {
         if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
         return;
     }
 
-    // The residual row is fetched during the walk; each lane reads back its own pieces.
+    // The residual row lands during the walk.
     const bool last = part & LAST_PART;
-    if (last && residual != nullptr) {
-        prefetch_row_async<KV>(residual_row<KV>(smem, warp, warps), residual + m * K, lane, K);
+    if (lane == 0 && last && residual != nullptr) {
+        bulk_copy_to_smem(static_cast<uint32_t>(__cvta_generic_to_shared(residual_row)), residual + m * K, K * 2,
+                          residual_bar, l2_stream_policy());
     }
+    ring.clear_past(K, lane);  // after the gate pieces, which fill whole slots
     stage_row<KV>(x_smem, x + m * K, lane, K);
     __syncwarp();  // the list and x are written by all lanes, read by all lanes
     const uint64_t keep = l2_keep_policy();
+    // row r of the walk: w_up[n] of entry r / 2 for even r, its w_down_t[n] for odd r
+    const auto fill = [&](int r) {
+        const long long n = col_begin + twell_col(list[r / 2]);
+        ring.fill(r % SLOTS, ((r & 1) ? w_down_t : w_up) + n * K, K * 2, keep);
+    };
+    if (lane == 0)
+        for (int r = 0; r < SLOTS && r < 2 * total; ++r) fill(r);
     float acc[KV][8];
     float l1_sum = 0.0f;
     int l0_sum = 0;
@@ -92,17 +126,30 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 4 : 1) gate_up_down_light(
         l0_sum = l0[m];
     }
     for (int j = 0; j < total; ++j) {
+        uint4 w[KV];
+        const int up = 2 * j % SLOTS, down = (2 * j + 1) % SLOTS;
+        ring.wait(up);
+        ring.read(up, lane, w);
+        const float dot = lane_dot<KV>(x_smem, w, lane);
+        __syncwarp();  // every lane has read the slot before it is refilled
+        if (lane == 0 && 2 * j + SLOTS < 2 * total) fill(2 * j + SLOTS);
         const uint32_t entry = list[j];
-        up_down_entry<KV>(col_begin + twell_col(entry), twell_value(entry), x_smem, acc, l1_sum, l0_sum, w_up,
-                          w_down_t, fired, lane, K, keep);
+        const float h = twell_value(entry) * warp_sum(dot);
+        ring.wait(down);
+        ring.read(down, lane, w);
+        axpy<KV>(acc, h, w);
+        __syncwarp();
+        if (lane == 0 && 2 * j + 1 + SLOTS < 2 * total) fill(2 * j + 1 + SLOTS);
+        count_h(h, col_begin + twell_col(entry), l1_sum, l0_sum, fired, lane);
     }
     if (!last) {
         store_partial<KV>(partial + m * K, acc, lane, K);
     } else {
         if (residual != nullptr) {
-            cp_async_wait_all();
+            mbarrier_wait(residual_bar, 0);
 #pragma unroll
-            for (int v = 0; v < KV; ++v) add_residual8(acc[v], residual_row<KV>(smem, warp, warps)[v * 32 + lane]);
+            for (int v = 0; v < KV; ++v)
+                if (v * 256 + lane * 8 < K) add_residual8(acc[v], residual_row[v * 32 + lane]);  // K columns landed
         }
         store_row_bf16<KV>(y + m * K, acc, lane, K);
     }

@@ -70,73 +70,12 @@ __device__ __forceinline__ void order_by_bank(uint32_t *list, int total, int pie
 // Offset of a token's entry j from its first slot (entries[m / 32][0][m % 32][0]).
 __device__ __forceinline__ int entry_slot(int j) { return (j / 4) * 128 + j % 4; }
 
-// A warp's two shared-memory slots of KV * 512 bytes (one K-wide bf16 row each, K <= 256 * KV), filled by bulk copies
-// that lane 0 starts, each slot with its own mbarrier. The warp reads a slot after wait() and refills it after a
-// __syncwarp() that follows its last read.
-template <int KV>
-struct RowRing {
-    static constexpr int SLOTS = 2;
-    uint4 *data;     // [SLOTS][KV * 32]
-    uint32_t bars;   // shared address of SLOTS mbarriers, 8 bytes apart
-    uint32_t parity;  // bit s: the parity of slot s's next phase
-
-    // Lane 0 initialises the barriers; the other lanes may use the ring after the caller's __syncwarp().
-    __device__ __forceinline__ RowRing(uint4 *slots, uint64_t *barriers, int lane)
-        : data(slots), bars(static_cast<uint32_t>(__cvta_generic_to_shared(barriers))), parity(0) {
-        if (lane == 0) {
-            for (int s = 0; s < SLOTS; ++s) mbarrier_init(bars + 8 * s);
-            mbarrier_init_fence();
-        }
-    }
-    // Lane 0 only: bytes (<= KV * 512) from src into slot s.
-    __device__ __forceinline__ void fill(int s, const void *src, uint32_t bytes, uint64_t policy) const {
-        bulk_copy_to_smem(static_cast<uint32_t>(__cvta_generic_to_shared(data + s * KV * 32)), src, bytes, bars + 8 * s,
-                          policy);
-    }
-    // Every lane: zeros its pieces past column K in both slots (rows copy only K columns; lane_dot reads all KV).
-    __device__ __forceinline__ void clear_past(int K, int lane) {
-#pragma unroll
-        for (int v = 0; v < KV; ++v)
-            if (v * 256 + lane * 8 >= K)
-                for (int s = 0; s < SLOTS; ++s) data[s * KV * 32 + v * 32 + lane] = make_uint4(0, 0, 0, 0);
-    }
-    // Every lane: waits for slot s's copy and returns its contents.
-    __device__ __forceinline__ const uint4 *wait(int s) {
-        mbarrier_wait(bars + 8 * s, (parity >> s) & 1u);
-        parity ^= 1u << s;
-        return data + s * KV * 32;
-    }
-};
-
 // Shared memory of one gate_up_entries warp: its ring's two slots first (bulk copies land fastest 128-byte aligned),
 // then its list, then the ring's barriers.
 template <int KV>
 __device__ __forceinline__ int up_list_offset() { return 2 * KV * 512; }
 template <int KV>
 __device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>() + ENTRY_CAP * 4; }
-
-// One warp lists the positives of its token's bf16 gate row (N columns, a multiple of 256) into `list`, as
-// list_gate_row does, with the row brought into the ring in pieces of KV * 256 columns, both slots in flight.
-template <int KV>
-__device__ __forceinline__ int list_gate_row_ring(const __nv_bfloat16 *__restrict__ row, int N, RowRing<KV> &ring,
-                                                  uint32_t *list, int lane) {
-    constexpr int PIECE = KV * 256;
-    const int pieces = (N + PIECE - 1) / PIECE;
-    const uint64_t stream = l2_stream_policy();
-    const auto fill = [&](int p) { ring.fill(p % 2, row + p * PIECE, min(PIECE, N - p * PIECE) * 2, stream); };
-    if (lane == 0)
-        for (int p = 0; p < 2 && p < pieces; ++p) fill(p);
-    int total = 0;
-    for (int p = 0; p < pieces; ++p) {
-        const uint4 *piece = ring.wait(p % 2);
-        const int chunks = min(PIECE, N - p * PIECE) / 256;
-        for (int c = 0; c < chunks; ++c)
-            total += list_positives(piece[c * 32 + lane], p * PIECE + c * 256 + lane * 8, list, total, ENTRY_CAP, lane);
-        __syncwarp();  // every lane has read the slot before it is refilled
-        if (lane == 0 && p + 2 < pieces) fill(p + 2);
-    }
-    return total;
-}
 
 // One warp per block (launched with 32 threads). The walk is bound per SM by its warps' random w_up rows, so it keeps
 // as many warps resident as it can, each with two rows in flight. The rows come by bulk copies into the warp's ring
@@ -161,10 +100,10 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     const long long m = blockIdx.x;
     if (m >= M) return;
     uint32_t *list = reinterpret_cast<uint32_t *>(up_smem + up_list_offset<KV>());
-    RowRing<KV> ring(reinterpret_cast<uint4 *>(up_smem), reinterpret_cast<uint64_t *>(up_smem + up_barriers_offset<KV>()),
-                     lane);
+    RowRing<KV, 2> ring(reinterpret_cast<uint4 *>(up_smem),
+                        reinterpret_cast<uint64_t *>(up_smem + up_barriers_offset<KV>()), lane);
     __syncwarp();  // the barriers are initialised
-    const int total = list_gate_row_ring<KV>(gate + m * N, N, ring, list, lane);
+    const int total = list_gate_row_ring<KV, 2>(gate + m * N, N, ring, list, ENTRY_CAP, lane);
     if (total > split_nnz) {
         if (lane == 0) {
             heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);

@@ -4,16 +4,71 @@
 #define UP_DOWN_COMMON_CUH
 #include "twell_common.cuh"
 
-// The one-warp-per-token kernels' token: this warp's m (blockDim.x / 32 warps per block; m >= M for a warp with no
-// token) and its shared memory, the block's staged x rows (KV * 32 uint4 each) followed by their lists of `cap`
-// entries.
-template <int KV>
-__device__ __forceinline__ long long warp_token(uint4 *smem, int cap, uint4 *&x_smem, uint32_t *&list) {
-    const int warp = threadIdx.x / 32;
-    const int warps = blockDim.x / 32;
-    x_smem = smem + warp * KV * 32;
-    list = reinterpret_cast<uint32_t *>(smem + warps * KV * 32) + warp * cap;
-    return static_cast<long long>(blockIdx.x) * warps + warp;
+// A warp's ring of SLOTS shared-memory slots of KV * 512 bytes (one K-wide bf16 row each, K <= 256 * KV), filled by
+// bulk copies that lane 0 starts, each slot with its own mbarrier: SLOTS rows in flight without holding registers.
+// The warp reads a slot after wait() and refills it after a __syncwarp() that follows its last read. Slots placed
+// 128-byte aligned: 16-byte aligned ones made the up walk 1.3x slower (BENCHMARKS.md, 2026-11-27).
+template <int KV, int SLOTS>
+struct RowRing {
+    uint4 *data;      // [SLOTS][KV * 32]
+    uint32_t bars;    // shared address of SLOTS mbarriers, 8 bytes apart
+    uint32_t parity;  // bit s: the parity of slot s's next phase
+
+    // Lane 0 initialises the barriers (and fences every barrier it initialised before); the other lanes may use the
+    // ring after the caller's __syncwarp().
+    __device__ __forceinline__ RowRing(uint4 *slots, uint64_t *barriers, int lane)
+        : data(slots), bars(static_cast<uint32_t>(__cvta_generic_to_shared(barriers))), parity(0) {
+        if (lane == 0) {
+            for (int s = 0; s < SLOTS; ++s) mbarrier_init(bars + 8 * s);
+            mbarrier_init_fence();
+        }
+    }
+    // Lane 0 only: bytes (<= KV * 512) from src into slot s.
+    __device__ __forceinline__ void fill(int s, const void *src, uint32_t bytes, uint64_t policy) const {
+        bulk_copy_to_smem(static_cast<uint32_t>(__cvta_generic_to_shared(data + s * KV * 32)), src, bytes, bars + 8 * s,
+                          policy);
+    }
+    // Every lane: zeros its pieces past column K in every slot (rows copy only K columns; lane_dot reads all KV).
+    __device__ __forceinline__ void clear_past(int K, int lane) {
+#pragma unroll
+        for (int v = 0; v < KV; ++v)
+            if (v * 256 + lane * 8 >= K)
+                for (int s = 0; s < SLOTS; ++s) data[s * KV * 32 + v * 32 + lane] = make_uint4(0, 0, 0, 0);
+    }
+    // Every lane: waits for slot s's copy and returns its contents.
+    __device__ __forceinline__ const uint4 *wait(int s) {
+        mbarrier_wait(bars + 8 * s, (parity >> s) & 1u);
+        parity ^= 1u << s;
+        return data + s * KV * 32;
+    }
+    // Every lane: this lane's pieces of slot s (after wait(s)), as load_weight_row would give them.
+    __device__ __forceinline__ void read(int s, int lane, uint4 (&w)[KV]) const {
+#pragma unroll
+        for (int v = 0; v < KV; ++v) w[v] = data[s * KV * 32 + v * 32 + lane];
+    }
+};
+
+// One warp lists the positives of its token's bf16 gate row (N columns, a multiple of 256) into `list` (`cap` slots),
+// as list_gate_row does, with the row brought through the ring in pieces of KV * 256 columns, every slot in flight.
+template <int KV, int SLOTS>
+__device__ __forceinline__ int list_gate_row_ring(const __nv_bfloat16 *__restrict__ row, int N,
+                                                  RowRing<KV, SLOTS> &ring, uint32_t *list, int cap, int lane) {
+    constexpr int PIECE = KV * 256;
+    const int pieces = (N + PIECE - 1) / PIECE;
+    const uint64_t stream = l2_stream_policy();
+    const auto fill = [&](int p) { ring.fill(p % SLOTS, row + p * PIECE, min(PIECE, N - p * PIECE) * 2, stream); };
+    if (lane == 0)
+        for (int p = 0; p < SLOTS && p < pieces; ++p) fill(p);
+    int total = 0;
+    for (int p = 0; p < pieces; ++p) {
+        const uint4 *piece = ring.wait(p % SLOTS);
+        const int chunks = min(PIECE, N - p * PIECE) / 256;
+        for (int c = 0; c < chunks; ++c)
+            total += list_positives(piece[c * 32 + lane], p * PIECE + c * 256 + lane * 8, list, total, cap, lane);
+        __syncwarp();  // every lane has read the slot before it is refilled
+        if (lane == 0 && p + SLOTS < pieces) fill(p + SLOTS);
+    }
+    return total;
 }
 
 // The statistics of one h = g * u of a token (every lane holds the same h): its |h| sum, its h != 0 count, and the

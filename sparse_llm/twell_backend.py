@@ -65,7 +65,7 @@ GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
 GATE_STAGES = 4
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
-# Warps (one per token) per block of the one-warp-per-token kernels (the up+down kernels here, the training
+# Warps (one per token) per block of the one-warp-per-token kernels (twell_up_down here, the training
 # kernels' walks in twell_train.py): one, so a block's registers are freed with its token rather than with the
 # slowest of several.
 TOKENS_PER_BLOCK = 1
@@ -855,18 +855,24 @@ def _direct_up_down(
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
     light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
-    # per warp: the x row, the positives list, and the residual row when there is one
-    smem = TOKENS_PER_BLOCK * ((1 if residual_MK is None else 2) * kv * 32 * 16 + DIRECT_LIST_CAP * 4)
-    cuda.set_dynamic_smem(light, smem)  # above 48 KiB at K > 2048 with a residual
+    smem = light_smem_bytes(kv, residual_MK is not None)
+    cuda.set_dynamic_smem(light, smem)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
         operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
                     partial_MK)  # fmt: skip
         args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)))
-        cuda.launch(light, (math.ceil(m / TOKENS_PER_BLOCK),), (32 * TOKENS_PER_BLOCK,), args, device,
-                    shared_mem=smem)  # fmt: skip
+        cuda.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
     return outs
+
+
+def light_smem_bytes(kv: int, residual: bool) -> int:
+    """Shared memory of one gate_up_down_light warp (light_list_offset / light_residual_offset in gate_up_down.cu):
+    its ring's slots and the x row (KV * 512 bytes each; 2 slots up to KV = 8, else 3), the list, the barriers padded
+    to 128 bytes, and with a residual its row."""
+    slots = 2 if kv <= 8 else 3
+    return (slots + 1 + residual) * kv * 512 + DIRECT_LIST_CAP * 4 + 128
 
 
 def _up_then_down(
