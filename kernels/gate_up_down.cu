@@ -62,7 +62,7 @@ __host__ __device__ constexpr int light_residual_offset() {
 // rows, so it keeps many warps resident, each with light_slots rows in flight: w_up[n0], w_down_t[n0], w_up[n1], ...
 // come by bulk copies into the warp's ring (no registers held while they fly), and the gate row comes through the
 // same ring first. The arithmetic is up_down_entry's, in its order. Against register loads of both rows (16 warps of
-// 128 registers) the kernel is 5-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
+// 128 registers) the kernel is 4.6-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
 template <int KV>
 __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_light(
     const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
