@@ -121,7 +121,9 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     __syncwarp();  // the list is written by all lanes
     order_by_bank(list, total, pieces, m, lane);  // ends with __syncwarp(): the list is read by all lanes
     const uint64_t keep = l2_keep_policy();
-    const auto fill = [&](int j) { ring.fill(j % 2, w_up + static_cast<long long>(twell_col(list[j])) * K, K * 2, keep); };
+    const auto fill = [&](int j) {
+        ring.fill(j % 2, w_up + static_cast<long long>(twell_col(list[j])) * K, K * 2, keep);
+    };
     if (lane == 0)
         for (int j = 0; j < 2 && j < total; ++j) fill(j);
     uint32_t *out = entries + (m / 32) * (ENTRY_CAP * 32) + (m % 32) * 4;

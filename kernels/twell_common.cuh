@@ -297,21 +297,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Starts copying this lane's pieces of a K-wide bf16 row (piece v * 32 + lane, zeros past K) to shared memory
-// without waiting: the copy lands while the warp works; cp_async_wait_all() before the lane reads its own pieces.
-template <int KV>
-__device__ __forceinline__ void prefetch_row_async(uint4 *smem_row, const __nv_bfloat16 *__restrict__ row, int lane,
-                                                   int K) {
-#pragma unroll
-    for (int v = 0; v < KV; ++v) {
-        const int q = v * 32 + lane;
-        const bool inside = q * 8 < K;
-        cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem_row + q)), row + (inside ? q * 8 : 0),
-                    inside ? 16 : 0);
-    }
-    cp_async_commit();
-}
-
 // ---- Bulk copies: the TMA engine copies a contiguous global range into shared memory and reports the bytes on an
 // mbarrier, so a warp can keep rows in flight without holding them in registers. Addresses are shared-space
 // (__cvta_generic_to_shared); sizes and addresses are multiples of 16 bytes.
