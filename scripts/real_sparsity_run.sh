@@ -6,6 +6,8 @@
 #     [TRAIN_KERNELS=true] [BENCH_ARGS="--batch 8 --train-batch 2"] \
 #     bash scripts/real_sparsity_run.sh [train.py overrides...]
 # TOKENS is a token file prefix (scripts/tokenize_corpus.py); data/embedded is written when missing.
+# One step checkpoint is kept: at 2B one holds ~25 GB with its optimizer state, and the GPU machine's 64 GB disk ran
+# full holding two while a third was written (2026-11-27).
 # TRAIN_KERNELS: train.py's train_kernels (layers train on the sparse kernels once sparse enough) and bench_model's
 # --train-kernels.
 # Watch l0/mean in outputs/$RUN/metrics.jsonl: raise L1 if it stays above ~40, lower it if it falls under ~24.
@@ -28,8 +30,8 @@ BENCH_ARGS=${BENCH_ARGS:-"--batch 8 --train-batch 2"}
 if [ ! -d "outputs/$RUN/final" ]; then
   python train.py model="$SIZE" l1="$L1" train_kernels="$TRAIN_KERNELS" data=tokens "data.paths=[$TOKENS.bin]" \
     trainer.max_steps="$STEPS" trainer.global_batch="$GLOBAL_BATCH" trainer.micro_batch=4 trainer.warmup_steps=50 \
-    seed=0 run_name="$RUN" checkpoint.every="$CHECKPOINT_EVERY" checkpoint.resume=auto logging.wandb=false \
-    logging.progress_bar=false "$@"
+    seed=0 run_name="$RUN" checkpoint.every="$CHECKPOINT_EVERY" checkpoint.keep_last=1 checkpoint.resume=auto \
+    logging.wandb=false logging.progress_bar=false "$@"
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
 python scripts/bench_model.py --checkpoint "outputs/$RUN/final" --tokens "$TOKENS" $BENCH_ARGS --markdown BENCHMARKS.md

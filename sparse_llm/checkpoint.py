@@ -65,16 +65,27 @@ def save_checkpoint(
     rank_state: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write the checkpoint of `step` on all ranks (collective: every rank must call it)."""
+    """Write the checkpoint of `step` on all ranks (collective: every rank must call it).
+
+    keep_last > 0: at most that many step checkpoints on disk, the one being written included, but never fewer than
+    one complete one while it is written (so a crash mid-write still leaves one to resume from). A write that fails
+    (a full disk) removes its partial directory and raises CheckpointWriteError saying what to change."""
     final = checkpoint_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process:
+        if keep_last > 0:  # room first: a 2B model's checkpoint with its optimizer state is ~25 GB
+            for old in list_checkpoints(run_dir)[: -max(keep_last - 1, 1)]:
+                shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
-    torch.save(rank_state, partial / f"rank_{accelerator.process_index}.pt")
-    export_model(accelerator, model, tokenizer, partial / "model")
+    try:
+        accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
+        torch.save(rank_state, partial / f"rank_{accelerator.process_index}.pt")
+        export_model(accelerator, model, tokenizer, partial / "model")
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(write_failure(err, run_dir, step, keep_last)) from err
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -83,6 +94,28 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A step checkpoint could not be written (its partial directory is removed)."""
+
+
+def write_failure(err: OSError, run_dir: Path, step: int, keep_last: int) -> str:
+    """What a failed checkpoint write says: the error, the disk's free space against the last checkpoint's size, the
+    checkpoint a resume would start from, and the settings that need less disk."""
+    complete = list_checkpoints(run_dir)
+    free_gb = shutil.disk_usage(run_dir).free / 1e9
+    if complete:
+        size_gb = sum(f.stat().st_size for f in complete[-1].rglob("*") if f.is_file()) / 1e9
+        last = f"{complete[-1]} ({size_gb:.1f} GB) is complete: checkpoint.resume=auto resumes from it"
+    else:
+        last = "no complete checkpoint exists yet"
+    return (
+        f"Writing the step-{step} checkpoint under {run_dir / 'checkpoints'} failed: {err}. {free_gb:.1f} GB are free "
+        f"there; {last}. Free disk space, lower checkpoint.keep_last (now {keep_last}: a run holds that many "
+        "checkpoints between writes, and at least two while one is written), raise checkpoint.every, or put the run "
+        "on a larger disk."
+    )
 
 
 def export_model(accelerator: Accelerator, model: Any, tokenizer: Any, out_dir: Path) -> None:

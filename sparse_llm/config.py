@@ -58,7 +58,7 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 500  # optimizer steps between checkpoints (0: only the final model)
-    keep_last: int = 2  # older step checkpoints are deleted
+    keep_last: int = 2  # step checkpoints kept (<= 0: all); older ones go before a new one is written, one stays
     resume: str = ""  # "" (fresh run) | auto (latest checkpoint of this run dir, if any) | <checkpoint path>
 
 

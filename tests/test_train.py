@@ -307,6 +307,51 @@ def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, caplog):
     assert not (tmp_path / "final.partial").exists() and (tmp_path / "final" / "config.json").is_file()
 
 
+def test_checkpoints_make_room_before_a_write(tmp_path, monkeypatch):
+    """With keep_last=2 the oldest checkpoint goes before the next is written, so the disk never holds three (one
+    complete checkpoint stays while the new one is written)."""
+    from sparse_llm import checkpoint
+
+    on_disk = []
+    real_export = checkpoint.export_model
+
+    def export(accelerator, model, tokenizer, out_dir):
+        if out_dir.name == "model":  # a step checkpoint's (final/ is exported too)
+            on_disk.append((out_dir.parent.name, [p.name for p in list_checkpoints(tmp_path)]))
+        real_export(accelerator, model, tokenizer, out_dir)
+
+    monkeypatch.setattr(checkpoint, "export_model", export)
+    train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
+    assert on_disk == [("step_2.partial", []), ("step_4.partial", ["step_2"]), ("step_6.partial", ["step_4"])]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
+
+
+def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp_path, monkeypatch):
+    """A full disk at the step-4 checkpoint: an error naming the failure, the free space, the complete checkpoint to
+    resume from and the settings to change; the partial directory is gone and step 2's checkpoint resumes."""
+    from sparse_llm import checkpoint
+
+    real_export = checkpoint.export_model
+
+    def export(accelerator, model, tokenizer, out_dir):
+        if out_dir.parent.name == "step_4.partial":
+            raise OSError(28, "No space left on device")
+        real_export(accelerator, model, tokenizer, out_dir)
+
+    monkeypatch.setattr(checkpoint, "export_model", export)
+    common = ["trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=1"]
+    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
+        train(small_config(*common), tmp_path)
+    message = str(failure.value)
+    for part in ("step-4 checkpoint", "No space left on device", "GB are free", "step_2 (", "checkpoint.resume=auto",
+                 "checkpoint.keep_last (now 1", "checkpoint.every"):
+        assert part in message, part
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
+    monkeypatch.setattr(checkpoint, "export_model", real_export)
+    train(small_config(*common, "checkpoint.resume=auto"), tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_6"]
+
+
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped, and left alone
 def test_deferred_clipping_in_fused_adamw_matches_clip_grad_norm(max_norm):
     from sparse_llm.training import defer_clipping
