@@ -72,8 +72,9 @@ a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0
 
 (`bash scripts/real_sparsity_run.sh` runs these three steps, resuming the training when re-run.)
 Measured on an H100 (BENCHMARKS.md, 2026-11-27): the training takes 4 minutes (34.5k tokens/s with the sparse
-training kernels, their compilation included) and ends at L0 25 and 17 per token in two runs (the second after a
-change to the heavy tokens' gradient rounding, enough for the trajectories to part), 30 with l1=4e-4 and seed=1.
+training kernels, their compilation included) and ends at L0 17-25 per token in four runs of the same seed (code
+changes between them, enough for the trajectories to part; 24.4-30.3 on this script's inputs), 30 with l1=4e-4 and
+seed=1.
 On the 1B shape l1=5e-4 gave 22 on data/embedded, and l1=2e-4 gave 25-30 on data/docs but 127 on data/embedded.
 Raise L1 if `l0/mean` is still above ~40 when it stops falling, lower it if it drops under ~24; record the value,
 steps and seed used next to the numbers.

@@ -13,8 +13,8 @@
 # Watch l0/mean in outputs/$RUN/metrics.jsonl: raise L1 if it stays above ~40, lower it if it falls under ~24.
 # Seen on an H100 (BENCHMARKS.md), SIZE=1b STEPS=200 GLOBAL_BATCH=8 on data/docs: L1=2e-4 settles at 25-30
 # non-zeros/token (99.5%) from step 150, 36% of the neurons dead; L1=1e-3 fell to ~2 with 70-88% dead.
-# SIZE=2b STEPS=200 GLOBAL_BATCH=8 L1=5e-4 (4 min on an H100 with the training kernels): L0 25 and 17 at step
-# 200 in two runs (code changed between them), 30-42% dead; L1=4e-4 seed=1: 30 at step 200.
+# SIZE=2b STEPS=200 GLOBAL_BATCH=8 L1=5e-4 (4 min on an H100 with the training kernels): L0 17-25 at step 200 in
+# four runs, 24.4-30.3 on bench_model's inputs, 27-42% dead; L1=4e-4 seed=1: 30 at step 200.
 set -euo pipefail
 SIZE=${SIZE:-2b}
 L1=${L1:-5e-4}
