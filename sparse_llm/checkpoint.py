@@ -85,7 +85,7 @@ def save_checkpoint(
         export_model(accelerator, model, tokenizer, partial / "model")
     except OSError as err:
         shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointWriteError(write_failure(err, run_dir, step, keep_last)) from err
+        raise CheckpointWriteError(write_failure(err, final, run_dir, keep_last)) from err
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -97,12 +97,12 @@ def save_checkpoint(
 
 
 class CheckpointWriteError(RuntimeError):
-    """A step checkpoint could not be written (its partial directory is removed)."""
+    """A step checkpoint or the final model could not be written (its partial directory is removed)."""
 
 
-def write_failure(err: OSError, run_dir: Path, step: int, keep_last: int) -> str:
-    """What a failed checkpoint write says: the error, the disk's free space against the last checkpoint's size, the
-    checkpoint a resume would start from, and the settings that need less disk."""
+def write_failure(err: OSError, target: Path, run_dir: Path, keep_last: int) -> str:
+    """What a failed write of `target` (a step checkpoint or final/) says: the error, the disk's free space against the
+    last checkpoint's size, the checkpoint a resume would start from, and the settings that need less disk."""
     complete = list_checkpoints(run_dir)
     free_gb = shutil.disk_usage(run_dir).free / 1e9
     if complete:
@@ -111,8 +111,7 @@ def write_failure(err: OSError, run_dir: Path, step: int, keep_last: int) -> str
     else:
         last = "no complete checkpoint exists yet"
     return (
-        f"Writing the step-{step} checkpoint under {run_dir / 'checkpoints'} failed: {err}. {free_gb:.1f} GB are free "
-        f"there; {last}. Free disk space, lower checkpoint.keep_last (now {keep_last}: a run holds that many "
+        f"Writing {target} failed: {err}. {free_gb:.1f} GB are free there; {last}. Free disk space, lower checkpoint.keep_last (now {keep_last}: a run holds that many "
         "checkpoints between writes, and at least two while one is written), raise checkpoint.every, or put the run "
         "on a larger disk."
     )

@@ -343,13 +343,35 @@ def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp
     with pytest.raises(checkpoint.CheckpointWriteError) as failure:
         train(small_config(*common), tmp_path)
     message = str(failure.value)
-    for part in ("step-4 checkpoint", "No space left on device", "GB are free", "step_2 (", "checkpoint.resume=auto",
-                 "checkpoint.keep_last (now 1", "checkpoint.every"):
+    for part in ("checkpoints/step_4 failed", "No space left on device", "GB are free", "step_2 (",
+                 "checkpoint.resume=auto", "checkpoint.keep_last (now 1", "checkpoint.every"):
         assert part in message, part
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
     monkeypatch.setattr(checkpoint, "export_model", real_export)
     train(small_config(*common, "checkpoint.resume=auto"), tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_6"]
+
+
+def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_resume(tmp_path, monkeypatch):
+    """A full disk when final/ is written: no final.partial is left, the error names the step-4 checkpoint, and a
+    resume from it writes final/."""
+    from sparse_llm import checkpoint
+
+    real_export = checkpoint.export_model
+
+    def export(accelerator, model, tokenizer, out_dir):
+        if out_dir.name == "final.partial":
+            raise OSError(28, "No space left on device")
+        real_export(accelerator, model, tokenizer, out_dir)
+
+    monkeypatch.setattr(checkpoint, "export_model", export)
+    common = ["trainer.max_steps=4", "checkpoint.every=4"]
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"final failed: .*No space left.*step_4 \("):
+        train(small_config(*common), tmp_path)
+    assert not (tmp_path / "final.partial").exists() and not (tmp_path / "final").exists()
+    monkeypatch.setattr(checkpoint, "export_model", real_export)
+    train(small_config(*common, "checkpoint.resume=auto"), tmp_path)
+    assert (tmp_path / "final" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped, and left alone
