@@ -111,9 +111,9 @@ def write_failure(err: OSError, target: Path, run_dir: Path, keep_last: int) -> 
     else:
         last = "no complete checkpoint exists yet"
     return (
-        f"Writing {target} failed: {err}. {free_gb:.1f} GB are free there; {last}. Free disk space, lower checkpoint.keep_last (now {keep_last}: a run holds that many "
-        "checkpoints between writes, and at least two while one is written), raise checkpoint.every, or put the run "
-        "on a larger disk."
+        f"Writing {target} failed: {err}. {free_gb:.1f} GB are free there; {last}. Free disk space, lower "
+        f"checkpoint.keep_last (now {keep_last}: a run holds that many checkpoints between writes, and at least two "
+        "while one is written), raise checkpoint.every, or put the run on a larger disk."
     )
 
 
