@@ -13,9 +13,11 @@ leaves a directory that `resume=auto` would pick up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +81,10 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    try:
+    with written_or_removed(partial, final, run_dir, keep_last):
         accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
         torch.save(rank_state, partial / f"rank_{accelerator.process_index}.pt")
         export_model(accelerator, model, tokenizer, partial / "model")
-    except OSError as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointWriteError(write_failure(err, final, run_dir, keep_last)) from err
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -100,7 +99,18 @@ class CheckpointWriteError(RuntimeError):
     """A step checkpoint or the final model could not be written (its partial directory is removed)."""
 
 
-def write_failure(err: OSError, target: Path, run_dir: Path, keep_last: int) -> str:
+@contextlib.contextmanager
+def written_or_removed(partial: Path, target: Path, run_dir: Path, keep_last: int) -> Iterator[None]:
+    """Around the writes into `partial` (renamed to `target`, a step checkpoint or final/, once complete): an OSError
+    (a full disk) removes `partial` and becomes a CheckpointWriteError saying what to change."""
+    try:
+        yield
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(err, target, run_dir, keep_last)) from err
+
+
+def _write_failure(err: OSError, target: Path, run_dir: Path, keep_last: int) -> str:
     """What a failed write of `target` (a step checkpoint or final/) says: the error, the disk's free space against the
     last checkpoint's size, the checkpoint a resume would start from, and the settings that need less disk."""
     complete = list_checkpoints(run_dir)

@@ -641,13 +641,8 @@ class Trainer:
         """Write `final/` atomically (eval.py picks the newest `final/`, never a half-written one)."""
         final = self.run_dir / "final"
         partial = final.with_name("final.partial")
-        try:
+        with ckpt.written_or_removed(partial, final, self.run_dir, self.cfg.checkpoint.keep_last):
             ckpt.export_model(self.acc, self.model, self.data.tokenizer, partial)
-        except OSError as err:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise ckpt.CheckpointWriteError(
-                ckpt.write_failure(err, final, self.run_dir, self.cfg.checkpoint.keep_last)
-            ) from err
         if self.acc.is_main_process:
             summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.cfg.l1}
             (partial / "training_summary.json").write_text(json.dumps(summary, indent=1))
