@@ -3,9 +3,12 @@
 `kernel=torch` or `kernel=twell` force one backend for every layer (a forced backend that cannot run
 here is an error, never a silent fallback). `kernel=auto` asks each available backend's cost model
 for the layer's last measured sparsity and takes the cheapest, with hysteresis so a layer near the
-break-even point does not flip back and forth. In training, `auto` considers the sparse backends only where
-`train_kernels` is on (train.py's `train_kernels=true`): a sparse training step needs the host to keep up with
-the GPU (compiled layers, CUDA graphs, 6k+ tokens per micro-batch), which the cost models cannot see.
+break-even point does not flip back and forth. Where the sparse and dense prices of an inference call on a GPU lie
+within TRIAL_BAND of each other, the layer times both paths once on that call's inputs (per token count and
+density bucket) and keeps the faster: a price knows the layer's density, not how its neurons share the GPU's caches.
+In training, `auto` considers the sparse backends only where `train_kernels` is on (train.py's `train_kernels=true`):
+a sparse training step needs the host to keep up with the GPU (compiled layers, CUDA graphs, 6k+ tokens per
+micro-batch), which the cost models cannot see.
 
 Rank consistency: in distributed training the decision must be the same on every rank (or ranks
 would run different kernels and disagree on statistics). The trainer therefore feeds `observe` with
@@ -18,6 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +36,17 @@ KERNEL_CHOICES = ("auto", "torch", "twell")
 RETIRED_OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
+# Sparse and dense prices within this factor of each other (either way) are settled by a trial of both paths on the
+# call's own inputs: a trained model's hot neurons keep their weight rows in L2, so its walks run faster than the
+# price (fitted on evenly spread non-zeros) says at the same density. Further apart, the price stands.
+TRIAL_BAND = 1.5
+# In a trial the sparse path must beat the dense one by this factor: a smaller lead is within a trial's noise.
+TRIAL_MARGIN = 0.97
+TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
+TRIAL_BUCKETS = 4  # density buckets per doubling of the mean non-zeros per token: a trial holds within one
+TOKEN_BUCKETS = 2  # token-count buckets per doubling of the tokens in a call, likewise
+
+Key = TypeVar("Key", bound=Hashable)
 
 _warned: set[str] = set()
 
@@ -49,6 +65,34 @@ def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     values = torch.stack([l0_M.mean(), l0_M.max(), heavy_M.float().mean(), (l0_M * heavy_M).sum(), l0_M.sum()])
     mean, top, heavy_tokens, heavy_nonzeros, nonzeros = values.tolist()
     return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
+
+
+def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key, float]:
+    """Each of `calls` timed on the current CUDA stream: one untimed run each (a first call may load its kernels), then
+    `reps` rounds of all of them in turn between CUDA events; each call's best time (the least disturbed) in ms.
+    Waits for the GPU once."""
+    for call in calls.values():
+        call()
+    events: dict[Key, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {key: [] for key in calls}
+    for _ in range(reps):
+        for key, call in calls.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            events[key].append((start, end))
+    end.synchronize()  # the last event recorded: every timed call is done
+    return {key: min(s.elapsed_time(e) for s, e in pairs) for key, pairs in events.items()}
+
+
+def can_time(x: torch.Tensor) -> bool:
+    """Whether a trial may time calls on x's device now: a GPU, and no CUDA graph being captured (a trial waits for
+    the GPU, which a capture forbids)."""
+    return x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def _bucket(value: float, per_doubling: int) -> int:
+    return round(per_doubling * math.log2(max(value, 1.0)))
 
 
 def validate_kernel(kernel: str) -> None:
@@ -71,6 +115,7 @@ class LayerDispatcher:
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known
         self.current = "torch"
+        self.trials: dict[tuple[int, int], str] = {}  # (tokens, density) buckets -> the backend a trial found faster
 
     @property
     def l0(self) -> tuple[float, float] | None:
@@ -84,10 +129,12 @@ class LayerDispatcher:
         self.tail = tail
 
     def choose(
-        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False
-    ) -> FFNBackend:
+        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False,
+        trial: Callable[[FFNBackend], object] | None = None,
+    ) -> FFNBackend:  # fmt: skip
         """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight; `compiled`:
-        the layer runs its torch ops through torch.compile (the dense path is cheaper then)."""
+        the layer runs its torch ops through torch.compile (the dense path is cheaper then). `trial(backend)` runs
+        this inference call's block on `backend` (for a trial where the prices are close; see TRIAL_BAND)."""
         if self.kernel != "auto":
             backend = get_backend(self.kernel)
             reason = backend.unavailable_reason(x_MK.device)
@@ -98,10 +145,13 @@ class LayerDispatcher:
                 )
             self.current = backend.name
             return backend
-        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled)
+        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled, trial)
         return get_backend(self.current)
 
-    def _cheapest(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool) -> str:
+    def _cheapest(
+        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool,
+        trial: Callable[[FFNBackend], object] | None,
+    ) -> str:  # fmt: skip
         if self.l0_mean is None:
             return "torch"  # no measurement yet
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
@@ -122,6 +172,26 @@ class LayerDispatcher:
                 estimates[name] = ms
         dense_ms = estimates.get("torch", math.inf)
         best = min(estimates, key=estimates.get, default="torch")
+        sparse = min((name for name in estimates if name != "torch"), key=estimates.get, default=None)
+        if trial is not None and not training and sparse is not None and "torch" in estimates:
+            if 1 / TRIAL_BAND <= estimates[sparse] / dense_ms <= TRIAL_BAND:
+                measured = self._tried(x_MK, sparse, trial)
+                if measured is not None:
+                    return measured
         if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
             return "torch"
         return best
+
+    def _tried(self, x_MK: torch.Tensor, sparse: str, trial: Callable[[FFNBackend], object]) -> str | None:
+        """"torch" or `sparse`, whichever a trial on this call found faster at its token count's and density's buckets
+        (one trial per pair, remembered: lm-eval's and generation's token counts vary from call to call); None where
+        no trial can run now (`can_time`)."""
+        key = (_bucket(x_MK.shape[0], TOKEN_BUCKETS), _bucket(self.l0_mean, TRIAL_BUCKETS))
+        if key not in self.trials:
+            if not can_time(x_MK):
+                return None
+            ms = best_times_ms({name: lambda name=name: trial(get_backend(name)) for name in ("torch", sparse)},
+                               TRIAL_REPS)  # fmt: skip
+            self.trials[key] = sparse if ms[sparse] <= TRIAL_MARGIN * ms["torch"] else "torch"
+            log.debug("trial at %s: %s ms -> %s", key, ms, self.trials[key])
+        return self.trials[key]

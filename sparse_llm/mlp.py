@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from sparse_llm.backends import FFNResult
+from sparse_llm.backends import FFNBackend, FFNResult
 from sparse_llm.dispatch import LayerDispatcher, density_of
 
 # Outside the trainer, a layer refreshes its backend decision from its own statistics on its first call
@@ -66,20 +66,23 @@ class SparseMLP(nn.Module):
             raise ValueError(f"residual has shape {list(residual.shape)}; it must match x's {list(x.shape)}")
         training = torch.is_grad_enabled()
         compiled = self.compile_backend is not None
-        backend = self.dispatcher.choose(x_MK, self.gate_proj.weight, training=training, compiled=compiled)
         observing = self.self_observe and self._calls % SELF_OBSERVE_EVERY == 0
-        result = backend.forward(
-            x_MK,
-            self.gate_proj.weight,
-            self.up_proj.weight,
-            self.down_proj.weight,
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        call = dict(
             training=training,
-            statistics=self.record_statistics or observing,
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
             l0=self.dispatcher.l0,
             tail=self.dispatcher.tail,
         )
+
+        def trial(backend: FFNBackend) -> object:  # this call on `backend`, for a trial of the dispatcher's
+            return backend.forward(x_MK, *weights, statistics=False, **call)
+
+        backend = self.dispatcher.choose(
+            x_MK, weights[0], training=training, compiled=compiled, trial=None if training else trial
+        )
+        result = backend.forward(x_MK, *weights, statistics=self.record_statistics or observing, **call)
         self.last_result = result
         if observing and result.l0_M.numel():
             self.dispatcher.observe(*density_of(result.l0_M))

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
+from sparse_llm.dispatch import best_times_ms
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -1186,26 +1187,15 @@ def _mean_bucket(l0_mean: float) -> int:
 
 
 def measured_walk(key: tuple[int, int, int, int], walk_through: Callable[[str], object]) -> str:
-    """The faster of the two walks for `key` (M, K, N, the density bucket): timed once per key with CUDA events around
-    `walk_through(walk)` (which runs the block through that walk on the calling layer's inputs), then remembered for
-    every layer of that shape and density (a model's layers fire alike). The trial waits for the GPU once; while a
-    CUDA graph is being captured it cannot, and the price's choice ("slices") stands."""
+    """The faster of the two walks for `key` (M, K, N, the density bucket): timed once per key (`best_times_ms`
+    around `walk_through(walk)`, which runs the block through that walk on the calling layer's inputs), then
+    remembered for every layer of that shape and density (a model's layers fire alike). The trial waits for the GPU
+    once; while a CUDA graph is being captured it cannot, and the price's choice ("slices") stands."""
     if key in _measured_walks:
         return _measured_walks[key]
     if torch.cuda.is_current_stream_capturing():
         return "slices"
-    for walk in WALKS:  # untimed: the first call of a walk may load its kernels
-        walk_through(walk)
-    events = {walk: [] for walk in WALKS}
-    for _ in range(WALK_TRIAL_REPS):
-        for walk in WALKS:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            walk_through(walk)
-            end.record()
-            events[walk].append((start, end))
-    end.synchronize()  # the last event recorded: every timed call is done
-    best_ms = {walk: min(s.elapsed_time(e) for s, e in pairs) for walk, pairs in events.items()}
+    best_ms = best_times_ms({walk: functools.partial(walk_through, walk) for walk in WALKS}, WALK_TRIAL_REPS)
     if len(_measured_walks) >= 4096:  # shapes x densities: a bound that one model never reaches
         _measured_walks.clear()
     _measured_walks[key] = min(best_ms, key=best_ms.get)

@@ -1,5 +1,7 @@
 """The per-layer `auto` choice: cheapest available backend that accepts the inputs, with hysteresis."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -127,3 +129,86 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
         mlp(x)
     assert seen[0] == (None, None) and observed[0][0] is not None and seen[1] == observed
     assert observed[0][1] >= observed[0][0] and 0.0 <= observed[1].tokens <= 1.0
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Trials on the CPU: `can_time` says yes and `best_times_ms` runs each call once and returns `timed.ms`."""
+    record = SimpleNamespace(ms={}, trials=0)
+
+    def best_times_ms(calls, reps):
+        record.trials += 1
+        for call in calls.values():
+            call()
+        return {key: record.ms[key] for key in calls}
+
+    monkeypatch.setattr(dispatch, "can_time", lambda x: True)
+    monkeypatch.setattr(dispatch, "best_times_ms", best_times_ms)
+    return record
+
+
+def close_prices(fake, ratio: float) -> tuple[LayerDispatcher, torch.Tensor, torch.Tensor]:
+    """A dispatcher at 3 non-zeros per token whose fake sparse price is `ratio` times the dense one."""
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(3.0, 9.0)
+    x, w = torch.zeros(4096, 2048, dtype=torch.bfloat16), torch.zeros(5632, 2048, dtype=torch.bfloat16)
+    fake.ms = ratio * TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
+    return dispatcher, x, w
+
+
+def test_close_prices_are_settled_by_a_trial_once_per_token_count_and_density(fake, timed):
+    ran = []
+    dispatcher, x, w = close_prices(fake, 1.2)  # priced dense...
+    timed.ms = {"torch": 1.0, "fake": 0.8}  # ...measured sparse
+    assert dispatcher.choose(x, w, False, trial=lambda backend: ran.append(backend.name)).name == "fake"
+    assert timed.trials == 1 and sorted(ran) == ["fake", "torch"]
+    assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1  # remembered
+    dispatcher.observe(3.05, 9.0)  # the same density bucket
+    assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1
+    timed.ms = {"torch": 1.0, "fake": 0.98}  # within the trial's margin: dense
+    dispatcher.observe(6.0, 18.0)
+    assert dispatcher.choose(x, w, False, trial=ran.append).name == "torch" and timed.trials == 2
+    assert dispatcher.choose(x[:3900], w, False, trial=ran.append).name == "torch" and timed.trials == 2  # ~ M
+    fake.ms = 1.2 * TorchFFN().estimated_ms(2048, 2048, 5632, 6.0, 18.0, False)
+    assert dispatcher.choose(x[:2048], w, False, trial=ran.append).name == "torch" and timed.trials == 3  # new M
+
+
+def test_prices_far_apart_training_and_untimeable_calls_take_the_price(fake, timed, monkeypatch):
+    timed.ms = {"torch": 0.5, "fake": 1.0}  # a trial would say dense
+    dispatcher, x, w = close_prices(fake, 0.5)  # far enough apart: the price stands
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake"
+    dispatcher, x, w = close_prices(fake, 0.8)
+    assert dispatcher.choose(x, w, False).name == "fake"  # no trial offered
+    training = LayerDispatcher("auto", train_kernels=True)
+    training.observe(3.0, 9.0)
+    assert training.choose(x, w, True, trial=lambda b: None).name == "fake"
+    monkeypatch.setattr(dispatch, "can_time", lambda x: False)  # e.g. a CUDA graph being captured
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake"
+    assert timed.trials == 0
+
+
+def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypatch):
+    """SparseMLP offers the dispatcher its inference calls (the same inputs, residual and hints, no statistics), and
+    none of its training calls."""
+    seen = []
+    forward = TorchFFN.forward
+
+    def recording(self, x_MK, *weights, **kwargs):
+        seen.append((self.name, x_MK.shape, kwargs["statistics"], kwargs["residual_MK"] is not None))
+        return forward(TorchFFN(), x_MK, *weights, **kwargs)
+
+    monkeypatch.setattr(TorchFFN, "forward", recording)
+    monkeypatch.setattr(FakeSparse, "forward", recording)
+    timed.ms = {"torch": 1.0, "fake": 0.5}
+    mlp = SparseMLP(64, 256, kernel="auto").bfloat16()
+    mlp.dispatcher.observe(3.0, 9.0)
+    fake.ms = 1.1 * TorchFFN().estimated_ms(6, 64, 256, 3.0, 9.0, False)
+    x = torch.randn(2, 3, 64).bfloat16()
+    with torch.no_grad():
+        mlp(x, residual=torch.zeros_like(x))
+    assert timed.trials == 1 and mlp.dispatcher.current == "fake"
+    assert sorted(seen[:2]) == [("fake", (6, 64), False, True), ("torch", (6, 64), False, True)]
+    assert seen[2][0] == "fake" and len(seen) == 3
+    mlp.dispatcher.trials.clear()
+    mlp(x.requires_grad_())  # training: priced, no trial
+    assert timed.trials == 1

@@ -588,3 +588,24 @@ def test_runs_on_current_stream():
         got = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN).y_MK
     torch.cuda.current_stream().wait_stream(stream)
     assert math.isclose((got.float() - expected.float()).abs().max().item(), 0.0, abs_tol=1e-6)
+
+
+def test_auto_layer_settles_close_prices_by_a_trial(monkeypatch):
+    """Where the prices are close (here: any prices), an `auto` layer times both paths once on its call and keeps the
+    faster for that token count and density; its output is the block's either way."""
+    from sparse_llm import dispatch
+    from sparse_llm.mlp import SparseMLP
+
+    monkeypatch.setattr(dispatch, "TRIAL_BAND", 1e9)
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=80, sigma=0.3, seed=11)
+    mlp = SparseMLP(2048, 5632, kernel="auto").to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for linear, w in ((mlp.gate_proj, w_gate_NK), (mlp.up_proj, w_up_NK), (mlp.down_proj, w_down_KN)):
+            linear.weight.copy_(w)
+        mlp.dispatcher.observe(*density_of((F.linear(x_MK, w_gate_NK) > 0).sum(dim=1)))
+        y_MK = mlp(x_MK)
+        assert list(mlp.dispatcher.trials.values()) in (["torch"], ["twell"])
+        assert mlp.dispatcher.current == next(iter(mlp.dispatcher.trials.values()))
+        assert_close_to_ref(y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
+        mlp(x_MK)
+    assert len(mlp.dispatcher.trials) == 1
