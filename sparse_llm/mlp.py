@@ -76,7 +76,7 @@ class SparseMLP(nn.Module):
             tail=self.dispatcher.tail,
         )
 
-        def trial(backend: FFNBackend) -> object:  # this call on `backend`, for a trial of the dispatcher's
+        def trial(backend: FFNBackend) -> object:  # this call's block on `backend`, for the dispatcher to time
             return backend.forward(x_MK, *weights, statistics=False, **call)
 
         backend = self.dispatcher.choose(
