@@ -45,6 +45,13 @@ TRIAL_MARGIN = 0.97
 TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
 TRIAL_BUCKETS = 4  # density buckets per doubling of the mean non-zeros per token: a trial holds within one
 TOKEN_BUCKETS = 2  # token-count buckets per doubling of the tokens in a call, likewise
+# SPARSE_LLM_AUTO=priced: no trials, the prices decide (bit-reproducible choices); "measured" (default) runs them.
+AUTO_CHOICE_ENV = "SPARSE_LLM_AUTO"
+CHOICES = ("measured", "priced")
+AUTO_CHOICE_MEANING = (
+    "measured: where a layer's prices are close, time both paths once on its tokens; priced: the cost model's choice, "
+    "bit-reproducible"
+)
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -89,6 +96,15 @@ def can_time(x: torch.Tensor) -> bool:
     """Whether a trial may time calls on x's device now: a GPU, and no CUDA graph being captured (a trial waits for
     the GPU, which a capture forbids)."""
     return x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def env_choice(env: str, meaning: str) -> str:
+    """The environment variable `env`'s choice between a measured and a priced decision: "measured" (default) or
+    "priced"; `meaning` says what each does, for the error on any other value."""
+    choice = os.environ.get(env, "measured")
+    if choice not in CHOICES:
+        raise ValueError(f"{env}={choice!r} is not valid; use one of {list(CHOICES)} ({meaning})")
+    return choice
 
 
 def _bucket(value: float, per_doubling: int) -> int:
@@ -173,7 +189,8 @@ class LayerDispatcher:
         dense_ms = estimates.get("torch", math.inf)
         best = min(estimates, key=estimates.get, default="torch")
         sparse = min((name for name in estimates if name != "torch"), key=estimates.get, default=None)
-        if trial is not None and not training and sparse is not None and "torch" in estimates:
+        trials = trial is not None and not training and sparse is not None and "torch" in estimates
+        if trials and env_choice(AUTO_CHOICE_ENV, AUTO_CHOICE_MEANING) == "measured":
             if 1 / TRIAL_BAND <= estimates[sparse] / dense_ms <= TRIAL_BAND:
                 measured = self._tried(x_MK, sparse, trial)
                 if measured is not None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -56,7 +55,7 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
-from sparse_llm.dispatch import best_times_ms
+from sparse_llm.dispatch import best_times_ms, env_choice
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -200,7 +199,6 @@ WALKS = ("rows", "slices")
 # at that shape and density keep the faster (`measured_walk`); SPARSE_LLM_TWELL_WALK=priced trusts the price
 # (deterministic: the two walks round h differently).
 WALK_CHOICE_ENV = "SPARSE_LLM_TWELL_WALK"
-WALK_CHOICES = ("measured", "priced")
 WALK_TRIAL_REPS = 2  # timed calls per walk in a trial, after one untimed call each
 WALK_TRIAL_BUCKETS = 2  # densities within a factor 2 ** (1 / this) of mean non-zeros share a trial
 _measured_walks: dict[tuple[int, int, int, int], str] = {}
@@ -1173,13 +1171,10 @@ def _finished(
 
 def walk_choice() -> str:
     """How a walk priced for slices is settled: SPARSE_LLM_TWELL_WALK, "measured" (default) or "priced"."""
-    choice = os.environ.get(WALK_CHOICE_ENV, "measured")
-    if choice not in WALK_CHOICES:
-        raise ValueError(
-            f"{WALK_CHOICE_ENV}={choice!r} is not valid; use one of {list(WALK_CHOICES)} (measured: time both walks "
-            "once per shape and density; priced: the cost model's choice, bit-reproducible)"
-        )
-    return choice
+    return env_choice(
+        WALK_CHOICE_ENV,
+        "measured: time both walks once per shape and density; priced: the cost model's choice, bit-reproducible",
+    )
 
 
 def _mean_bucket(l0_mean: float) -> int:

@@ -212,3 +212,16 @@ def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypat
     mlp.dispatcher.trials.clear()
     mlp(x.requires_grad_())  # training: priced, no trial
     assert timed.trials == 1
+
+
+def test_priced_auto_runs_no_trials_and_bad_choices_are_named(fake, timed, monkeypatch):
+    """SPARSE_LLM_AUTO=priced: the prices decide (bit-reproducible); anything but measured/priced is an error."""
+    timed.ms = {"torch": 1.0, "fake": 0.5}
+    monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "priced")
+    dispatcher, x, w = close_prices(fake, 1.2)
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 0
+    monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "measured")
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake" and timed.trials == 1
+    monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match="SPARSE_LLM_AUTO='fast' is not valid; use one of"):
+        close_prices(fake, 1.2)[0].choose(x, w, False, trial=lambda b: None)
