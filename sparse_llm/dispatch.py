@@ -107,7 +107,9 @@ def env_choice(env: str, meaning: str) -> str:
     return choice
 
 
-def _bucket(value: float, per_doubling: int) -> int:
+def log_bucket(value: float, per_doubling: int) -> int:
+    """The bucket of `value` (>= 1 counted; below, as 1) on a log scale of `per_doubling` buckets per doubling: what
+    a trial's result is remembered by, so that values within a factor 2 ** (1 / per_doubling) share it."""
     return round(per_doubling * math.log2(max(value, 1.0)))
 
 
@@ -203,7 +205,7 @@ class LayerDispatcher:
         """"torch" or `sparse`, whichever a trial on this call found faster at its token count's and density's buckets
         (one trial per pair, remembered: lm-eval's and generation's token counts vary from call to call); None where
         no trial can run now (`can_time`)."""
-        key = (_bucket(x_MK.shape[0], TOKEN_BUCKETS), _bucket(self.l0_mean, TRIAL_BUCKETS))
+        key = (log_bucket(x_MK.shape[0], TOKEN_BUCKETS), log_bucket(self.l0_mean, TRIAL_BUCKETS))
         if key not in self.trials:
             if not can_time(x_MK):
                 return None

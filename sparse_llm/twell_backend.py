@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
-from sparse_llm.dispatch import best_times_ms, env_choice
+from sparse_llm.dispatch import best_times_ms, env_choice, log_bucket
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -1178,7 +1178,7 @@ def walk_choice() -> str:
 
 
 def _mean_bucket(l0_mean: float) -> int:
-    return round(WALK_TRIAL_BUCKETS * math.log2(max(l0_mean, 1.0)))
+    return log_bucket(l0_mean, WALK_TRIAL_BUCKETS)
 
 
 def measured_walk(key: tuple[int, int, int, int], walk_through: Callable[[str], object]) -> str:
