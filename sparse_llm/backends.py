@@ -118,6 +118,7 @@ class FFNBackend(abc.ABC):
         statistics: bool = True,
         compile_backend: str | None = None,
         residual_MK: torch.Tensor | None = None,
+        residual_writable: bool = False,
         l0: tuple[float, float] | None = None,
         tail: Tail | None = None,
     ) -> FFNResult:
@@ -125,7 +126,8 @@ class FFNBackend(abc.ABC):
         call skip L1/L0/fired where they cost extra work (a backend may still return them). `compile_backend`
         names a torch.compile backend for a block built from torch ops (None: eager); backends running their
         own kernels ignore it. With `residual_MK` ([M, K], a decoder layer's residual stream) the result's y_MK
-        is residual_MK + the block's output, which a backend may add as it writes y. `l0`: the layer's recent
+        is residual_MK + the block's output, which a backend may add as it writes y; `residual_writable` says the
+        caller no longer needs residual_MK, so y_MK may be written into its memory. `l0`: the layer's recent
         (mean, max) non-zeros per token, and `tail` its heavy tokens' shares, when known, which a backend may tune
         its launch by."""
 
@@ -151,15 +153,18 @@ def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dense_block(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, statistics: bool,
-    residual_MK: torch.Tensor | None = None,
+    residual_MK: torch.Tensor | None = None, residual_writable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(y_MK, l1_sum, l0_M, fired_N) of the gated block in torch ops (y_MK plus residual_MK when given); the last
-    three None without statistics."""
+    """(y_MK, l1_sum, l0_M, fired_N) of the gated block in torch ops (y_MK plus residual_MK when given, written into
+    residual_MK's memory when `residual_writable`); the last three None without statistics."""
     g_MN = F.relu(F.linear(x_MK, w_gate_NK))
     h_MN = g_MN * F.linear(x_MK, w_up_NK)
-    y_MK = F.linear(h_MN, w_down_KN)
-    if residual_MK is not None:
-        y_MK = residual_MK + y_MK
+    if residual_MK is None:
+        y_MK = F.linear(h_MN, w_down_KN)
+    elif residual_writable:
+        y_MK = add_linear_(residual_MK, h_MN, w_down_KN)
+    else:
+        y_MK = residual_MK + F.linear(h_MN, w_down_KN)
     if not statistics:
         return y_MK, None, None, None
     # Accumulated in fp32 (bf16 sums over 10^5+ terms lose most of their digits) without an fp32 copy
@@ -185,6 +190,20 @@ DENSE_WEIGHT_FIXED_MS = 0.010
 DENSE_WEIGHT_GBPS = 2800.0
 
 
+def add_linear_(
+    acc_MK: torch.Tensor, a_MJ: torch.Tensor, w_KJ: torch.Tensor, bias_K: torch.Tensor | None = None
+) -> torch.Tensor:
+    """acc_MK += F.linear(a_MJ, w_KJ, bias_K), in acc_MK's memory; returns acc_MK.
+
+    Without a bias and where the three dtypes agree this is one GEMM that reads acc_MK in its epilogue (cuBLAS's
+    beta = 1): at 16384 x 2048 x 2048 in bf16 on an H100, 187 us against 246 us for the GEMM and then an add, which
+    is a pass of its own over [M, K] (BENCHMARKS.md, 2026-11-27). Otherwise (a bias, or a bf16 product into an
+    fp32 stream under autocast) the GEMM and then an in-place add."""
+    if bias_K is None and acc_MK.dtype == a_MJ.dtype == w_KJ.dtype:
+        return acc_MK.addmm_(a_MJ, w_KJ.t())
+    return acc_MK.add_(F.linear(a_MJ, w_KJ, bias_K))
+
+
 def with_residual(result: FFNResult, residual_MK: torch.Tensor | None) -> FFNResult:
     """result with residual_MK added to its y_MK (for backends that cannot add it as they write y)."""
     if residual_MK is not None:
@@ -202,11 +221,18 @@ class TorchFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None, tail=None,
+        residual_writable=False, l0=None, tail=None,
     ):  # fmt: skip
-        block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # four passes over h saved without statistics: about 0.6 ms per layer at 16384 x 5632
-        y_MK, l1_sum, l0_M, fired_N = block(x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics, residual_MK)
+        stats = training or statistics
+        if compile_backend is None:
+            y_MK, l1_sum, l0_M, fired_N = dense_block(
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, stats, residual_MK, residual_writable and not training
+            )
+        else:  # a compiled block writes nothing in place: inductor would copy the result back into the input
+            y_MK, l1_sum, l0_M, fired_N = _compiled_dense_block(compile_backend)(
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, stats, residual_MK
+            )
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):

@@ -58,9 +58,13 @@ class SparseMLP(nn.Module):
     # torch.compile (e.g. `compile_layers`) runs this eagerly between the compiled parts of a layer: the backend
     # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_writable: bool = False
+    ) -> torch.Tensor:
         """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given: a decoder layer's residual add done here
-        (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output."""
+        (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output. With
+        `residual_writable` the caller gives up `residual`: the result may be written into its memory (the dense
+        path's down GEMM then adds into it, `backends.add_linear_`)."""
         x_MK = x.reshape(-1, self.hidden_size)
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual has shape {list(residual.shape)}; it must match x's {list(x.shape)}")
@@ -72,12 +76,20 @@ class SparseMLP(nn.Module):
             training=training,
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
+            residual_writable=residual_writable and residual is not None,
             l0=self.dispatcher.l0,
             tail=self.dispatcher.tail,
         )
+        scratch: list[torch.Tensor] = []
 
-        def trial(backend: FFNBackend) -> object:  # this call's block on `backend`, for the dispatcher to time
-            return backend.forward(x_MK, *weights, statistics=False, **call)
+        def trial(backend: FFNBackend) -> object:
+            """This call's block on `backend`, for the dispatcher to time as the call will run. A writable residual
+            is one the dense path adds into: the trial's calls add into a copy of it, made on the first (untimed)."""
+            if not call["residual_writable"]:
+                return backend.forward(x_MK, *weights, statistics=False, **call)
+            if not scratch:
+                scratch.append(call["residual_MK"].clone())
+            return backend.forward(x_MK, *weights, statistics=False, **{**call, "residual_MK": scratch[0]})
 
         backend = self.dispatcher.choose(
             x_MK, weights[0], training=training, compiled=compiled, trial=None if training else trial

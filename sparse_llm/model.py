@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+from sparse_llm.backends import add_linear_
 from sparse_llm.dispatch import LayerDispatcher
 from sparse_llm.mlp import SparseMLP
 from sparse_llm.rope import kernel_applies, rotate_half_qk
@@ -109,8 +110,11 @@ class FusedRopeAttention(LlamaAttention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        residual_BSK: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(o_proj's output, attention weights); with `residual_BSK` (which the caller gives up) the first is
+        residual_BSK + o_proj's output, added in its memory by the projection's GEMM (`backends.add_linear_`)."""
         input_shape = hidden_states.shape[:-1]
         heads_shape = (*input_shape, -1, self.head_dim)
         q_BSHD = self.q_proj(hidden_states).view(heads_shape)
@@ -135,7 +139,12 @@ class FusedRopeAttention(LlamaAttention):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.o_proj(out_BSHD.reshape(*input_shape, -1).contiguous()), weights
+        out_BSK = out_BSHD.reshape(*input_shape, -1).contiguous()
+        if residual_BSK is None:
+            return self.o_proj(out_BSK), weights
+        residual_MK = residual_BSK.reshape(-1, residual_BSK.shape[-1])
+        add_linear_(residual_MK, out_BSK.view(residual_MK.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
+        return residual_MK.view(residual_BSK.shape), weights
 
 
 class FusedDecoderLayer(LlamaDecoderLayer):
@@ -143,6 +152,12 @@ class FusedDecoderLayer(LlamaDecoderLayer):
     `compile_layers` the layer's graph then ends at the FFN, where tracing stops anyway, instead of a second compiled
     graph that only adds the residual (its own host call forward and backward in every layer), and the sparse
     inference kernels add the residual as they write their output (no pass of its own).
+
+    Without autograd (and outside torch.compile's tracing) the residual adds write into the residual stream's memory:
+    the attention's output projection and the dense FFN path's down projection add into it by their GEMMs
+    (`backends.add_linear_`), one [M, K] pass less each per layer. The stream after the attention is the layer's
+    own; its input it overwrites only with `own_input=True`, which the caller passes when it no longer needs the
+    tensor it gave (not when it keeps per-layer hidden states, for example).
 
     With `defer_ffn_add=True` the layer instead returns (hidden_states, ffn_output) without adding them, and the
     next layer adds its `ffn_output` argument first (`CausalLlamaModel` does this in training). The training kernels
@@ -161,6 +176,7 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         ffn_output: torch.Tensor | None = None,
         defer_ffn_add: bool = False,
+        own_input: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if ffn_output is not None:  # the previous layer's FFN output, deferred to here
@@ -172,15 +188,20 @@ class FusedDecoderLayer(LlamaDecoderLayer):
                 hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
             )  # fmt: skip
-        attended, _ = self.self_attn(
+        in_place = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        attend = dict(
             hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
-        hidden_states = hidden_states + attended
+        if in_place and own_input:
+            hidden_states, _ = self.self_attn(**attend, residual_BSK=hidden_states)
+        else:
+            attended, _ = self.self_attn(**attend)
+            hidden_states = hidden_states + attended
         ffn_input = autocast_input(self.post_attention_layernorm(hidden_states))
         if defer_ffn_add:
             return hidden_states, self.mlp(ffn_input)
-        return self.mlp(ffn_input, residual=hidden_states)
+        return self.mlp(ffn_input, residual=hidden_states, residual_writable=in_place)
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -244,11 +265,11 @@ class CausalLlamaModel(LlamaModel):
             isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp, SparseMLP) for layer in layers
         )
         ffn_output_BSK = None
-        for layer in layers:
+        for i, layer in enumerate(layers):
             if defer:
                 hidden_BSK, ffn_output_BSK = layer(hidden_BSK, ffn_output=ffn_output_BSK, defer_ffn_add=True, **common)
-            else:
-                hidden_BSK = layer(hidden_BSK, **common)
+            else:  # each layer's output is a new tensor that only the next layer reads; the caller's embeddings are not
+                hidden_BSK = layer(hidden_BSK, own_input=i > 0 or inputs_embeds is None, **common)
         if ffn_output_BSK is not None:
             hidden_BSK = hidden_BSK + ffn_output_BSK
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_BSK), past_key_values=None)

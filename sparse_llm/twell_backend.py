@@ -1233,8 +1233,9 @@ class TwellFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        l0=None, tail=None,
+        residual_writable=False, l0=None, tail=None,
     ):  # fmt: skip
+        # The kernels add the residual as they write a fresh y: residual_writable only serves the torch fallback.
         if training:
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
@@ -1246,7 +1247,8 @@ class TwellFFN(FFNBackend):
                 warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
                 self._warned.add(reason)
             result = TorchFFN().forward(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics, residual_MK=residual_MK
+                x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics, residual_MK=residual_MK,
+                residual_writable=residual_writable,
             )  # fmt: skip
             result.path = "torch (twell unavailable)"
             return result

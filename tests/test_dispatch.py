@@ -194,7 +194,9 @@ def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypat
     forward = TorchFFN.forward
 
     def recording(self, x_MK, *weights, **kwargs):
-        seen.append((self.name, x_MK.shape, kwargs["statistics"], kwargs["residual_MK"] is not None))
+        residual = kwargs["residual_MK"]
+        seen.append((self.name, x_MK.shape, kwargs["statistics"], residual is not None,
+                     None if residual is None else residual.data_ptr(), kwargs["residual_writable"]))
         return forward(TorchFFN(), x_MK, *weights, **kwargs)
 
     monkeypatch.setattr(TorchFFN, "forward", recording)
@@ -207,11 +209,26 @@ def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypat
     with torch.no_grad():
         mlp(x, residual=torch.zeros_like(x))
     assert timed.trials == 1 and mlp.dispatcher.current == "fake"
-    assert sorted(seen[:2]) == [("fake", (6, 64), False, True), ("torch", (6, 64), False, True)]
+    assert sorted(entry[:4] for entry in seen[:2]) == [("fake", (6, 64), False, True), ("torch", (6, 64), False, True)]
     assert seen[2][0] == "fake" and len(seen) == 3
+
+    # A residual the layer gives up: the dense path adds into it, so the trial's calls get a copy to add into.
+    timed.ms = {"torch": 0.5, "fake": 1.0}
+    residual = torch.randn_like(x)
+    with torch.no_grad():
+        want = residual + mlp(x)
+        seen.clear()
+        mlp.dispatcher.trials.clear()
+        y = mlp(x, residual=residual, residual_writable=True)
+    assert mlp.dispatcher.current == "torch" and [name for name, *_ in seen[:2]] == ["torch", "fake"]
+    assert all(ptr != residual.data_ptr() and writable for _, _, _, _, ptr, writable in seen[:2])
+    assert seen[2][4:] == (residual.data_ptr(), True) and y.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(y, want, rtol=1e-2, atol=1e-2)  # bf16: one rounding of residual + product, not two
+
     mlp.dispatcher.trials.clear()
+    trials = timed.trials
     mlp(x.requires_grad_())  # training: priced, no trial
-    assert timed.trials == 1
+    assert timed.trials == trials
 
 
 def test_priced_auto_runs_no_trials_and_bad_choices_are_named(fake, timed, monkeypatch):

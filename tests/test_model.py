@@ -344,6 +344,57 @@ def test_sparse_mlp_adds_the_residual_it_is_given():
         mlp(x, residual=residual[:, :3])
 
 
+def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
+    """add_linear_ returns acc + F.linear(a, w, bias) in acc's own memory: by one GEMM where dtypes agree, and with a
+    bias or a bf16 product into an fp32 accumulator too."""
+    from sparse_llm.backends import add_linear_
+
+    torch.manual_seed(7)
+    a, w, bias = torch.randn(6, 16), torch.randn(8, 16), torch.randn(8)
+    for acc_dtype, ab_dtype, b in [(torch.float32, torch.float32, None), (torch.float32, torch.float32, bias),
+                                   (torch.float32, torch.bfloat16, None), (torch.bfloat16, torch.bfloat16, None)]:
+        acc = torch.randn(6, 8, dtype=acc_dtype)
+        want = acc + nn.functional.linear(a.to(ab_dtype), w.to(ab_dtype), None if b is None else b.to(ab_dtype))
+        got = add_linear_(acc, a.to(ab_dtype), w.to(ab_dtype), None if b is None else b.to(ab_dtype))
+        assert got.data_ptr() == acc.data_ptr() and got.dtype == acc_dtype
+        tol = 1e-5 if acc_dtype == ab_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want.to(acc_dtype), rtol=tol, atol=tol)
+
+
+def test_inference_adds_into_the_residual_stream_and_spares_the_callers_tensors():
+    """Without autograd each layer adds its attention and FFN outputs into the residual stream's memory (its output
+    is its input's storage), with the logits of the out-of-place forward; embeddings the caller passes and hidden
+    states it asks for are left as they were computed."""
+    torch.manual_seed(8)
+    model = build_model(TINY, kernel="torch").eval()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    storage = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(
+            lambda module, args, out: storage.append(  # training layers return (stream, FFN output)
+                args[0].data_ptr() == (out[0] if isinstance(out, tuple) else out).data_ptr()
+            )
+        )
+    want = model(ids, use_cache=False).logits  # autograd on: every add out of place
+    assert storage == [False] * TINY.num_layers
+    storage.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+        assert storage == [True] * TINY.num_layers
+        storage.clear()
+
+        embeds = model.model.embed_tokens(ids)
+        kept = embeds.clone()
+        torch.testing.assert_close(model(inputs_embeds=embeds, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(embeds, kept) and storage == [False] + [True] * (TINY.num_layers - 1)
+
+        hidden = model(ids, use_cache=False, output_hidden_states=True).hidden_states
+    with torch.enable_grad():
+        want_hidden = model(ids, use_cache=False, output_hidden_states=True).hidden_states
+    for got, expected in zip(hidden, want_hidden, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_training_forward_leaves_each_ffn_add_to_the_next_layer():
     """With gradients on, every SparseMLP is called without the residual (the next layer, or the model after the last
     one, adds its output); without, with it. Both give the same logits, bit for bit; a layer whose MLP is not a
