@@ -223,16 +223,13 @@ class TorchFFN(FFNBackend):
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
         residual_writable=False, l0=None, tail=None,
     ):  # fmt: skip
+        block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
+        # a compiled block writes nothing in place: inductor would copy the result back into the input
+        writable = residual_writable and compile_backend is None
         # four passes over h saved without statistics: about 0.6 ms per layer at 16384 x 5632
-        stats = training or statistics
-        if compile_backend is None:
-            y_MK, l1_sum, l0_M, fired_N = dense_block(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, stats, residual_MK, residual_writable and not training
-            )
-        else:  # a compiled block writes nothing in place: inductor would copy the result back into the input
-            y_MK, l1_sum, l0_M, fired_N = _compiled_dense_block(compile_backend)(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, stats, residual_MK
-            )
+        y_MK, l1_sum, l0_M, fired_N = block(
+            x_MK, w_gate_NK, w_up_NK, w_down_KN, training or statistics, residual_MK, writable
+        )
         return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=self.name)
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):

@@ -191,12 +191,12 @@ class LayerDispatcher:
         dense_ms = estimates.get("torch", math.inf)
         best = min(estimates, key=estimates.get, default="torch")
         sparse = min((name for name in estimates if name != "torch"), key=estimates.get, default=None)
-        trials = trial is not None and not training and sparse is not None and "torch" in estimates
-        if trials and env_choice(AUTO_CHOICE_ENV, AUTO_CHOICE_MEANING) == "measured":
-            if 1 / TRIAL_BAND <= estimates[sparse] / dense_ms <= TRIAL_BAND:
-                measured = self._tried(x_MK, sparse, trial)
-                if measured is not None:
-                    return measured
+        ratio = math.inf if sparse is None else estimates[sparse] / dense_ms  # 0 without a dense price
+        trials = trial is not None and not training and 1 / TRIAL_BAND <= ratio <= TRIAL_BAND
+        if trials and env_choice(AUTO_CHOICE_ENV, AUTO_CHOICE_MEANING) == "measured":  # (read only where it decides)
+            measured = self._tried(x_MK, sparse, trial)
+            if measured is not None:
+                return measured
         if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
             return "torch"
         return best

@@ -76,7 +76,7 @@ class SparseMLP(nn.Module):
             training=training,
             compile_backend=self.compile_backend,
             residual_MK=None if residual is None else residual.reshape(x_MK.shape),
-            residual_writable=residual_writable and residual is not None,
+            residual_writable=residual_writable and residual is not None and not training,  # autograd may need it
             l0=self.dispatcher.l0,
             tail=self.dispatcher.tail,
         )
