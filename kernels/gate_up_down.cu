@@ -128,19 +128,21 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     for (int j = 0; j < total; ++j) {
         uint4 w[KV];
         const int up = 2 * j % SLOTS, down = (2 * j + 1) % SLOTS;
+        const uint32_t entry = list[j];
+        const long long n = col_begin + twell_col(entry);
+        const int flag = fired_flag(fired, n, lane);
         ring.wait(up);
         ring.read(up, lane, w);
         const float dot = lane_dot<KV>(x_smem, w, lane);
         __syncwarp();  // every lane has read the slot before it is refilled
         if (lane == 0 && 2 * j + SLOTS < 2 * total) fill(2 * j + SLOTS);
-        const uint32_t entry = list[j];
         const float h = twell_value(entry) * warp_sum(dot);
         ring.wait(down);
         ring.read(down, lane, w);
         axpy<KV>(acc, h, w);
         __syncwarp();
         if (lane == 0 && 2 * j + 1 + SLOTS < 2 * total) fill(2 * j + 1 + SLOTS);
-        count_h(h, col_begin + twell_col(entry), l1_sum, l0_sum, fired, lane);
+        count_h(h, n, flag, l1_sum, l0_sum, fired);
     }
     if (!last) {
         store_partial<KV>(partial + m * K, acc, lane, K);

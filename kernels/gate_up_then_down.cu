@@ -130,15 +130,16 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     float l1_sum = 0.0f;
     int l0_sum = 0;
     for (int j = 0; j < total; ++j) {
+        const uint32_t entry = list[j];
+        const int n = twell_col(entry);
+        const int flag = fired_flag(fired, n, lane);
         const uint4 *w = ring.wait(j % 2);
         // lane_dot's products w * x are its x * w: h has the bits of the register walk's
         const float dot = lane_dot<KV>(w, x_row, lane);
         __syncwarp();  // every lane has read the slot before it is refilled
         if (lane == 0 && j + 2 < total) fill(j + 2);
-        const uint32_t entry = list[j];
-        const int n = twell_col(entry);
         const float h = twell_value(entry) * warp_sum(dot);
-        count_h(h, n, l1_sum, l0_sum, fired, lane);
+        count_h(h, n, flag, l1_sum, l0_sum, fired);
         if (lane == 0) out[entry_slot(j)] = twell_entry(h, n);
     }
     if (lane == 0) {

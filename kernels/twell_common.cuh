@@ -109,6 +109,10 @@ __device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
 // This lane's 8 bf16 gate values (columns col0 .. col0 + 7 of a 256-column chunk whose lanes hold consecutive
 // 8-column groups): their positives are appended as entries to `list` in ascending column order from slot
 // `base` on (slots >= cap are counted, not stored). Returns the chunk's positive count (same on all lanes).
+// A lane's slot comes from votes, not from a prefix sum by shuffles (a token lists its N / 256 chunks one after the
+// other, and two votes answer sooner than a chain of five shuffles): where no lane holds two positives (nearly every
+// chunk of a sparse row), each lane's slot is a count of bits; otherwise four ballots give the lanes' counts bit by
+// bit. No early exit for a chunk without positives: the callers that list several chunks at once interleave them.
 __device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32_t *list, int base, int cap,
                                               int lane) {
     float v[8];
@@ -116,8 +120,19 @@ __device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32
     int mine = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) mine += v[i] > 0.0f;
-    const int incl = warp_inclusive_sum(mine, lane);  // each lane's first slot
-    int slot = base + incl - mine;
+    const uint32_t holding = __ballot_sync(FULL_MASK, mine != 0);
+    const uint32_t lanes_below = (1u << lane) - 1u;
+    int total = __popc(holding), slot = base + __popc(holding & lanes_below);
+    if (__any_sync(FULL_MASK, mine > 1)) {
+        total = 0;
+        slot = base;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {  // mine <= 8: four bits
+            const uint32_t lanes = __ballot_sync(FULL_MASK, (mine >> b) & 1);
+            total += __popc(lanes) << b;
+            slot += __popc(lanes & lanes_below) << b;
+        }
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         if (v[i] > 0.0f) {
@@ -126,7 +141,7 @@ __device__ __forceinline__ int list_positives(const uint4 &raw, int col0, uint32
             ++slot;
         }
     }
-    return __shfl_sync(FULL_MASK, incl, 31);
+    return total;
 }
 
 // 16 bytes of a bf16 gate row: this lane's 8 columns of 256-column chunk c (streaming: each row is read once).

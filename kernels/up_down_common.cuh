@@ -71,15 +71,22 @@ __device__ __forceinline__ int list_gate_row_ring(const __nv_bfloat16 *__restric
     return total;
 }
 
+// Lane 0's read of neuron n's fired flag (1 on the other lanes). A walk issues it as it starts an entry and passes
+// the answer to count_h after the entry's arithmetic: read where count_h needs it, its L2 round trip stalled the warp
+// once per entry (the rows walk's kernel 2-4% slower on heavy tails, H100, BENCHMARKS.md 2026-11-27).
+__device__ __forceinline__ int fired_flag(const int *__restrict__ fired, long long n, int lane) {
+    return lane == 0 ? __ldcg(fired + n) : 1;
+}
+
 // The statistics of one h = g * u of a token (every lane holds the same h): its |h| sum, its h != 0 count, and the
-// fired flag of neuron n.
-__device__ __forceinline__ void count_h(float h, long long n, float &l1_sum, int &l0_sum, int *__restrict__ fired,
-                                        int lane) {
+// fired flag of neuron n, set by lane 0 where its `fired_flag` read found it unset. Read before write: once the flag
+// is set, later tokens only read (no L2 write traffic).
+__device__ __forceinline__ void count_h(float h, long long n, int flag, float &l1_sum, int &l0_sum,
+                                        int *__restrict__ fired) {
     l1_sum += fabsf(h);
     if (h != 0.0f) {
         ++l0_sum;
-        // Read before write: once the flag is set, later tokens only read (cheap, no L2 write traffic).
-        if (lane == 0 && fired[n] == 0) fired[n] = 1;
+        if (flag == 0) fired[n] = 1;
     }
 }
 
@@ -99,7 +106,7 @@ __device__ __forceinline__ void up_down_entry(long long n, float g, const uint4 
     const float h = g * warp_sum(lane_dot<KV>(x_smem, up_raw, lane));
     if (KV > 8) load_weight_row<KV>(down_raw, w_down_t + n * K, lane, K, keep);
     axpy<KV>(acc, h, down_raw);
-    count_h(h, n, l1_sum, l0_sum, fired, lane);
+    count_h(h, n, fired_flag(fired, n, lane), l1_sum, l0_sum, fired);
 }
 
 #endif  // UP_DOWN_COMMON_CUH
