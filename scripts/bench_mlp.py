@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=5632)
     parser.add_argument("--nnz", default="28,56,112,280,560")
     parser.add_argument("--sigmas", default="0,0.3,0.5")
-    parser.add_argument("--decode-m", default="1,8,16,32,64")
+    parser.add_argument("--decode-m", default="1,8,16,32,64", help='decode-sized token counts ("": none)')
     parser.add_argument("--decode-nnz", default="28,56,112")
     parser.add_argument("--energy-seconds", type=float, default=1.0)
     parser.add_argument("--calibrate", action="store_true")
@@ -193,7 +193,7 @@ def main() -> None:
     ]
     cases += [
         (m, nnz, 0.0)
-        for m in map(int, args.decode_m.split(","))
+        for m in map(int, filter(None, args.decode_m.split(",")))
         for nnz in map(int, args.decode_nnz.split(","))
     ]
     for m, nnz, sigma in cases:
