@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.evaluation import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
 from sparse_llm.mc_tasks import TaskDataError  # noqa: E402
+from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
 
 register_eval_configs()
 
@@ -52,4 +53,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_key(sys.argv[1:], EvalConfig, "eval.py")
     main()

@@ -21,6 +21,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.generation import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
+from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
 
 register_generate_configs()
 
@@ -39,4 +40,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_key(sys.argv[1:], GenerateConfig, "generate.py")
     main()

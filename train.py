@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.config import TrainConfig, register_configs  # noqa: E402
+from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.preemption import TrainingStopped  # noqa: E402
 from sparse_llm.training import train  # noqa: E402
 
@@ -52,4 +53,5 @@ if __name__ == "__main__":
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         # One console and one log file per run: other ranks stay quiet.
         sys.argv += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    exit_on_unknown_key(sys.argv[1:], TrainConfig, "train.py")
     main()

@@ -2,7 +2,8 @@
 
 Each component owns the dataclass of its options (ModelConfig in model.py, DataConfig in data.py, ...);
 this module assembles them. Hydra merges the YAML files of configs/ onto these dataclasses in struct
-mode, so a misspelt key or a value of the wrong type fails at start with a message naming it.
+mode, so a misspelt key or a value of the wrong type fails at start with a message naming it (train.py first
+checks the keys against this schema to name the one a misspelt key resembles: sparse_llm/overrides.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.evaluation import EvalConfig
+from sparse_llm.generation import GenerateConfig
 from sparse_llm.model import build_model, count_parameters
+from sparse_llm.overrides import unknown_key_message
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -67,11 +70,38 @@ def test_cli_prints_resolved_config():
     assert "num_layers: 18" in out.stdout and "intermediate_size: 5632" in out.stdout
 
 
-def test_cli_error_names_the_bad_key():
-    out = subprocess.run([sys.executable, "train.py", "trainer.learning_rate=1"], cwd=ROOT, capture_output=True,
+def test_cli_error_names_the_bad_key_and_the_likely_one():
+    out = subprocess.run([sys.executable, "train.py", "trainer.learning_rat=1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode != 0
-    assert "learning_rate" in out.stderr
+    assert out.returncode == 2
+    assert "unknown config key 'trainer.learning_rat'" in out.stderr
+    out = subprocess.run([sys.executable, "train.py", "trainer.max_stesp=1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "Did you mean 'trainer.max_steps'?" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("schema,override,suggestion", [
+    (TrainConfig, "l11=1e-5", "'l1'"),
+    (TrainConfig, "model.hidden_sise=64", "'model.hidden_size'"),
+    (TrainConfig, "checkpoint.keep_lats=1", "'checkpoint.keep_last'"),
+    (EvalConfig, "checkpont=outputs/a/final", "'checkpoint'"),
+    (GenerateConfig, "max_new_token=5", "'max_new_tokens'"),
+])  # fmt: skip
+def test_misspelt_override_suggests_the_key_meant(schema, override, suggestion):
+    message = unknown_key_message(["--cfg", "job", override], schema)
+    assert message is not None and f"Did you mean {suggestion}?" in message
+
+
+def test_far_off_key_lists_the_keys_of_its_level():
+    message = unknown_key_message(["trainer.zzzz=1"], TrainConfig)
+    assert "TrainerConfig has no 'zzzz'" in message and "max_steps, micro_batch" in message
+
+
+def test_overrides_the_check_leaves_to_hydra_pass():
+    overrides = ["model=2b", "data.paths=[a=b,c]", "+trainer.extra=1", "~logging.wandb", "hydra/job_logging=disabled",
+                 "hydra.run.dir=/tmp/x", "--cfg", "job", "-m", "trainer.seq_len=null"]
+    assert unknown_key_message(overrides, TrainConfig) is None
+    assert unknown_key_message(["task_data.arc_easy=arc.jsonl", "tasks=paper"], EvalConfig) is None  # a mapping
 
 
 def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
