@@ -71,9 +71,10 @@ __device__ __forceinline__ int list_gate_row_ring(const __nv_bfloat16 *__restric
     return total;
 }
 
-// Lane 0's read of neuron n's fired flag (1 on the other lanes). A walk issues it as it starts an entry and passes
-// the answer to count_h after the entry's arithmetic: read where count_h needs it, its L2 round trip stalled the warp
-// once per entry (the rows walk's kernel 2-4% slower on heavy tails, H100, BENCHMARKS.md 2026-11-27).
+// Lane 0's read of neuron n's fired flag (1 on the other lanes), for count_h. The rows walk and the slices up walk
+// issue it as they start an entry, so its L2 round trip overlaps the entry's rows: read where count_h needs it, it
+// stalled the warp once per entry (the rows walk's kernel 2-4% slower on heavy tails, H100, BENCHMARKS.md
+// 2026-11-27). up_down_entry (the split and TwELL walks) still reads it just before count_h.
 __device__ __forceinline__ int fired_flag(const int *__restrict__ fired, long long n, int lane) {
     return lane == 0 ? __ldcg(fired + n) : 1;
 }
