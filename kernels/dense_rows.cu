@@ -8,7 +8,8 @@
 //   dense_rows_h      : h_CN[i] = relu(gate[heavy_rows[i]]) * u_CN[i]  (in place, bf16 as the dense path rounds it),
 //                       with the token's l1 (sum |h|), l0 (h != 0) and fired flags
 //   y_CK = h_CN w_down^T                                               (cuBLAS)
-//   scatter_dense_rows: y[heavy_rows[i]] = y_CK[i] (+ the residual row, rounded as the two unfused bf16 steps)
+//   scatter_dense_rows: y[heavy_rows[i]] = y_CK[i] (+ the residual row, rounded as the two unfused bf16 steps),
+//                       and with norm_weight the row's RMSNorm (the next layer's input norm) into normed
 // Tokens past the capacity stay on gate_up_down_heavy, which reads heavy_rows + capacity and rest_count[0], written
 // here; no host synchronisation anywhere. One block of DENSE_ROWS_THREADS per reserved row.
 #include "twell_common.cuh"
@@ -103,21 +104,31 @@ extern "C" __global__ void __launch_bounds__(DENSE_ROWS_THREADS) scatter_dense_r
     const int *__restrict__ heavy_count,         // [1]
     const __nv_bfloat16 *__restrict__ residual,  // [M, K] added to y, or null
     __nv_bfloat16 *__restrict__ y,               // [M, K] out (taken tokens)
-    int capacity, int K) {
+    int capacity, int K,
+    const __nv_bfloat16 *__restrict__ norm_weight,  // [K] the next layer's input norm weight, or null
+    __nv_bfloat16 *__restrict__ normed,              // [M, K] out with norm_weight (taken tokens)
+    float norm_eps) {
     const int i = blockIdx.x;
     if (i >= rows_taken(heavy_count, capacity)) return;
     const long long m = heavy_rows[i];
     const uint4 *src = reinterpret_cast<const uint4 *>(y_CK + static_cast<long long>(i) * K);
     const uint4 *res = residual == nullptr ? nullptr : reinterpret_cast<const uint4 *>(residual + m * K);
     uint4 *dst = reinterpret_cast<uint4 *>(y + m * K);
+    float squares = 0.0f;  // of the stored row's columns this thread owns, for its norm
     for (int c = threadIdx.x; c < K / 8; c += DENSE_ROWS_THREADS) {
-        uint4 out = __ldcs(src + c);
-        if (res != nullptr) {
-            float v[8];
-            bf16x8_to_float(out, v);
-            add_residual8(v, __ldcs(res + c));
-            out = pack_bf16x8(v);
-        }
-        __stcs(dst + c, out);
+        float v[8];
+        bf16x8_to_float(__ldcs(src + c), v);
+        if (res != nullptr) add_residual8(v, __ldcs(res + c));
+        __stcs(dst + c, pack_bf16x8(v));
+        squares += bf16_squares8(v);
+    }
+    if (norm_weight == nullptr) return;
+    const float rstd = rms_rstd(block_sum(squares), K, norm_eps);
+    const uint4 *weight = reinterpret_cast<const uint4 *>(norm_weight);
+    uint4 *normed_row = reinterpret_cast<uint4 *>(normed + m * K);
+    for (int c = threadIdx.x; c < K / 8; c += DENSE_ROWS_THREADS) {  // the columns this thread stored
+        float stored[8];
+        bf16x8_to_float(dst[c], stored);
+        __stcs(normed_row + c, rms_normed8(stored, rstd, __ldg(weight + c)));
     }
 }

@@ -25,6 +25,8 @@
 // token's sums take the same steps as in one pass; a part that is not LAST_PART leaves its y sums there.
 // With a residual (non-null [M, K]), y = residual + the block's output, rounded as the two unfused bf16 steps
 // (the decoder layer's residual add, which would otherwise be its own pass over [M, K] three times).
+// With norm_weight (non-null [K]) the last part also writes normed [M, K]: the y row's RMSNorm (store_row_normed in
+// twell_common.cuh), the next layer's input norm.
 #include "up_down_common.cuh"
 
 constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
@@ -77,7 +79,10 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     int *__restrict__ heavy_rows,                // [M] out: heavy tokens, first heavy_count[0] valid
     int *__restrict__ heavy_count,               // [1] zeroed
     float *__restrict__ partial,                 // [M, K] fp32 running y sums between parts, or null (one part)
-    int M, int K, int N, int split_nnz, int col_begin, int col_end, int part) {
+    int M, int K, int N, int split_nnz, int col_begin, int col_end, int part,
+    const __nv_bfloat16 *__restrict__ norm_weight,  // [K] the next layer's input norm weight, or null
+    __nv_bfloat16 *__restrict__ normed,              // [M, K] out with norm_weight (light tokens)
+    float norm_eps) {
     constexpr int SLOTS = light_slots<KV>();
     const int lane = threadIdx.x & 31;
     extern __shared__ __align__(128) uint8_t light_smem[];
@@ -154,6 +159,7 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
                 if (v * 256 + lane * 8 < K) add_residual8(acc[v], residual_row[v * 32 + lane]);  // K columns landed
         }
         store_row_bf16<KV>(y + m * K, acc, lane, K);
+        if (norm_weight != nullptr) store_row_normed<KV>(normed + m * K, acc, norm_weight, norm_eps, lane, K);
     }
     __syncwarp();  // every lane has read l1[m] and l0[m] before lane 0 overwrites them
     if (lane == 0) {
@@ -178,7 +184,10 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
     const int *__restrict__ heavy_rows,          // [M] from gate_up_down_light
     const int *__restrict__ heavy_count,         // [1]
     float *__restrict__ partial,                 // [M, K] fp32 running y sums between parts, or null (one part)
-    int K, int N, int col_begin, int col_end, int part) {
+    int K, int N, int col_begin, int col_end, int part,
+    const __nv_bfloat16 *__restrict__ norm_weight,  // [K] the next layer's input norm weight, or null
+    __nv_bfloat16 *__restrict__ normed,              // [M, K] out with norm_weight (heavy tokens)
+    float norm_eps) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x / 32;
     extern __shared__ uint4 smem[];
@@ -237,6 +246,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
         }
         __syncthreads();
         // Sum the pairs in warp order: thread t owns columns 8t .. 8t + 7 of each 256 * WARPS.
+        float squares = 0.0f;  // of the stored y row's columns this thread owns, for its norm
         for (int col = threadIdx.x * 8; col < K; col += WARPS * 32 * 8) {
             float sum[8];
 #pragma unroll
@@ -255,9 +265,19 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
                     add_residual8(sum, __ldcs(reinterpret_cast<const uint4 *>(residual + m * K + col)));
                 }
                 __stcs(reinterpret_cast<uint4 *>(y + m * K + col), pack_bf16x8(sum));
+                squares += bf16_squares8(sum);
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) running[j] = sum[j];
+            }
+        }
+        if (norm_weight != nullptr && (part & LAST_PART)) {
+            const float rstd = rms_rstd(block_sum(squares), K, norm_eps);
+            for (int col = threadIdx.x * 8; col < K; col += WARPS * 32 * 8) {  // the columns this thread stored
+                float stored[8];
+                bf16x8_to_float(*reinterpret_cast<const uint4 *>(y + m * K + col), stored);
+                const uint4 weight_raw = __ldg(reinterpret_cast<const uint4 *>(norm_weight + col));
+                __stcs(reinterpret_cast<uint4 *>(normed + m * K + col), rms_normed8(stored, rstd, weight_raw));
             }
         }
         if (threadIdx.x == 0) {
@@ -281,12 +301,12 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
                                                     int *, int *, int *, float *, int, int, int, int, int, int, \
-                                                    int);                                                      \
+                                                    int, const __nv_bfloat16 *, __nv_bfloat16 *, float);       \
     template __global__ void gate_up_down_heavy<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
                                                     int *, const int *, const int *, float *, int, int, int,   \
-                                                    int, int);
+                                                    int, int, const __nv_bfloat16 *, __nv_bfloat16 *, float);
 GATE_UP_DOWN(1)
 GATE_UP_DOWN(8)
 GATE_UP_DOWN(16)

@@ -264,6 +264,67 @@ __device__ __forceinline__ void add_residual8(float (&v)[8], const uint4 &residu
     for (int j = 0; j < 8; ++j) v[j] = r[j] + __bfloat162float(__float2bfloat16_rn(v[j]));
 }
 
+// ---- The next layer's input RMSNorm, written beside an output row (inference). The kernel that stores a row of the
+// residual stream also stores normed = bf16(r * rstd * w): r the row as stored (bf16), rstd = 1 / sqrt(mean(r^2) +
+// eps), statistics and products in fp32 with one rounding, as F.rms_norm computes it on a bf16 row and weight. The
+// next layer then skips its norm, a pass of its own that reads the row back.
+
+// The sum of squares of eight fp32 values, each rounded to bf16 first (the row as stored).
+__device__ __forceinline__ float bf16_squares8(const float (&v)[8]) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float r = bf16_round(v[j]);
+        sum = fmaf(r, r, sum);
+    }
+    return sum;
+}
+
+__device__ __forceinline__ float rms_rstd(float sum_squares, int K, float eps) {
+    return rsqrtf(sum_squares / static_cast<float>(K) + eps);
+}
+
+// Eight columns of the normed row: the row's fp32 values (rounded to bf16 here, as stored) and their 8 weights.
+__device__ __forceinline__ uint4 rms_normed8(const float (&v)[8], float rstd, const uint4 &weight_raw) {
+    float weight[8], out[8];
+    bf16x8_to_float(weight_raw, weight);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = bf16_round(v[j]) * rstd * weight[j];
+    return pack_bf16x8(out);
+}
+
+// Sum over a block's threads (blockDim.x a multiple of 32), the same value in every thread, added in a fixed order.
+// Every thread of the block calls it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call's reads are done
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += warp_sums[w];
+    return total;
+}
+
+// A warp's fp32 row as store_row_bf16 stores it (lane l holds columns v * 256 + 8l .. + 7): its normed row.
+template <int KV>
+__device__ __forceinline__ void store_row_normed(__nv_bfloat16 *normed_row, const float (&acc)[KV][8],
+                                                 const __nv_bfloat16 *__restrict__ weight, float eps, int lane, int K) {
+    float squares = 0.0f;
+#pragma unroll
+    for (int v = 0; v < KV; ++v)
+        if (v * 256 + lane * 8 < K) squares += bf16_squares8(acc[v]);
+    const float rstd = rms_rstd(warp_sum(squares), K, eps);
+#pragma unroll
+    for (int v = 0; v < KV; ++v) {
+        const int col = v * 256 + lane * 8;
+        if (col < K) {
+            const uint4 weight_raw = __ldg(reinterpret_cast<const uint4 *>(weight + col));
+            __stcs(reinterpret_cast<uint4 *>(normed_row + col), rms_normed8(acc[v], rstd, weight_raw));
+        }
+    }
+}
+
 // `part` flags of the kernels that walk a weight block in column parts, one launch per part: FIRST_PART (no earlier
 // part: sums start at zero, once-per-call outputs are written) and LAST_PART (no later part: sums are stored in
 // bf16 rather than carried in an fp32 row).

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import twell_backend, twell_train
-from sparse_llm.twell_backend import column_parts, direct_up_down, synthetic_block, transposed_copy, twell_gated_mlp
+from sparse_llm.twell_backend import (
+    OutputNorm,
+    column_parts,
+    direct_up_down,
+    synthetic_block,
+    transposed_copy,
+    twell_gated_mlp,
+)
 from sparse_llm.twell_train import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
@@ -60,6 +67,10 @@ def main() -> None:
             for dense_rows, walk in ((16, "rows"), (m, "slices")):  # heavy tokens through the dense rows, then warps
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x), walk=walk,
                                dense_rows=dense_rows)  # fmt: skip
+            for parts in (1, 2) if n >= 512 else (1,):  # the next norm beside the rows: light, dense-row, split tokens
+                norm = OutputNorm(torch.randn(k, device="cuda").bfloat16(), 1e-5, torch.empty_like(x))
+                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x),
+                               parts=parts, dense_rows=16 if parts == 1 else 0, norm=norm)  # fmt: skip
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width in (4, 128):
             result = twell_train_ffn(*leaves, width=width)

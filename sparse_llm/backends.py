@@ -48,6 +48,8 @@ class FFNResult:
             These three are None where an inference call was not asked for statistics and its backend would
             have had to spend passes over h on them (the dense path); training calls always carry them.
         path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
+        normed_MK: the RMSNorm of y_MK that the call's `output_norm` asked for, where the backend wrote it as it
+            stored y_MK (bf16, F.rms_norm's arithmetic); None elsewhere (the caller applies the norm itself).
         overflow_rows: tokens that could not take the sparse path and were computed densely (the TwELL routes'
             overflows and heavy rows, the training op's backup rows): an int, or, where the call does not wait for
             the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy fills (-1 until it lands).
@@ -61,6 +63,7 @@ class FFNResult:
     fired_N: torch.Tensor | None
     path: str
     overflow_rows: int | torch.Tensor = 0
+    normed_MK: torch.Tensor | None = None
 
     def dense_rows(self) -> int:
         """overflow_rows as an int (waits for the device only if its count has not landed yet)."""
@@ -121,6 +124,7 @@ class FFNBackend(abc.ABC):
         residual_writable: bool = False,
         l0: tuple[float, float] | None = None,
         tail: Tail | None = None,
+        output_norm: tuple[torch.Tensor, float] | None = None,
     ) -> FFNResult:
         """Run the block; `training` says whether gradients must flow. `statistics=False` lets an inference
         call skip L1/L0/fired where they cost extra work (a backend may still return them). `compile_backend`
@@ -129,7 +133,8 @@ class FFNBackend(abc.ABC):
         is residual_MK + the block's output, which a backend may add as it writes y; `residual_writable` says the
         caller no longer needs residual_MK, so y_MK may be written into its memory. `l0`: the layer's recent
         (mean, max) non-zeros per token, and `tail` its heavy tokens' shares, when known, which a backend may tune
-        its launch by."""
+        its launch by. `output_norm` = (weight_K, eps): an RMSNorm of y_MK (the next decoder layer's input norm) that
+        a backend may write as it stores y_MK, into the result's normed_MK; one that does not leaves normed_MK None."""
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Whether `auto` may send these tensors here as they are (e.g. their dtypes)."""
@@ -221,7 +226,7 @@ class TorchFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        residual_writable=False, l0=None, tail=None,
+        residual_writable=False, l0=None, tail=None, output_norm=None,
     ):  # fmt: skip
         block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # a compiled block writes nothing in place: inductor would copy the result back into the input

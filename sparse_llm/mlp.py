@@ -59,12 +59,17 @@ class SparseMLP(nn.Module):
     # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
     @torch.compiler.disable
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_writable: bool = False
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_writable: bool = False,
+        next_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given: a decoder layer's residual add done here
         (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output. With
         `residual_writable` the caller gives up `residual`: the result may be written into its memory (the dense
-        path's down GEMM then adds into it, `backends.add_linear_`)."""
+        path's down GEMM then adds into it, `backends.add_linear_`).
+
+        With `next_norm` = (weight [K], eps), the next layer's input RMSNorm (F.rms_norm's arithmetic), the call
+        returns (output, normed): normed is that norm of the output where the backend wrote it as it stored the
+        output (the sparse inference kernels' one-warp walk), else None, and the caller applies the norm."""
         x_MK = x.reshape(-1, self.hidden_size)
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual has shape {list(residual.shape)}; it must match x's {list(x.shape)}")
@@ -79,6 +84,7 @@ class SparseMLP(nn.Module):
             residual_writable=residual_writable and residual is not None and not training,  # autograd may need it
             l0=self.dispatcher.l0,
             tail=self.dispatcher.tail,
+            output_norm=next_norm,
         )
         scratch: list[torch.Tensor] = []
 
@@ -99,7 +105,10 @@ class SparseMLP(nn.Module):
         if observing and result.l0_M.numel():
             self.dispatcher.observe(*density_of(result.l0_M))
         self._calls += 1
-        return result.y_MK.reshape(x.shape)
+        normed_MK, result.normed_MK = result.normed_MK, None  # the next layer's input: last_result must not keep it
+        if next_norm is None:
+            return result.y_MK.reshape(x.shape)
+        return result.y_MK.reshape(x.shape), None if normed_MK is None else normed_MK.reshape(x.shape)
 
     def extra_repr(self) -> str:
         train = ", train_kernels=True" if self.dispatcher.train_kernels else ""

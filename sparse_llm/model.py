@@ -95,6 +95,11 @@ class FusedRMSNorm(LlamaRMSNorm):
             return super().forward(hidden_states)
         return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
 
+    def fused_params(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) where this norm of `hidden_states` is F.rms_norm's (what a kernel that stores the rows can
+        apply beside them, `SparseMLP`'s next_norm); None where the stock cast order applies."""
+        return (self.weight, self.variance_epsilon) if hidden_states.dtype == self.weight.dtype else None
+
 
 class FusedRopeAttention(LlamaAttention):
     """`LlamaAttention` whose rotary embedding of q and k is one CUDA kernel (`sparse_llm.rope`).
@@ -159,6 +164,11 @@ class FusedDecoderLayer(LlamaDecoderLayer):
     own; its input it overwrites only with `own_input=True`, which the caller passes when it no longer needs the
     tensor it gave (not when it keeps per-layer hidden states, for example).
 
+    With `next_norm` (the next layer's input norm, or the model's final one) an inference call returns
+    (hidden_states, normed): normed is next_norm(hidden_states) where the FFN's kernels wrote it as they stored the
+    rows (`SparseMLP`'s next_norm), else None. The next layer takes it as `normed_input` and skips its own input norm,
+    a pass over [M, K] that would read the rows back.
+
     With `defer_ffn_add=True` the layer instead returns (hidden_states, ffn_output) without adding them, and the
     next layer adds its `ffn_output` argument first (`CausalLlamaModel` does this in training). The training kernels
     cannot add the residual as they write y; left to the next layer, the add (a float32 residual stream under
@@ -177,21 +187,25 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         ffn_output: torch.Tensor | None = None,
         defer_ffn_add: bool = False,
         own_input: bool = False,
+        normed_input: torch.Tensor | None = None,
+        next_norm: FusedRMSNorm | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if ffn_output is not None:  # the previous layer's FFN output, deferred to here
             hidden_states = hidden_states + ffn_output
         if not isinstance(self.mlp, SparseMLP):
             if defer_ffn_add:
                 raise ValueError("defer_ffn_add=True needs the layer's MLP to be a SparseMLP (see sparse_llm.sparsify)")
-            return super().forward(
+            hidden_states = super().forward(
                 hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
             )  # fmt: skip
+            return hidden_states if next_norm is None else (hidden_states, None)
         in_place = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         attend = dict(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+            hidden_states=self.input_layernorm(hidden_states) if normed_input is None else normed_input,
+            attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
         if in_place and own_input:
             hidden_states, _ = self.self_attn(**attend, residual_BSK=hidden_states)
@@ -201,7 +215,12 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         ffn_input = autocast_input(self.post_attention_layernorm(hidden_states))
         if defer_ffn_add:
             return hidden_states, self.mlp(ffn_input)
-        return self.mlp(ffn_input, residual=hidden_states, residual_writable=in_place)
+        if next_norm is None:
+            return self.mlp(ffn_input, residual=hidden_states, residual_writable=in_place)
+        handed = next_norm.fused_params(hidden_states) if in_place else None
+        if handed is None:
+            return self.mlp(ffn_input, residual=hidden_states, residual_writable=in_place), None
+        return self.mlp(ffn_input, residual=hidden_states, residual_writable=in_place, next_norm=handed)
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -261,18 +280,30 @@ class CausalLlamaModel(LlamaModel):
         )  # fmt: skip
         # In training each layer leaves its FFN output for the next one to add (FusedDecoderLayer); inference keeps
         # the add in the FFN call, where the sparse inference kernels fold it into their output.
-        defer = torch.is_grad_enabled() and all(
-            isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp, SparseMLP) for layer in layers
-        )
-        ffn_output_BSK = None
+        # Eager inference hands each layer's FFN the next norm (the next layer's input norm, after the last layer the
+        # model's), which the sparse kernels write beside the rows they store (FusedDecoderLayer, next_norm).
+        fused = all(isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp, SparseMLP) for layer in layers)
+        defer = torch.is_grad_enabled() and fused
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        hand_norms = (
+            not torch.is_grad_enabled() and fused and all(layer.mlp.compile_backend is None for layer in layers)
+            and all(isinstance(norm, FusedRMSNorm) for norm in norms)
+        )  # fmt: skip
+        ffn_output_BSK = normed_BSK = None
         for i, layer in enumerate(layers):
+            own_input = i > 0 or inputs_embeds is None  # a layer's output only the next one reads; not the caller's
             if defer:
                 hidden_BSK, ffn_output_BSK = layer(hidden_BSK, ffn_output=ffn_output_BSK, defer_ffn_add=True, **common)
-            else:  # each layer's output is a new tensor that only the next layer reads; the caller's embeddings are not
-                hidden_BSK = layer(hidden_BSK, own_input=i > 0 or inputs_embeds is None, **common)
+            elif hand_norms:
+                hidden_BSK, normed_BSK = layer(
+                    hidden_BSK, own_input=own_input, normed_input=normed_BSK, next_norm=norms[i], **common
+                )
+            else:
+                hidden_BSK = layer(hidden_BSK, own_input=own_input, **common)
         if ffn_output_BSK is not None:
             hidden_BSK = hidden_BSK + ffn_output_BSK
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_BSK), past_key_values=None)
+        last_BSK = self.norm(hidden_BSK) if normed_BSK is None else normed_BSK
+        return BaseModelOutputWithPast(last_hidden_state=last_BSK, past_key_values=None)
 
 
 # transformers looks up what a model can record (output_hidden_states=True, ...) by the name of the class it was built

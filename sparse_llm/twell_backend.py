@@ -759,6 +759,24 @@ def flagged_parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
     return [(c, (FIRST_PART if i == 0 else 0) | (LAST_PART if i == last else 0)) for i, c in enumerate(columns)]
 
 
+@dataclass(frozen=True)
+class OutputNorm:
+    """An RMSNorm that the "rows" walk applies to the y rows as it stores them: out_MK = F.rms_norm(y_MK, (K,),
+    weight_K, eps) (bf16 [M, K]; weight_K bf16 [K]), as close to it as one rounding. A decoder layer hands its FFN the
+    next layer's input norm this way, so that norm does not read the residual stream back (FusedDecoderLayer)."""
+
+    weight_K: torch.Tensor
+    eps: float
+    out_MK: torch.Tensor
+
+
+def norm_args(norm: OutputNorm | None) -> tuple[np.uint64, np.uint64, np.float32]:
+    """The kernels' (norm_weight, normed, norm_eps) arguments: null pointers without a norm."""
+    if norm is None:
+        return cuda.ptr(None), cuda.ptr(None), np.float32(0.0)
+    return cuda.ptr(norm.weight_K), cuda.ptr(norm.out_MK), np.float32(norm.eps)
+
+
 def direct_up_down(
     x_MK: torch.Tensor,
     gate_MN: torch.Tensor,
@@ -769,6 +787,7 @@ def direct_up_down(
     parts: int | None = None,
     walk: str = "rows",
     dense_rows: int = 0,
+    norm: OutputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = g * (x w_up^T) at the positives g of the pre-activation gate, and y = h w_down^T.
 
@@ -788,6 +807,7 @@ def direct_up_down(
             several column parts splits them over warps whatever this says. With more split tokens than rows, which
             of them get the rows follows the order the walk lists them in, which varies from call to call: their
             y rows may then differ between calls in the last bits (the dense and the split arithmetic round apart).
+        norm: an RMSNorm of the y rows written into norm.out_MK as they are stored ("rows" walk only).
 
     Returns:
         (y_MK bf16, l1_M fp32 sum |h|, l0_M int32 #(h != 0), fired_N int32 0/1), with no host sync. With a
@@ -813,15 +833,30 @@ def direct_up_down(
         raise ValueError(f"walk='slices': a slice of w_down's N={n} rows does not fit shared memory; use walk='rows'")
     if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 0:
         raise ValueError(f"dense_rows={dense_rows!r}: give a row count >= 0 (0: no dense rows)")
-    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows)
+    if norm is not None:
+        _check_output_norm(norm, x_MK, walk)
+    return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows,
+                           norm)  # fmt: skip
+
+
+def _check_output_norm(norm: OutputNorm, x_MK: torch.Tensor, walk: str) -> None:
+    if walk != "rows":
+        raise ValueError(f"norm: walk={walk!r} stores y in column slices, a row at a time only walk='rows' can norm it")
+    m, k = x_MK.shape
+    _check_tensor(norm.weight_K, "norm.weight_K", (k,), "the RMSNorm weight [K]")
+    _check_tensor(norm.out_MK, "norm.out_MK", (m, k), "the normed rows [M, K]")
+    for name, t in (("norm.weight_K", norm.weight_K), ("norm.out_MK", norm.out_MK)):
+        if t.device != x_MK.device:
+            raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
 
 
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
     residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows", dense_rows: int = 0,
+    norm: OutputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
-    "rows" walk's column parts (`column_parts`; None: by the weights' size)."""
+    "rows" walk's column parts (`column_parts`; None: by the weights' size); norm: "rows" only."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     if walk == "slices":
@@ -844,8 +879,9 @@ def _direct_up_down(
         rows_M = heavy_rows_M
         if dense_rows:
             rows_M, count_1 = dense_heavy_rows(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK,
-                                               dense_rows)  # fmt: skip
-        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, **part)
+                                               dense_rows, norm)  # fmt: skip
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, norm=norm,
+                            **part)  # fmt: skip
 
     if walk == "slices":
         _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts)
@@ -862,7 +898,7 @@ def _direct_up_down(
         count_1 = heavy_counts[i : i + 1]
         operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
                     partial_MK)  # fmt: skip
-        args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)))
+        args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)), *norm_args(norm))
         cuda.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
     return outs
@@ -951,13 +987,14 @@ def split_token_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     residual_MK: torch.Tensor | None = None, partial_MK: torch.Tensor | None = None,
-    columns: tuple[int, int] | None = None, part: int = FIRST_PART | LAST_PART,
+    columns: tuple[int, int] | None = None, part: int = FIRST_PART | LAST_PART, norm: OutputNorm | None = None,
 ) -> None:  # fmt: skip
     """Writes the y, l1 and l0 rows of the tokens rows_M[: count_1[0]] and sets their fired neurons, each token
     split over a block of warps (gate_up_down_heavy). rows_M: int32 [M]; count_1: int32 [1], read on the device,
     so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `_direct_up_down` allocates them; y rows
     include residual_MK's (bf16 [M, K]) when given. For one column part of several (`_direct_up_down`): columns
-    = (begin, end), part = its FIRST_PART / LAST_PART flags, partial_MK = the fp32 y sums carried between parts."""
+    = (begin, end), part = its FIRST_PART / LAST_PART flags, partial_MK = the fp32 y sums carried between parts.
+    norm: the RMSNorm of the y rows the last part stores, written beside them."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     device = x_MK.device
@@ -971,7 +1008,7 @@ def split_token_up_down(
     y_MK, *stats = outs
     begin, end = (0, n) if columns is None else columns
     operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, *stats, rows_M, count_1, partial_MK)
-    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (k, n, begin, end, part)))
+    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (k, n, begin, end, part)), *norm_args(norm))
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
@@ -1037,11 +1074,12 @@ def dense_row_capacity(
 def dense_heavy_rows(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    residual_MK: torch.Tensor | None, capacity: int,
+    residual_MK: torch.Tensor | None, capacity: int, norm: OutputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The first min(count_1[0], capacity) heavy tokens rows_M lists (gate_up_down_light's list; the count stays on the
     device) through dense GEMMs: their y rows (with residual_MK's row when given), l1, l0 and fired neurons go into
-    outs = (y_MK, l1_M, l0_M, fired_N) with the dense bf16 block's rounding (kernels/dense_rows.cu).
+    outs = (y_MK, l1_M, l0_M, fired_N) with the dense bf16 block's rounding (kernels/dense_rows.cu), and their norm's
+    rows into norm.out_MK when given.
 
     Returns (rows, count_1) of the heavy tokens past the capacity, for `split_token_up_down`."""
     k, n, device = x_MK.shape[1], gate_MN.shape[1], x_MK.device
@@ -1059,7 +1097,7 @@ def dense_heavy_rows(
     y_CK = torch.mm(h_CN, w_down_t_NK)
     scatter = cuda.get_function("dense_rows.cu", "scatter_dense_rows", device)
     operands = (y_CK, rows_M, count_1, residual_MK, y_MK)
-    cuda.launch(scatter, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k)), device)
+    cuda.launch(scatter, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k), *norm_args(norm)), device)
     return rows_M[capacity:], rest_1
 
 
@@ -1080,6 +1118,7 @@ def twell_gated_mlp(
     l0_hint: tuple[float, float] | None = None,
     statistics: bool = True,
     tail: Tail | None = None,
+    output_norm: tuple[torch.Tensor, float] | None = None,
 ) -> FFNResult:
     """The gated FFN block for inference through TwELL kernels; exact at any sparsity.
 
@@ -1099,6 +1138,9 @@ def twell_gated_mlp(
             "direct" route's dense rows (`dense_row_capacity`) and prices its walk more closely than `l0_hint` alone.
         statistics: False leaves l1_sum and fired_N None (the kernels write per-token sums and int32 flags; their
             reduction and conversion are two more kernels). l0_M is always returned: the kernels write it anyway.
+        output_norm: (weight_K, eps) of an RMSNorm of the output rows (the next decoder layer's input norm): the
+            "rows" walk writes it as it stores them, into the result's normed_MK (`OutputNorm`). Other walks and
+            routes leave normed_MK None, as does a weight other than a contiguous bf16 [K] on x_MK's device.
 
     Returns:
         FFNResult. "direct": path "twell-direct" ("twell-slices" where it took the slices walk), overflow_rows 0
@@ -1121,18 +1163,24 @@ def twell_gated_mlp(
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         w_down_t_NK = _DOWN_T.get(w_down_KN)
         dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, tail)
+        # the norm of the rows as the kernels store them: not where the caller adds the residual afterwards
+        norm = _output_norm(output_norm, x_MK) if fused is not None or residual_MK is None else None
 
         def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
             return _direct_up_down(
-                x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows
-            )
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows,
+                norm=norm if walk == "rows" else None,
+            )  # fmt: skip
 
         walk = direct_walk(m, k, n, l0_hint, tail)
         if walk == "slices" and walk_choice() == "measured":
             walk = measured_walk((m, k, n, _mean_bucket(l0_hint[0])), walk_through)
         path = "twell-slices" if walk == "slices" else "twell-direct"
-        return _finished(*walk_through(walk), residual_MK if fused is None else None, statistics, path)
+        result = _finished(*walk_through(walk), residual_MK if fused is None else None, statistics, path)
+        if norm is not None and walk == "rows":
+            result.normed_MK = norm.out_MK
+        return result
     packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
     result = twell_up_down(x_MK, packed_MS, w_up_NK, _DOWN_T.get(w_down_KN), dense_row_nnz)
     dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
@@ -1155,6 +1203,18 @@ def twell_gated_mlp(
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
+
+
+def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Tensor) -> OutputNorm | None:
+    """The OutputNorm the kernels can write for twell_gated_mlp's `output_norm`, or None (the caller norms)."""
+    if output_norm is None:
+        return None
+    weight_K, eps = output_norm
+    usable = (
+        weight_K.dtype == torch.bfloat16 and weight_K.shape == (x_MK.shape[1],) and weight_K.is_contiguous()
+        and weight_K.device == x_MK.device
+    )  # fmt: skip
+    return OutputNorm(weight_K, float(eps), torch.empty_like(x_MK)) if usable else None
 
 
 def _finished(
@@ -1233,7 +1293,7 @@ class TwellFFN(FFNBackend):
 
     def forward(
         self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        residual_writable=False, l0=None, tail=None,
+        residual_writable=False, l0=None, tail=None, output_norm=None,
     ):  # fmt: skip
         # The kernels add the residual as they write a fresh y: residual_writable only serves the torch fallback.
         if training:
@@ -1266,7 +1326,7 @@ class TwellFFN(FFNBackend):
             )
         return twell_gated_mlp(
             x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics,
-            tail=tail,
+            tail=tail, output_norm=output_norm,
         )
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):

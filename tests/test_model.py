@@ -4,10 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from sparse_llm.backends import get_backend
+from sparse_llm import backends
+from sparse_llm.backends import TorchFFN, get_backend
 from sparse_llm.mlp import SparseMLP
 from sparse_llm.model import (
     CausalLlamaModel,
@@ -393,6 +395,44 @@ def test_inference_adds_into_the_residual_stream_and_spares_the_callers_tensors(
         want_hidden = model(ids, use_cache=False, output_hidden_states=True).hidden_states
     for got, expected in zip(hidden, want_hidden, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class NormWritingFFN(TorchFFN):
+    """The torch path, plus the next norm's rows written beside its output, as the sparse inference kernels write
+    them on a GPU."""
+
+    def forward(self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, output_norm=None, **call):
+        result = super().forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, **call)
+        if output_norm is not None:
+            weight_K, eps = output_norm
+            result.normed_MK = F.rms_norm(result.y_MK, (x_MK.shape[1],), weight_K, eps)
+        return result
+
+
+@pytest.mark.parametrize("writes_norm", [False, True])
+def test_inference_takes_each_layers_input_norm_from_the_ffn_before_it(monkeypatch, writes_norm):
+    """Without autograd each layer's FFN is handed the next layer's input norm (after the last layer, the model's
+    norm). Where its backend writes that norm's rows, the next layer skips its own norm and the model its final one;
+    where it writes none, every norm runs. The logits are the same either way, and with gradients on nothing is
+    handed."""
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
+    backends.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
+    torch.manual_seed(9)
+    model = build_model(TINY, kernel="torch").eval()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    norms = [layer.input_layernorm for layer in model.model.layers] + [model.model.norm]
+    ran = []
+    for i, norm in enumerate(norms):
+        norm.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+    want = model(ids, use_cache=False).logits  # autograd on
+    assert ran == list(range(len(norms)))
+    ran.clear()
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+    assert ran == ([0] if writes_norm else list(range(len(norms))))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a layer's statistics do not hold on to the rows it handed on (37 of them held 2.3 GiB at the 2B shape)
+    assert all(mlp.last_result.normed_MK is None for mlp in sparse_mlps(model))
 
 
 def test_training_forward_leaves_each_ffn_add_to_the_next_layer():

@@ -330,6 +330,68 @@ def test_direct_route_heavy_tokens_through_dense_rows(m, sigma, capacity, walk):
         assert ((with_residual[0].float() - expected_MK).abs() <= 2**-6 * scale_MK).all()
 
 
+def assert_is_rms_norm_of(normed_MK: torch.Tensor, y_MK: torch.Tensor, weight_K: torch.Tensor, eps: float) -> None:
+    """normed_MK is F.rms_norm of the stored rows y_MK: within one bf16 rounding of it everywhere (the kernels sum the
+    squares in another order, so rstd may differ in its last fp32 bits), the same bits nearly everywhere."""
+    want_MK = F.rms_norm(y_MK, (y_MK.shape[1],), weight_K, eps)
+    assert not normed_MK.isnan().any(), "a row was left unwritten"
+    torch.testing.assert_close(normed_MK, want_MK, rtol=2**-7, atol=1e-30)
+    same = (normed_MK == want_MK).float().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the normed values have F.rms_norm's bits"
+
+
+@pytest.mark.parametrize("m, k, sigma, capacity, parts, residual", [
+    (4096, 2048, 0.5, 256, 1, True),  # light tokens; heavy ones through the dense rows and past them split over warps
+    (4096, 2048, 0.5, 0, 1, False),  # heavy tokens split over warps; no residual
+    (4096, 2048, 0.0, 0, 2, True),  # two column parts: the last one writes the norm
+    (300, 2048, 0.5, 0, 1, True),  # below SPLIT_BELOW_M every token is split over warps
+    (2048, 4096, 0.5, 512, 1, True),  # 16 pieces a lane
+])  # fmt: skip
+def test_rows_walk_writes_the_rms_norm_of_its_rows(m, k, sigma, capacity, parts, residual):
+    """With an OutputNorm the rows walk writes F.rms_norm of every stored y row (light, split and dense-row tokens),
+    and y stays exact."""
+    block = synthetic_block(m, k, 5632, nnz_mean=28, sigma=sigma, seed=7 * m + k)
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = block
+    gate_MN = F.linear(x_MK, w_gate_NK)
+    if sigma > 0 and m >= 2048:
+        assert heavy_token_count(gate_MN) > capacity / 4, "this case is meant to have heavy tokens"
+    residual_MK = torch.randn(m, k, device="cuda").bfloat16() if residual else None
+    weight_K = (1 + 0.2 * torch.randn(k, device="cuda")).bfloat16()
+    norm = twell_backend.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
+    w_t = w_down_KN.t().contiguous()
+    y_MK, *_ = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts, dense_rows=capacity,
+                              norm=norm)  # fmt: skip
+    assert_is_rms_norm_of(norm.out_MK, y_MK, weight_K, 1e-5)
+    plain_MK = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, parts=parts, dense_rows=capacity)[0]
+    assert_close_to_ref(plain_MK, *block)
+    # y as without the norm: the same bits but where heavy tokens outnumber the dense rows (which of them get the
+    # rows follows the order they were listed in, which varies by call)
+    expected_MK = (plain_MK if residual_MK is None else residual_MK + plain_MK).float()
+    scale_MK = expected_MK.abs() + plain_MK.float().abs().amax(dim=1, keepdim=True)  # the row's largest output
+    assert ((y_MK.float() - expected_MK).abs() <= 2**-6 * scale_MK).all()
+
+
+def test_block_op_writes_the_output_norm_only_from_the_rows_walk(monkeypatch):
+    """twell_gated_mlp's output_norm: the rows walk writes it (normed_MK), the slices walk and a residual the kernels
+    cannot add leave it to the caller (None), and y is the same with and without it."""
+    monkeypatch.setenv("SPARSE_LLM_TWELL_WALK", "priced")
+    block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=3)
+    x_MK = block[0]
+    residual_MK = torch.randn_like(x_MK)
+    weight_K = (1 + 0.2 * torch.randn(2048, device="cuda")).bfloat16()
+    for hint, walk in (((28.0, 1000.0), "rows"), ((28.0, 52.0), "slices")):
+        assert direct_walk(8192, 2048, 5632, hint) == walk
+        plain = twell_gated_mlp(*block, residual_MK=residual_MK, l0_hint=hint)
+        result = twell_gated_mlp(*block, residual_MK=residual_MK, l0_hint=hint, output_norm=(weight_K, 1e-6))
+        assert torch.equal(result.y_MK, plain.y_MK) and plain.normed_MK is None
+        if walk == "rows":
+            assert_is_rms_norm_of(result.normed_MK, result.y_MK, weight_K, 1e-6)
+        else:
+            assert result.normed_MK is None
+    unfused = twell_gated_mlp(*block, residual_MK=residual_MK.float(), l0_hint=(28.0, 1000.0), output_norm=(weight_K, 1e-6))
+    assert unfused.normed_MK is None  # the residual is added after the kernels: their rows are not the output's
+
+
 def test_block_op_reserves_dense_rows_from_the_density_hint():
     """twell_gated_mlp with a heavy-tailed layer's density (as a layer observes it) computes its heavy tokens by dense
     GEMMs, without a host sync; the result stays exact."""
