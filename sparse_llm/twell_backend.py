@@ -821,6 +821,8 @@ def direct_up_down(
     _check_2d(gate_MN, "gate_MN", "[M, N], the pre-activation gate x w_gate^T")
     m, k = x_MK.shape
     n = gate_MN.shape[1]
+    if norm is not None:
+        _check_output_norm(norm, x_MK, walk)
     _check_operands(x_MK, n, [
         ("gate_MN", gate_MN, (m, n), "the pre-activation gate x w_gate^T [M, N]"),
         ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
@@ -833,8 +835,6 @@ def direct_up_down(
         raise ValueError(f"walk='slices': a slice of w_down's N={n} rows does not fit shared memory; use walk='rows'")
     if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 0:
         raise ValueError(f"dense_rows={dense_rows!r}: give a row count >= 0 (0: no dense rows)")
-    if norm is not None:
-        _check_output_norm(norm, x_MK, walk)
     return _direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows,
                            norm)  # fmt: skip
 

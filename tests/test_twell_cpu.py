@@ -372,6 +372,25 @@ def test_walk_trials_are_shared_by_close_densities_only():
     assert bucket(24.0) == bucket(26.0) != bucket(56.0) and bucket(0.0) == bucket(1.0) == 0
 
 
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "weight_K, out_MK, walk, message",
+    [
+        (torch.ones(64), torch.zeros(4, 64, dtype=BF16), "rows", "norm.weight_K has dtype torch.float32"),
+        (torch.ones(32, dtype=BF16), torch.zeros(4, 64, dtype=BF16), "rows", r"norm.weight_K has shape \(32,\)"),
+        (torch.ones(64, dtype=BF16), torch.zeros(64, 4, dtype=BF16), "rows", r"norm.out_MK has shape \(64, 4\)"),
+        (torch.ones(64, dtype=BF16), torch.zeros(4, 64, dtype=BF16), "slices", "only walk='rows' can norm it"),
+    ],
+)
+def test_direct_up_down_names_a_bad_output_norm(weight_K, out_MK, walk, message):
+    x = torch.zeros(4, 64, dtype=BF16)
+    norm = twell_backend.OutputNorm(weight_K, 1e-5, out_MK)
+    with pytest.raises((TypeError, ValueError), match=message):
+        direct_up_down(x, torch.zeros(4, 256, dtype=BF16), x, x, walk=walk, norm=norm)
+
+
 def test_direct_up_down_names_a_bad_walk():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="walk='diagonal' is not valid"):
