@@ -122,13 +122,5 @@ extern "C" __global__ void __launch_bounds__(DENSE_ROWS_THREADS) scatter_dense_r
         __stcs(dst + c, pack_bf16x8(v));
         squares += bf16_squares8(v);
     }
-    if (norm_weight == nullptr) return;
-    const float rstd = rms_rstd(block_sum(squares), K, norm_eps);
-    const uint4 *weight = reinterpret_cast<const uint4 *>(norm_weight);
-    uint4 *normed_row = reinterpret_cast<uint4 *>(normed + m * K);
-    for (int c = threadIdx.x; c < K / 8; c += DENSE_ROWS_THREADS) {  // the columns this thread stored
-        float stored[8];
-        bf16x8_to_float(dst[c], stored);
-        __stcs(normed_row + c, rms_normed8(stored, rstd, __ldg(weight + c)));
-    }
+    if (norm_weight != nullptr) store_groups_normed(y + m * K, normed + m * K, norm_weight, squares, norm_eps, K);
 }

@@ -272,13 +272,7 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
             }
         }
         if (norm_weight != nullptr && (part & LAST_PART)) {
-            const float rstd = rms_rstd(block_sum(squares), K, norm_eps);
-            for (int col = threadIdx.x * 8; col < K; col += WARPS * 32 * 8) {  // the columns this thread stored
-                float stored[8];
-                bf16x8_to_float(*reinterpret_cast<const uint4 *>(y + m * K + col), stored);
-                const uint4 weight_raw = __ldg(reinterpret_cast<const uint4 *>(norm_weight + col));
-                __stcs(reinterpret_cast<uint4 *>(normed + m * K + col), rms_normed8(stored, rstd, weight_raw));
-            }
+            store_groups_normed(y + m * K, normed + m * K, norm_weight, squares, norm_eps, K);
         }
         if (threadIdx.x == 0) {
             const bool first = part & FIRST_PART;

@@ -306,6 +306,21 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+// A block's normed row, once its threads have stored the bf16 row in 8-column groups (thread t: groups t,
+// t + blockDim.x, ...) and each has summed bf16_squares8 of its groups into `squares`. Every thread of the block calls
+// it; each reads back the groups it stored.
+__device__ __forceinline__ void store_groups_normed(const __nv_bfloat16 *row, __nv_bfloat16 *normed_row,
+                                                    const __nv_bfloat16 *__restrict__ weight, float squares, float eps,
+                                                    int K) {
+    const float rstd = rms_rstd(block_sum(squares), K, eps);
+    for (int c = threadIdx.x; c < K / 8; c += blockDim.x) {
+        float stored[8];
+        bf16x8_to_float(reinterpret_cast<const uint4 *>(row)[c], stored);
+        const uint4 weight_raw = __ldg(reinterpret_cast<const uint4 *>(weight) + c);
+        __stcs(reinterpret_cast<uint4 *>(normed_row) + c, rms_normed8(stored, rstd, weight_raw));
+    }
+}
+
 // A warp's fp32 row as store_row_bf16 stores it (lane l holds columns v * 256 + 8l .. + 7): its normed row.
 template <int KV>
 __device__ __forceinline__ void store_row_normed(__nv_bfloat16 *normed_row, const float (&acc)[KV][8],
