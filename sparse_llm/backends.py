@@ -200,11 +200,13 @@ def add_linear_(
 ) -> torch.Tensor:
     """acc_MK += F.linear(a_MJ, w_KJ, bias_K), in acc_MK's memory; returns acc_MK.
 
-    Without a bias and where the three dtypes agree this is one GEMM that reads acc_MK in its epilogue (cuBLAS's
-    beta = 1): at 16384 x 2048 x 2048 in bf16 on an H100, 187 us against 246 us for the GEMM and then an add, which
-    is a pass of its own over [M, K] (BENCHMARKS.md, 2026-11-27). Otherwise (a bias, or a bf16 product into an
-    fp32 stream under autocast) the GEMM and then an in-place add."""
-    if bias_K is None and acc_MK.dtype == a_MJ.dtype == w_KJ.dtype:
+    On a GPU, without a bias and where the three dtypes agree, this is one GEMM that reads acc_MK in its epilogue
+    (cuBLAS's beta = 1): at 16384 x 2048 x 2048 in bf16 on an H100, 187 us against 246 us for the GEMM and then an
+    add, which is a pass of its own over [M, K] (BENCHMARKS.md, 2026-11-27). Otherwise (a bias, a bf16 product into
+    an fp32 stream under autocast, or the CPU) the GEMM and then an in-place add. On the CPU the fused form buys
+    nothing, and MKL's sgemm with beta = 1 rounds apart from the product plus the add on some CPUs (AVX-512: a third
+    of the values at 32 x 256 x 64), so the CPU keeps the stock model's bits."""
+    if acc_MK.is_cuda and bias_K is None and acc_MK.dtype == a_MJ.dtype == w_KJ.dtype:
         return acc_MK.addmm_(a_MJ, w_KJ.t())
     return acc_MK.add_(F.linear(a_MJ, w_KJ, bias_K))
 

@@ -347,8 +347,8 @@ def test_sparse_mlp_adds_the_residual_it_is_given():
 
 
 def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
-    """add_linear_ returns acc + F.linear(a, w, bias) in acc's own memory: by one GEMM where dtypes agree, and with a
-    bias or a bf16 product into an fp32 accumulator too."""
+    """add_linear_ returns acc + F.linear(a, w, bias) in acc's own memory (on a GPU by one GEMM where dtypes agree),
+    also with a bias or a bf16 product into an fp32 accumulator. On the CPU it has the product-then-add's bits."""
     from sparse_llm.backends import add_linear_
 
     torch.manual_seed(7)
@@ -361,6 +361,8 @@ def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
         assert got.data_ptr() == acc.data_ptr() and got.dtype == acc_dtype
         tol = 1e-5 if acc_dtype == ab_dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want.to(acc_dtype), rtol=tol, atol=tol)
+        if acc_dtype == ab_dtype:  # no cast between the product and the add: the same bits as F.linear and then +
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_inference_adds_into_the_residual_stream_and_spares_the_callers_tensors():
