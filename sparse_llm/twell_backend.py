@@ -1210,11 +1210,12 @@ def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Ten
     if output_norm is None:
         return None
     weight_K, eps = output_norm
-    usable = (
-        weight_K.dtype == torch.bfloat16 and weight_K.shape == (x_MK.shape[1],) and weight_K.is_contiguous()
-        and weight_K.device == x_MK.device
-    )  # fmt: skip
-    return OutputNorm(weight_K, float(eps), torch.empty_like(x_MK)) if usable else None
+    norm = OutputNorm(weight_K, float(eps), torch.empty_like(x_MK))
+    try:
+        _check_output_norm(norm, x_MK, "rows")
+    except (TypeError, ValueError):  # a weight the kernels cannot read (dtype, shape, layout, device)
+        return None
+    return norm
 
 
 def _finished(
