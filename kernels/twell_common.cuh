@@ -392,9 +392,15 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // mbarrier, so a warp can keep rows in flight without holding them in registers. Addresses are shared-space
 // (__cvta_generic_to_shared); sizes and addresses are multiples of 16 bytes.
 
-// An mbarrier expecting one arrival per phase (the thread that starts each copy).
-__device__ __forceinline__ void mbarrier_init(uint32_t bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+// An mbarrier whose phase completes after `arrivals` arrivals (by default one: the thread that starts each copy) and
+// the bytes its copies announced.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals = 1) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// One arrival on the barrier (its phase completes when the expected arrivals and bytes are in).
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Makes mbarrier_init's writes visible to the copy engine; then a __syncwarp() before other lanes wait.

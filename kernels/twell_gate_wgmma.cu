@@ -2,15 +2,21 @@
 //   packed = twell(relu(x w_gate^T)),  x [M, K] bf16, w_gate [N, K] bf16 (nn.Linear layout, K-major)
 // The dense gate [M, N] is never written to memory.
 //
-// One CTA computes a 128 x 256 output tile (one TwELL tile column-range for 128 tokens) with two consumer
-// warpgroups, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 rows. Operand tiles of
-// 64 K-elements are staged in shared memory by cp.async in the 128-byte swizzled layout that wgmma reads
-// directly, STAGES deep. The epilogue keeps values > 0, claims slots of each row's TwELL segment with
-// shared-memory atomics, and writes each row's 32-word segment with one coalesced store. A tile with more
-// than 31 positives keeps its true count in word 0 (the consumer routes that row to a dense path).
+// A persistent grid (one CTA per SM) walks 128 x 256 output tiles (one TwELL tile column-range for 128 tokens), the
+// 22 tiles of a token block one after another so that x's block is read from L2 by every CTA that needs it. Each CTA
+// has three warpgroups with one job each:
+//   - a producer, one thread of which streams 128 x 64 tiles of x and 256 x 64 tiles of w_gate by the bulk tensor
+//     copy engine (tensor maps with the 128-byte swizzle that wgmma reads) into a ring of STAGES shared-memory stages,
+//     each stage with a "full" mbarrier (the copy's bytes landed) and an "empty" one (both consumers are done);
+//   - two consumers, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 of the tile's rows, then packing
+//     them: the positives of each row, in column order within each lane, go to their TwELL slots through a staging
+//     buffer in shared memory and out as whole 128-byte segments.
+// The producer runs ahead into the next tile while the consumers pack, so the tensor cores idle only for the packing.
+// Slot order within a segment is fixed (lane quad order, then column): the same inputs give the same words.
+// A tile with more than 31 positives keeps its true count in word 0 (the consumer routes that row to a dense path).
 //
 // Requirements (checked by the caller): K % 64 == 0, N % 256 == 0, N <= 65536, 16-byte aligned rows.
-// M is arbitrary: rows past M are loaded as zeros and never stored.
+// M is arbitrary: the copy engine fills rows past M with zeros, and they are never stored.
 #include "twell_common.cuh"
 
 namespace {
@@ -18,23 +24,30 @@ namespace {
 constexpr int BM = 128;
 constexpr int BN = 256;
 constexpr int BK = 64;
-constexpr int STAGES = 4;  // dynamic smem = STAGES * 48 KiB + 1 KiB alignment slack (cuda.py)
+constexpr int STAGES = 4;
 constexpr int A_BYTES = BM * BK * 2;       // 16 KiB
 constexpr int B_BYTES = BN * BK * 2;       // 32 KiB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int ROW_WORDS = TWELL_SLOTS + 4;  // staging row pitch; +4 words staggers banks across rows
+constexpr int STAGING_OFFSET = STAGES * STAGE_BYTES;
+constexpr int BARRIERS_OFFSET = STAGING_OFFSET + BM * ROW_WORDS * 4;
+constexpr int CONSUMER_WARPS = 8;  // two warpgroups: each warp releases a stage it has read
+// Dynamic shared memory: the stages, the staging rows, 2 * STAGES barriers, and slack to align the stages to 1024
+// bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in twell_backend.py.
+[[maybe_unused]] constexpr int SMEM_BYTES = BARRIERS_OFFSET + 2 * STAGES * 8 + 1024;
+
+// A CUtensorMap (the driver's 128-byte opaque tensor map), passed by value as a __grid_constant__ parameter.
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A 128-byte-row tile as wgmma reads it with 128B swizzle: the 16-byte chunk c of row r sits at chunk
-// c ^ (r % 8); 8-row groups are 1024 bytes apart. The tile base must be 1024-byte aligned.
-__device__ __forceinline__ uint32_t swizzled(uint32_t tile, int row, int chunk) {
-    return tile + row * 128 + ((chunk ^ (row & 7)) << 4);
-}
-
-// wgmma shared-memory matrix descriptor, K-major operand in the 128B-swizzle layout above.
+// wgmma shared-memory matrix descriptor of a K-major operand tile in the layout the copy engine writes with the
+// 128-byte swizzle: rows of 128 bytes, the 16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups 1024 bytes
+// apart. The tile base must be 1024-byte aligned.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
     uint64_t desc = (addr & 0x3ffff) >> 4;           // start address
     desc |= static_cast<uint64_t>(1) << 16;           // leading byte offset (unused with this swizzle)
@@ -79,110 +92,134 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
           : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// Copy k-block kb of the A (x) and B (w_gate) tiles into one pipeline stage.
-__device__ __forceinline__ void load_stage(uint32_t stage, const __nv_bfloat16 *x, const __nv_bfloat16 *w,
-                                           int M, int K, int m0, int n0, int kb) {
-    const int tid = threadIdx.x;
+// One thread: the box at (column c0, row r0) of the map's tensor into shared memory at dst; its bytes complete `bar`.
+__device__ __forceinline__ void tensor_copy_2d(uint32_t dst, const TensorMap &map, int c0, int r0, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Barrier `id` (1 or 2: 0 is __syncthreads's) over the 128 threads of one consumer warpgroup.
+__device__ __forceinline__ void warpgroup_sync(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// Packs one consumer's 64 rows of the tile (accumulators d, wgmma layout) into `packed`. Warp w of the warpgroup
+// holds rows 16w .. 16w + 15; register 4j + e holds row lane / 4 (+ 8 for e >= 2) and column 8j + 2 (lane % 4) +
+// (e & 1). The four lanes of a row take consecutive runs of its slots (an exclusive scan of their counts).
+__device__ __forceinline__ void pack_rows(const float (&d)[128], uint32_t *staging, uint32_t *__restrict__ packed,
+                                          int consumer, int m0, int n0, int tile_n, int tiles_n, int M) {
+    const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, quad_lane = lane % 4;
+    const int row_lo = consumer * 64 + (thread / 32) * 16 + lane / 4;  // this thread's rows: row_lo, row_lo + 8
+    int count[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < (BM * 8) / 256; ++i) {
-        const int c = tid + i * 256;
-        const int row = c >> 3, chunk = c & 7;
-        const bool in_range = m0 + row < M;
-        const __nv_bfloat16 *src = x + static_cast<long long>(in_range ? m0 + row : 0) * K + kb * BK + chunk * 8;
-        cp_async_16(swizzled(stage, row, chunk), src, in_range ? 16 : 0);
+    for (int i = 0; i < 128; ++i) count[(i % 4) / 2] += d[i] > 0.0f;
+    int slot[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int inclusive = count[h];
+#pragma unroll
+        for (int step = 1; step < 4; step *= 2) {
+            const int below = __shfl_up_sync(FULL_MASK, inclusive, step, 4);
+            if (quad_lane >= step) inclusive += below;
+        }
+        const int total = __shfl_sync(FULL_MASK, inclusive, 3, 4);
+        slot[h] = inclusive - count[h] + 1;
+        if (quad_lane == 0) staging[(row_lo + 8 * h) * ROW_WORDS] = total;
     }
 #pragma unroll
-    for (int i = 0; i < (BN * 8) / 256; ++i) {
-        const int c = tid + i * 256;
-        const int row = c >> 3, chunk = c & 7;
-        const __nv_bfloat16 *src = w + static_cast<long long>(n0 + row) * K + kb * BK + chunk * 8;
-        cp_async_16(swizzled(stage + A_BYTES, row, chunk), src, 16);
+    for (int i = 0; i < 128; ++i) {
+        const int h = (i % 4) / 2;
+        if (d[i] > 0.0f) {
+            if (slot[h] <= TWELL_CAPACITY)
+                staging[(row_lo + 8 * h) * ROW_WORDS + slot[h]] =
+                    twell_entry(d[i], n0 + 8 * (i / 4) + 2 * quad_lane + (i & 1));
+            ++slot[h];
+        }
     }
+    warpgroup_sync(1 + consumer);
+    const int warp = thread / 32;
+#pragma unroll 4
+    for (int r = consumer * 64 + warp * 16; r < consumer * 64 + warp * 16 + 16; ++r)
+        if (m0 + r < M)
+            packed[(static_cast<long long>(m0 + r) * tiles_n + tile_n) * TWELL_SLOTS + lane] = staging[r * ROW_WORDS + lane];
 }
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256, 1) twell_gate_wgmma(
-    const __nv_bfloat16 *__restrict__ x,       // [M, K]
-    const __nv_bfloat16 *__restrict__ w_gate,  // [N, K]
-    uint32_t *__restrict__ packed,             // [M, (N/256) * 32]
+extern "C" __global__ void __launch_bounds__(384, 1) twell_gate_wgmma(
+    const __grid_constant__ TensorMap x_map,  // x [M, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
+    const __grid_constant__ TensorMap w_map,  // w_gate [N, K]: boxes of 64 columns x 256 rows, 128-byte swizzle
+    uint32_t *__restrict__ packed,            // [M, (N/256) * 32]
     int M, int N, int K) {
     extern __shared__ uint8_t smem_raw[];
-    // Align the pipeline to 1024 bytes (the swizzle pattern is a function of the address bits).
     const uint32_t raw_addr = smem_addr(smem_raw);
     const uint32_t pad = (1024 - (raw_addr & 1023)) & 1023;
     const uint32_t pipe = raw_addr + pad;
+    uint32_t *staging = reinterpret_cast<uint32_t *>(smem_raw + pad + STAGING_OFFSET);
+    const uint32_t full_bars = pipe + BARRIERS_OFFSET, empty_bars = full_bars + STAGES * 8;
 
-    const int tile_n = blockIdx.x;
-    const int m0 = blockIdx.y * BM;
-    const int n0 = tile_n * BN;
-    const int kblocks = K / BK;
-    const int warpgroup = threadIdx.x / 128;
-
-    // Pipeline: k-block kb+2 is loaded while wgmma works on kb and kb-1 may still be in flight, so the
-    // tensor cores are not idle across the barrier. Slot (kb+2) % 4 was last read by wgmma(kb-2), which
-    // every warpgroup retired (wait_group 1 after issuing kb-1) before the barrier of iteration kb.
-#pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < kblocks) load_stage(pipe + s * STAGE_BYTES, x, w_gate, M, K, m0, n0, s);
-        cp_async_commit();
+    const int tiles_n = N / BN, kblocks = K / BK;
+    const int tiles = (M + BM - 1) / BM * tiles_n;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(full_bars + 8 * s);
+            mbarrier_init(empty_bars + 8 * s, CONSUMER_WARPS);
+        }
+        mbarrier_init_fence();
     }
-
-    float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-
-    for (int kb = 0; kb < kblocks; ++kb) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3));
-        // cp.async writes are generic-proxy; wgmma reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // k-block kb is in shared memory for all threads; wgmma(kb-2) has retired everywhere
-        const int next = kb + STAGES - 2;
-        if (next < kblocks) load_stage(pipe + (next % STAGES) * STAGE_BYTES, x, w_gate, M, K, m0, n0, next);
-        cp_async_commit();
-
-        const uint32_t a_tile = pipe + (kb % STAGES) * STAGE_BYTES + warpgroup * 64 * 128;
-        const uint32_t b_tile = pipe + (kb % STAGES) * STAGE_BYTES + A_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-            wgmma_m64n256k16(d, smem_desc(a_tile + kk * 32), smem_desc(b_tile + kk * 32), 1);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    cp_async_wait_all();
-    __syncthreads();  // the pipeline's shared memory is reused for the packing below
-
-    uint32_t *stage_rows = reinterpret_cast<uint32_t *>(smem_raw + pad);  // [BM][ROW_WORDS]
-    if (threadIdx.x < BM) stage_rows[threadIdx.x * ROW_WORDS] = 0;
     __syncthreads();
 
-    // wgmma accumulator layout: warp w of a warpgroup holds rows 16w..16w+15; register 4j+e holds row
-    // lane/4 (+8 for e >= 2) and column 8j + 2*(lane%4) + (e & 1).
-    const int lane = threadIdx.x & 31;
-    const int row_a = warpgroup * 64 + ((threadIdx.x / 32) & 3) * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float value = d[4 * j + e];
-            if (value > 0.0f) {
-                const int row = row_a + (e >= 2 ? 8 : 0);
-                const int col = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                const int slot = atomicAdd(&stage_rows[row * ROW_WORDS], 1u) + 1;
-                if (slot <= TWELL_CAPACITY) stage_rows[row * ROW_WORDS + slot] = twell_entry(value, col);
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x != 0) return;
+        int it = 0;  // k-blocks loaded so far: stage it % STAGES, pass it / STAGES over the ring
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int m0 = tile / tiles_n * BM, n0 = tile % tiles_n * BN;
+            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbarrier_wait(empty_bars + 8 * s, ((it / STAGES) & 1) ^ 1);  // the first pass finds every stage free
+                const uint32_t stage = pipe + s * STAGE_BYTES;
+                expect_bytes(full_bars + 8 * s, STAGE_BYTES);
+                tensor_copy_2d(stage, x_map, kb * BK, m0, full_bars + 8 * s);
+                tensor_copy_2d(stage + A_BYTES, w_map, kb * BK, n0, full_bars + 8 * s);
             }
         }
+        return;
     }
-    __syncthreads();
 
-    const int tiles = N / TWELL_TILE;
-    const int warp = threadIdx.x / 32;
-#pragma unroll 4
-    for (int r = warp * 16; r < warp * 16 + 16; ++r) {
-        if (m0 + r < M)
-            packed[(static_cast<long long>(m0 + r) * tiles + tile_n) * TWELL_SLOTS + lane] =
-                stage_rows[r * ROW_WORDS + lane];
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int consumer = warpgroup - 1;
+    const bool releases = threadIdx.x % 32 == 0;  // one arrival per warp on a stage's empty barrier
+    int it = 0;  // k-blocks consumed so far, as the producer counts them
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int tile_n = tile % tiles_n, m0 = tile / tiles_n * BM;
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) d[i] = 0.0f;  // defined values; the first wgmma ignores them (scale-d 0)
+        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+            const int s = it % STAGES;
+            mbarrier_wait(full_bars + 8 * s, (it / STAGES) & 1);
+            const uint32_t a_tile = pipe + s * STAGE_BYTES + consumer * 64 * 128;
+            const uint32_t b_tile = pipe + s * STAGE_BYTES + A_BYTES;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk)
+                wgmma_m64n256k16(d, smem_desc(a_tile + kk * 32), smem_desc(b_tile + kk * 32), kb > 0 || kk > 0);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // The previous k-block's group has retired: its stage goes back to the producer.
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            if (kb > 0 && releases) mbarrier_arrive(empty_bars + 8 * ((it - 1) % STAGES));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        if (releases) mbarrier_arrive(empty_bars + 8 * ((it - 1) % STAGES));
+        warpgroup_sync(1 + consumer);  // the previous tile's segments have left the staging rows
+        pack_rows(d, staging, packed, consumer, m0, tile_n * BN, tile_n, tiles_n, M);
     }
 }

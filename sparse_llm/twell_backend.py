@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda
+from sparse_llm import cuda, tensor_map
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
 from sparse_llm.dispatch import best_times_ms, env_choice, log_bucket
 
@@ -61,9 +61,12 @@ TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
 CAPACITY = SLOTS - 1  # entries per segment
 MAX_N = 1 << 16  # 16-bit column indices
-GATE_BLOCK_M = 128  # rows per CTA of the fused gate GEMM
+GATE_BLOCK_M = 128  # rows per output tile of the fused gate GEMM
 GATE_STAGES = 4
-GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + 1024  # pipeline + alignment slack
+# The fused gate GEMM's shared memory (SMEM_BYTES in kernels/twell_gate_wgmma.cu): its pipeline stages, the
+# staging rows of its packing, two barriers per stage and alignment slack.
+GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + GATE_BLOCK_M * (SLOTS + 4) * 4 + GATE_STAGES * 16 + 1024
+GATE_THREADS = 384  # a producer warpgroup and two consumers
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 # Warps (one per token) per block of the one-warp-per-token kernels (twell_up_down here, the training
 # kernels' walks in twell_train.py): one, so a block's registers are freed with its token rather than with the
@@ -621,9 +624,11 @@ def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto")
     if route == "fused":
         kernel = cuda.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
         cuda.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
-        grid = (n // TILE, math.ceil(m / GATE_BLOCK_M))
-        args = (cuda.ptr(x_MK), cuda.ptr(w_gate_NK), cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
-        cuda.launch(kernel, grid, (256,), args, device, shared_mem=GATE_SMEM_BYTES)
+        tiles = math.ceil(m / GATE_BLOCK_M) * (n // TILE)
+        x_map, w_map = tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), tensor_map.bf16_box_map(w_gate_NK, TILE)
+        args = (x_map, w_map, cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
+        grid = (min(tiles, cuda.sm_count(device)),)  # persistent: each CTA walks tiles
+        cuda.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     else:
         gate_MN = F.linear(x_MK, w_gate_NK)
         twell_pack(gate_MN, out=packed_MS)
