@@ -2,12 +2,15 @@
 //   packed = twell(relu(x w_gate^T)),  x [M, K] bf16, w_gate [N, K] bf16 (nn.Linear layout, K-major)
 // The dense gate [M, N] is never written to memory.
 //
-// A persistent grid (one CTA per SM) walks 128 x 256 output tiles (one TwELL tile column-range for 128 tokens), the
-// 22 tiles of a token block one after another so that x's block is read from L2 by every CTA that needs it. Each CTA
-// has three warpgroups with one job each:
-//   - a producer, one thread of which streams 128 x 64 tiles of x and 256 x 64 tiles of w_gate by the bulk tensor
-//     copy engine (tensor maps with the 128-byte swizzle that wgmma reads) into a ring of STAGES shared-memory stages,
-//     each stage with a "full" mbarrier (the copy's bytes landed) and an "empty" one (both consumers are done);
+// A persistent grid of 2-CTA clusters (one CTA per SM) walks pairs of 128 x 256 output tiles (one TwELL tile
+// column-range for 128 tokens): the two CTAs of a cluster take the same 256 columns of two token blocks, so each
+// loads half of the w_gate tile and the copy engine multicasts it to both, halving the weight bytes read from L2 (at
+// this tile shape the GEMM needs ~7 TB/s of L2 reads without it). The 22 column tiles of a token-block pair follow
+// one another, so x's blocks are read from L2 by every CTA that needs them. Each CTA has three warpgroups:
+//   - a producer, one thread of which streams 128 x 64 tiles of x and its 128 x 64 half of the w_gate tile by the
+//     bulk tensor copy engine (tensor maps with the 128-byte swizzle that wgmma reads) into a ring of STAGES
+//     shared-memory stages, each stage with a "full" mbarrier (its 48 KiB landed, half of w_gate's from the other
+//     CTA) and an "empty" one (the consumers of both CTAs are done with it: the multicast writes into both);
 //   - two consumers, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 of the tile's rows, then packing
 //     them: the positives of each row, in column order within each lane, go to their TwELL slots through a staging
 //     buffer in shared memory and out as whole 128-byte segments.
@@ -31,7 +34,9 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int ROW_WORDS = TWELL_SLOTS + 4;  // staging row pitch; +4 words staggers banks across rows
 constexpr int STAGING_OFFSET = STAGES * STAGE_BYTES;
 constexpr int BARRIERS_OFFSET = STAGING_OFFSET + BM * ROW_WORDS * 4;
-constexpr int CONSUMER_WARPS = 8;  // two warpgroups: each warp releases a stage it has read
+constexpr int CLUSTER = 2;  // CTAs sharing each w_gate tile (multicast)
+constexpr int B_PART_ROWS = BN / CLUSTER;  // w_gate rows each CTA of the cluster loads
+constexpr int RELEASES = 8 * CLUSTER;  // a stage is free once each consumer warp of both CTAs has read it
 // Dynamic shared memory: the stages, the staging rows, 2 * STAGES barriers, and slack to align the stages to 1024
 // bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in twell_backend.py.
 [[maybe_unused]] constexpr int SMEM_BYTES = BARRIERS_OFFSET + 2 * STAGES * 8 + 1024;
@@ -100,6 +105,29 @@ __device__ __forceinline__ void tensor_copy_2d(uint32_t dst, const TensorMap &ma
         : "memory");
 }
 
+// One thread: as tensor_copy_2d, with the box written at the same offset into the shared memory of every CTA of the
+// cluster in cta_mask, each of whose barriers at bar's offset receives the bytes.
+__device__ __forceinline__ void tensor_copy_2d_multicast(uint32_t dst, const TensorMap &map, int c0, int r0,
+                                                         uint32_t bar, uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(r0), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
+// One arrival on the barrier at the shared-space address `bar` in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// Every thread of both CTAs of the cluster: ordinary and barrier writes before it are seen by both CTAs after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -152,74 +180,92 @@ __device__ __forceinline__ void pack_rows(const float (&d)[128], uint32_t *stagi
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1) twell_gate_wgmma(
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384, 1) twell_gate_wgmma(
     const __grid_constant__ TensorMap x_map,  // x [M, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
-    const __grid_constant__ TensorMap w_map,  // w_gate [N, K]: boxes of 64 columns x 256 rows, 128-byte swizzle
+    const __grid_constant__ TensorMap w_map,  // w_gate [N, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
     uint32_t *__restrict__ packed,            // [M, (N/256) * 32]
     int M, int N, int K) {
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw_addr = smem_addr(smem_raw);
-    const uint32_t pad = (1024 - (raw_addr & 1023)) & 1023;
+    const uint32_t pad = (1024 - (raw_addr & 1023)) & 1023;  // the same in both CTAs: one kernel, one layout
     const uint32_t pipe = raw_addr + pad;
     uint32_t *staging = reinterpret_cast<uint32_t *>(smem_raw + pad + STAGING_OFFSET);
     const uint32_t full_bars = pipe + BARRIERS_OFFSET, empty_bars = full_bars + STAGES * 8;
+    uint32_t rank, cluster, clusters;
+    asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    asm("mov.u32 %0, %%clusterid.x;\n" : "=r"(cluster));
+    asm("mov.u32 %0, %%nclusterid.x;\n" : "=r"(clusters));
 
+    // Work item p: columns (p % tiles_n) * 256 of token blocks 2 (p / tiles_n) + rank. A block past M is loaded as
+    // zeros (its CTA still multicasts its half of w_gate) and never stored.
     const int tiles_n = N / BN, kblocks = K / BK;
-    const int tiles = (M + BM - 1) / BM * tiles_n;
+    const int items = (M + CLUSTER * BM - 1) / (CLUSTER * BM) * tiles_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(full_bars + 8 * s);
-            mbarrier_init(empty_bars + 8 * s, CONSUMER_WARPS);
+            mbarrier_init(empty_bars + 8 * s, RELEASES);
         }
         mbarrier_init_fence();
     }
-    __syncthreads();
+    cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (threadIdx.x != 0) return;
-        int it = 0;  // k-blocks loaded so far: stage it % STAGES, pass it / STAGES over the ring
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const int m0 = tile / tiles_n * BM, n0 = tile % tiles_n * BN;
-            for (int kb = 0; kb < kblocks; ++kb, ++it) {
-                const int s = it % STAGES;
-                mbarrier_wait(empty_bars + 8 * s, ((it / STAGES) & 1) ^ 1);  // the first pass finds every stage free
-                const uint32_t stage = pipe + s * STAGE_BYTES;
-                expect_bytes(full_bars + 8 * s, STAGE_BYTES);
-                tensor_copy_2d(stage, x_map, kb * BK, m0, full_bars + 8 * s);
-                tensor_copy_2d(stage + A_BYTES, w_map, kb * BK, n0, full_bars + 8 * s);
+        // The whole first warp walks the loop (one lane issues), so no lane waits at the final cluster barrier
+        // while diverged from the issuing one: the warp would then alternate between the two paths.
+        if (threadIdx.x < 32) {
+            int it = 0;  // k-blocks loaded so far: stage it % STAGES, pass it / STAGES over the ring
+            for (int item = cluster; item < items; item += clusters) {
+                const int m0 = (item / tiles_n * CLUSTER + rank) * BM, n0 = item % tiles_n * BN;
+                for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                    const int s = it % STAGES;
+                    // The first pass finds every stage free; later ones wait for both CTAs' consumers.
+                    mbarrier_wait(empty_bars + 8 * s, ((it / STAGES) & 1) ^ 1);
+                    if (threadIdx.x == 0) {
+                        const uint32_t stage = pipe + s * STAGE_BYTES;
+                        expect_bytes(full_bars + 8 * s, STAGE_BYTES);
+                        tensor_copy_2d(stage, x_map, kb * BK, m0, full_bars + 8 * s);
+                        tensor_copy_2d_multicast(stage + A_BYTES + rank * B_PART_ROWS * 128, w_map, kb * BK,
+                                                 n0 + rank * B_PART_ROWS, full_bars + 8 * s, (1u << CLUSTER) - 1);
+                    }
+                    __syncwarp();
+                }
             }
         }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int consumer = warpgroup - 1;
-    const bool releases = threadIdx.x % 32 == 0;  // one arrival per warp on a stage's empty barrier
-    int it = 0;  // k-blocks consumed so far, as the producer counts them
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int tile_n = tile % tiles_n, m0 = tile / tiles_n * BM;
-        float d[128];
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        const int consumer = warpgroup - 1;
+        const bool releases = threadIdx.x % 32 == 0;  // one arrival per warp on a stage's empty barriers
+        const auto release = [&](int s) {
+            if (releases)
+                for (uint32_t r = 0; r < CLUSTER; ++r) mbarrier_arrive_cluster(empty_bars + 8 * s, r);
+        };
+        int it = 0;  // k-blocks consumed so far, as the producer counts them
+        for (int item = cluster; item < items; item += clusters) {
+            const int m0 = (item / tiles_n * CLUSTER + rank) * BM, tile_n = item % tiles_n;
+            float d[128];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0.0f;  // defined values; the first wgmma ignores them (scale-d 0)
-        for (int kb = 0; kb < kblocks; ++kb, ++it) {
-            const int s = it % STAGES;
-            mbarrier_wait(full_bars + 8 * s, (it / STAGES) & 1);
-            const uint32_t a_tile = pipe + s * STAGE_BYTES + consumer * 64 * 128;
-            const uint32_t b_tile = pipe + s * STAGE_BYTES + A_BYTES;
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            for (int i = 0; i < 128; ++i) d[i] = 0.0f;  // defined values; the first wgmma ignores them (scale-d 0)
+            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbarrier_wait(full_bars + 8 * s, (it / STAGES) & 1);
+                const uint32_t a_tile = pipe + s * STAGE_BYTES + consumer * 64 * 128;
+                const uint32_t b_tile = pipe + s * STAGE_BYTES + A_BYTES;
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk)
-                wgmma_m64n256k16(d, smem_desc(a_tile + kk * 32), smem_desc(b_tile + kk * 32), kb > 0 || kk > 0);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            // The previous k-block's group has retired: its stage goes back to the producer.
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            if (kb > 0 && releases) mbarrier_arrive(empty_bars + 8 * ((it - 1) % STAGES));
+                for (int kk = 0; kk < BK / 16; ++kk)
+                    wgmma_m64n256k16(d, smem_desc(a_tile + kk * 32), smem_desc(b_tile + kk * 32), kb > 0 || kk > 0);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                // The previous k-block's group has retired: its stage goes back to the producers.
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                if (kb > 0) release((it - 1) % STAGES);
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            release((it - 1) % STAGES);
+            warpgroup_sync(1 + consumer);  // the previous tile's segments have left the staging rows
+            pack_rows(d, staging, packed, consumer, m0, tile_n * BN, tile_n, tiles_n, M);
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        if (releases) mbarrier_arrive(empty_bars + 8 * ((it - 1) % STAGES));
-        warpgroup_sync(1 + consumer);  // the previous tile's segments have left the staging rows
-        pack_rows(d, staging, packed, consumer, m0, tile_n * BN, tile_n, tiles_n, M);
     }
+    cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 }

@@ -67,6 +67,7 @@ GATE_STAGES = 4
 # staging rows of its packing, two barriers per stage and alignment slack.
 GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + GATE_BLOCK_M * (SLOTS + 4) * 4 + GATE_STAGES * 16 + 1024
 GATE_THREADS = 384  # a producer warpgroup and two consumers
+GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 # Warps (one per token) per block of the one-warp-per-token kernels (twell_up_down here, the training
 # kernels' walks in twell_train.py): one, so a block's registers are freed with its token rather than with the
@@ -624,10 +625,10 @@ def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto")
     if route == "fused":
         kernel = cuda.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
         cuda.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
-        tiles = math.ceil(m / GATE_BLOCK_M) * (n // TILE)
-        x_map, w_map = tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), tensor_map.bf16_box_map(w_gate_NK, TILE)
-        args = (x_map, w_map, cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
-        grid = (min(tiles, cuda.sm_count(device)),)  # persistent: each CTA walks tiles
+        items = math.ceil(m / (GATE_CLUSTER * GATE_BLOCK_M)) * (n // TILE)
+        w_map = tensor_map.bf16_box_map(w_gate_NK, TILE // GATE_CLUSTER)
+        args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
+        grid = (GATE_CLUSTER * min(items, cuda.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
         cuda.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     else:
         gate_MN = F.linear(x_MK, w_gate_NK)
