@@ -7,15 +7,16 @@
 // loads half of the w_gate tile and the copy engine multicasts it to both, halving the weight bytes read from L2 (at
 // this tile shape the GEMM needs ~7 TB/s of L2 reads without it). The 22 column tiles of a token-block pair follow
 // one another, so x's blocks are read from L2 by every CTA that needs them. Each CTA has three warpgroups:
-//   - a producer, one thread of which streams 128 x 64 tiles of x and its 128 x 64 half of the w_gate tile by the
-//     bulk tensor copy engine (tensor maps with the 128-byte swizzle that wgmma reads) into a ring of STAGES
-//     shared-memory stages, each stage with a "full" mbarrier (its 48 KiB landed, half of w_gate's from the other
-//     CTA) and an "empty" one (the consumers of both CTAs are done with it: the multicast writes into both);
-//   - two consumers, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 of the tile's rows, then packing
-//     them: the positives of each row, in column order within each lane, go to their TwELL slots through a staging
-//     buffer in shared memory and out as whole 128-byte segments.
-// The producer runs ahead into the next tile while the consumers pack, so the tensor cores idle only for the packing.
-// Slot order within a segment is fixed (lane quad order, then column): the same inputs give the same words.
+//   - the first: one lane of its first warp streams 128 x 64 tiles of x and its 128 x 64 half of the w_gate tile by
+//     the bulk tensor copy engine (tensor maps with the 128-byte swizzle that wgmma reads) into a ring of STAGES
+//     shared-memory stages, each with a "full" mbarrier (its 48 KiB landed, half of w_gate's from the other CTA) and
+//     an "empty" one (the consumers of both CTAs are done with it: the multicast writes into both). Its other three
+//     warps pack: they read each finished tile's bf16 rows back from shared memory, list every row's positives in
+//     column order and store each row's 128-byte TwELL segment whole;
+//   - two consumers, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 of the tile's rows, then
+//     rounding them to bf16 into the tile buffer the packers read.
+// The consumers' only work between two tiles is that copy: the packing of one tile overlaps the products of the
+// next (packing in the consumers cost ~7% of the kernel's time at the paper's block, H100).
 // A tile with more than 31 positives keeps its true count in word 0 (the consumer routes that row to a dense path).
 //
 // Requirements (checked by the caller): K % 64 == 0, N % 256 == 0, N <= 65536, 16-byte aligned rows.
@@ -27,18 +28,25 @@ namespace {
 constexpr int BM = 128;
 constexpr int BN = 256;
 constexpr int BK = 64;
-constexpr int STAGES = 4;
+constexpr int STAGES = 3;  // with the tile buffer, four do not fit in shared memory
 constexpr int A_BYTES = BM * BK * 2;       // 16 KiB
 constexpr int B_BYTES = BN * BK * 2;       // 32 KiB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int ROW_WORDS = TWELL_SLOTS + 4;  // staging row pitch; +4 words staggers banks across rows
-constexpr int STAGING_OFFSET = STAGES * STAGE_BYTES;
-constexpr int BARRIERS_OFFSET = STAGING_OFFSET + BM * ROW_WORDS * 4;
+// The finished tile as bf16 rows of BN values; the pitch of 132 words puts the 8 rows a consumer warp writes at
+// once (lane / 4) in distinct banks.
+constexpr int TILE_PITCH = BN / 2 + 4;  // words
+constexpr int TILE_OFFSET = STAGES * STAGE_BYTES;
+constexpr int PACKERS = 3;  // warps
+constexpr int LISTS_OFFSET = TILE_OFFSET + BM * TILE_PITCH * 4;  // a 32-word segment being built, per packer
+constexpr int BARRIERS_OFFSET = LISTS_OFFSET + PACKERS * TWELL_SLOTS * 4;
 constexpr int CLUSTER = 2;  // CTAs sharing each w_gate tile (multicast)
 constexpr int B_PART_ROWS = BN / CLUSTER;  // w_gate rows each CTA of the cluster loads
 constexpr int RELEASES = 8 * CLUSTER;  // a stage is free once each consumer warp of both CTAs has read it
-// Dynamic shared memory: the stages, the staging rows, 2 * STAGES barriers, and slack to align the stages to 1024
-// bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in twell_backend.py.
+// Named barriers between the consumers (256 threads) and the packers (96): the tile buffer is full / free again.
+constexpr int TILE_FULL = 1, TILE_FREE = 2, TILE_PARTIES = 256 + 32 * PACKERS;
+// Dynamic shared memory: the stages, the tile buffer, the packers' lists, 2 * STAGES barriers, and slack to align the
+// stages to 1024 bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in
+// twell_backend.py.
 [[maybe_unused]] constexpr int SMEM_BYTES = BARRIERS_OFFSET + 2 * STAGES * 8 + 1024;
 
 // A CUtensorMap (the driver's 128-byte opaque tensor map), passed by value as a __grid_constant__ parameter.
@@ -116,7 +124,9 @@ __device__ __forceinline__ void tensor_copy_2d_multicast(uint32_t dst, const Ten
         : "memory");
 }
 
-// One arrival on the barrier at the shared-space address `bar` in the shared memory of cluster CTA `rank`.
+// One arrival on the barrier at the shared-space address `bar` in the shared memory of cluster CTA `rank`. No
+// cluster-scope release: a release.cluster arrive per k-block made the kernel twice as slow (H100), and the stage's
+// readers are wgmma reads that have retired before it.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t rank) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
@@ -132,50 +142,41 @@ __device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Barrier `id` (1 or 2: 0 is __syncthreads's) over the 128 threads of one consumer warpgroup.
-__device__ __forceinline__ void warpgroup_sync(int id) {
-    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Packs one consumer's 64 rows of the tile (accumulators d, wgmma layout) into `packed`. Warp w of the warpgroup
-// holds rows 16w .. 16w + 15; register 4j + e holds row lane / 4 (+ 8 for e >= 2) and column 8j + 2 (lane % 4) +
-// (e & 1). The four lanes of a row take consecutive runs of its slots (an exclusive scan of their counts).
-__device__ __forceinline__ void pack_rows(const float (&d)[128], uint32_t *staging, uint32_t *__restrict__ packed,
-                                          int consumer, int m0, int n0, int tile_n, int tiles_n, int M) {
-    const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, quad_lane = lane % 4;
-    const int row_lo = consumer * 64 + (thread / 32) * 16 + lane / 4;  // this thread's rows: row_lo, row_lo + 8
-    int count[2] = {0, 0};
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A consumer's 64 rows of the tile (accumulators d in wgmma's layout) as bf16 into the tile buffer. Warp w of the
+// warpgroup holds rows 16w .. 16w + 15; register 4j + e holds row lane / 4 (+ 8 for e >= 2) and column 8j + 2 (lane %
+// 4) + (e & 1), so each register pair is one 4-byte word.
+__device__ __forceinline__ void store_tile_rows(const float (&d)[128], uint32_t *tile, int consumer) {
+    const int lane = threadIdx.x % 32;
+    const int row = consumer * 64 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
 #pragma unroll
-    for (int i = 0; i < 128; ++i) count[(i % 4) / 2] += d[i] > 0.0f;
-    int slot[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int inclusive = count[h];
-#pragma unroll
-        for (int step = 1; step < 4; step *= 2) {
-            const int below = __shfl_up_sync(FULL_MASK, inclusive, step, 4);
-            if (quad_lane >= step) inclusive += below;
-        }
-        const int total = __shfl_sync(FULL_MASK, inclusive, 3, 4);
-        slot[h] = inclusive - count[h] + 1;
-        if (quad_lane == 0) staging[(row_lo + 8 * h) * ROW_WORDS] = total;
+    for (int i = 0; i < 128; i += 2) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(d[i], d[i + 1]);
+        tile[(row + ((i % 4) / 2) * 8) * TILE_PITCH + (i / 4) * 4 + lane % 4] =
+            *reinterpret_cast<const uint32_t *>(&pair);
     }
-#pragma unroll
-    for (int i = 0; i < 128; ++i) {
-        const int h = (i % 4) / 2;
-        if (d[i] > 0.0f) {
-            if (slot[h] <= TWELL_CAPACITY)
-                staging[(row_lo + 8 * h) * ROW_WORDS + slot[h]] =
-                    twell_entry(d[i], n0 + 8 * (i / 4) + 2 * quad_lane + (i & 1));
-            ++slot[h];
-        }
+}
+
+// One packer warp: the TwELL segments of rows packer, packer + PACKERS, ... of the tile buffer (columns n0 ..
+// n0 + 255 of tokens m0 ..), built in `list` (32 words) and stored whole.
+__device__ __forceinline__ void pack_tile(const uint32_t *tile, uint32_t *list, uint32_t *__restrict__ packed,
+                                          int packer, int m0, int tile_n, int tiles_n, int M) {
+    const int lane = threadIdx.x % 32;
+    for (int r = packer; r < BM && m0 + r < M; r += PACKERS) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(tile + r * TILE_PITCH + lane * 4);
+        const int total = list_positives(raw, tile_n * BN + lane * 8, list, 1, TWELL_SLOTS, lane);
+        if (lane == 0) list[0] = total;
+        __syncwarp();
+        packed[(static_cast<long long>(m0 + r) * tiles_n + tile_n) * TWELL_SLOTS + lane] = list[lane];
+        __syncwarp();  // the list is read before the next row overwrites it
     }
-    warpgroup_sync(1 + consumer);
-    const int warp = thread / 32;
-#pragma unroll 4
-    for (int r = consumer * 64 + warp * 16; r < consumer * 64 + warp * 16 + 16; ++r)
-        if (m0 + r < M)
-            packed[(static_cast<long long>(m0 + r) * tiles_n + tile_n) * TWELL_SLOTS + lane] = staging[r * ROW_WORDS + lane];
 }
 
 }  // namespace
@@ -189,17 +190,18 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
     const uint32_t raw_addr = smem_addr(smem_raw);
     const uint32_t pad = (1024 - (raw_addr & 1023)) & 1023;  // the same in both CTAs: one kernel, one layout
     const uint32_t pipe = raw_addr + pad;
-    uint32_t *staging = reinterpret_cast<uint32_t *>(smem_raw + pad + STAGING_OFFSET);
+    uint32_t *tile = reinterpret_cast<uint32_t *>(smem_raw + pad + TILE_OFFSET);
     const uint32_t full_bars = pipe + BARRIERS_OFFSET, empty_bars = full_bars + STAGES * 8;
     uint32_t rank, cluster, clusters;
     asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
     asm("mov.u32 %0, %%clusterid.x;\n" : "=r"(cluster));
     asm("mov.u32 %0, %%nclusterid.x;\n" : "=r"(clusters));
 
-    // Work item p: columns (p % tiles_n) * 256 of token blocks 2 (p / tiles_n) + rank. A block past M is loaded as
+    // Work item p: columns (p % tiles_n) * 256 of token block 2 (p / tiles_n) + rank. A block past M is loaded as
     // zeros (its CTA still multicasts its half of w_gate) and never stored.
     const int tiles_n = N / BN, kblocks = K / BK;
     const int items = (M + CLUSTER * BM - 1) / (CLUSTER * BM) * tiles_n;
+    const auto token_block = [&](int item) { return (item / tiles_n * CLUSTER + static_cast<int>(rank)) * BM; };
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(full_bars + 8 * s);
@@ -209,15 +211,15 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
     }
     cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
     if (warpgroup == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        // The whole first warp walks the loop (one lane issues), so no lane waits at the final cluster barrier
-        // while diverged from the issuing one: the warp would then alternate between the two paths.
-        if (threadIdx.x < 32) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        if (warp == 0) {
+            // The whole warp walks the loop (one lane issues), so no lane waits at the final cluster barrier while
+            // diverged from the issuing one: the warp would then alternate between the two paths.
             int it = 0;  // k-blocks loaded so far: stage it % STAGES, pass it / STAGES over the ring
             for (int item = cluster; item < items; item += clusters) {
-                const int m0 = (item / tiles_n * CLUSTER + rank) * BM, n0 = item % tiles_n * BN;
+                const int m0 = token_block(item), n0 = item % tiles_n * BN;
                 for (int kb = 0; kb < kblocks; ++kb, ++it) {
                     const int s = it % STAGES;
                     // The first pass finds every stage free; later ones wait for both CTAs' consumers.
@@ -232,9 +234,16 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
                     __syncwarp();
                 }
             }
+        } else {
+            uint32_t *list = reinterpret_cast<uint32_t *>(smem_raw + pad + LISTS_OFFSET) + (warp - 1) * TWELL_SLOTS;
+            for (int item = cluster; item < items; item += clusters) {
+                named_arrive(TILE_FREE, TILE_PARTIES);  // the previous tile has been read
+                named_sync(TILE_FULL, TILE_PARTIES);
+                pack_tile(tile, list, packed, warp - 1, token_block(item), item % tiles_n, tiles_n, M);
+            }
         }
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
         const int consumer = warpgroup - 1;
         const bool releases = threadIdx.x % 32 == 0;  // one arrival per warp on a stage's empty barriers
         const auto release = [&](int s) {
@@ -243,7 +252,6 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
         };
         int it = 0;  // k-blocks consumed so far, as the producer counts them
         for (int item = cluster; item < items; item += clusters) {
-            const int m0 = (item / tiles_n * CLUSTER + rank) * BM, tile_n = item % tiles_n;
             float d[128];
 #pragma unroll
             for (int i = 0; i < 128; ++i) d[i] = 0.0f;  // defined values; the first wgmma ignores them (scale-d 0)
@@ -263,8 +271,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release((it - 1) % STAGES);
-            warpgroup_sync(1 + consumer);  // the previous tile's segments have left the staging rows
-            pack_rows(d, staging, packed, consumer, m0, tile_n * BN, tile_n, tiles_n, M);
+            named_sync(TILE_FREE, TILE_PARTIES);  // the packers are done with the previous tile
+            store_tile_rows(d, tile, consumer);
+            named_arrive(TILE_FULL, TILE_PARTIES);
         }
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers

@@ -62,10 +62,13 @@ SLOTS = 32  # words per (token, tile) segment
 CAPACITY = SLOTS - 1  # entries per segment
 MAX_N = 1 << 16  # 16-bit column indices
 GATE_BLOCK_M = 128  # rows per output tile of the fused gate GEMM
-GATE_STAGES = 4
-# The fused gate GEMM's shared memory (SMEM_BYTES in kernels/twell_gate_wgmma.cu): its pipeline stages, the
-# staging rows of its packing, two barriers per stage and alignment slack.
-GATE_SMEM_BYTES = GATE_STAGES * (128 * 64 + 256 * 64) * 2 + GATE_BLOCK_M * (SLOTS + 4) * 4 + GATE_STAGES * 16 + 1024
+GATE_STAGES = 3
+# The fused gate GEMM's shared memory (SMEM_BYTES in kernels/twell_gate_wgmma.cu): its pipeline stages, the finished
+# tile as bf16 rows (pitch TILE / 2 + 4 words), its three packer warps' lists, two barriers per stage and alignment
+# slack.
+GATE_SMEM_BYTES = (
+    GATE_STAGES * (128 * 64 + 256 * 64) * 2 + GATE_BLOCK_M * (TILE // 2 + 4) * 4 + 3 * SLOTS * 4 + GATE_STAGES * 16 + 1024
+)
 GATE_THREADS = 384  # a producer warpgroup and two consumers
 GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
