@@ -82,9 +82,9 @@ __device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>(
 // (no registers held while they fly) and x stays in registers; the gate row comes through the same ring, both pieces
 // in flight, before the walk. Against register loads with x in shared memory (21 warps of 94 registers) the kernel is
 // 6% faster on an H100 and 11-13% on an H200, with the same bits (BENCHMARKS.md, 2026-11-27).
-template <int KV>
+template <int KV, bool PACKED>
 __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
-    const __nv_bfloat16 *__restrict__ gate,  // [M, N] pre-activation x w_gate^T
+    const void *__restrict__ gate,           // [M, N] bf16 pre-activation x w_gate^T, or (PACKED) its TwELL words
     const __nv_bfloat16 *__restrict__ x,     // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,  // [N, K]
     uint32_t *__restrict__ entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out
@@ -103,7 +103,11 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     RowRing<KV, 2> ring(reinterpret_cast<uint4 *>(up_smem),
                         reinterpret_cast<uint64_t *>(up_smem + up_barriers_offset<KV>()), lane);
     __syncwarp();  // the barriers are initialised
-    const int total = list_gate_row_ring<KV, 2>(gate + m * N, N, ring, list, ENTRY_CAP, lane);
+    const int total =
+        PACKED ? list_twell_row(static_cast<const uint32_t *>(gate) + m * (N / TWELL_TILE) * TWELL_SLOTS,
+                                N / TWELL_TILE, list, ENTRY_CAP, lane)
+               : list_gate_row_ring<KV, 2>(static_cast<const __nv_bfloat16 *>(gate) + m * N, N, ring, list, ENTRY_CAP,
+                                           lane);
     if (total > split_nnz) {
         if (lane == 0) {
             heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
@@ -390,13 +394,14 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
 }
 
 // Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
-#define GATE_UP_ENTRIES(KV)                                                                                      \
-    template __global__ void gate_up_entries<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,                  \
-                                                 const __nv_bfloat16 *, uint32_t *, int *, float *, int *, int *, \
-                                                 int *, int *, int, int, int, int, int);
-GATE_UP_ENTRIES(1)
-GATE_UP_ENTRIES(8)
-GATE_UP_ENTRIES(16)
+#define GATE_UP_ENTRIES(KV, PACKED)                                                                              \
+    template __global__ void gate_up_entries<KV, PACKED>(const void *, const __nv_bfloat16 *, const __nv_bfloat16 *, \
+                                                         uint32_t *, int *, float *, int *, int *, int *, int *, int,  \
+                                                         int, int, int, int);
+GATE_UP_ENTRIES(1, false)
+GATE_UP_ENTRIES(8, false)
+GATE_UP_ENTRIES(16, false)
+GATE_UP_ENTRIES(8, true)
 #define ENTRIES_DOWN(KS, SUMS)                                                                                 \
     template __global__ void entries_down<KS, SUMS>(const uint32_t *, const int *, const int *,                 \
                                                     const __nv_bfloat16 *, __nv_bfloat16 *, const __nv_bfloat16 *, \

@@ -171,6 +171,41 @@ __device__ __forceinline__ int list_gate_row(const __nv_bfloat16 *__restrict__ r
     return total;
 }
 
+// A token whose TwELL row has an overflowed segment: its entries are incomplete, so it must take a dense path.
+[[maybe_unused]] constexpr int TWELL_ROW_OVERFLOW = 1 << 30;
+
+// One warp lists the entries of a token's TwELL row (`tiles` segments) in `list` in segment order, as list_gate_row
+// lists the same positives from the bf16 row (slots >= cap are counted, not stored). Lane l reads the first 8 words
+// of segment l of each 32 (one 32-byte sector: the count and, at the paper's sparsity, every entry) and the rest
+// only where its count is larger. Returns the token's entry count, or TWELL_ROW_OVERFLOW where a segment overflowed
+// (same on all lanes). The list is written by all lanes: __syncwarp() before reading another lane's slots.
+__device__ __forceinline__ int list_twell_row(const uint32_t *__restrict__ row, int tiles, uint32_t *list, int cap,
+                                              int lane) {
+    int total = 0;
+    bool overflow = false;
+    for (int t0 = 0; t0 < tiles; t0 += 32) {
+        const uint32_t *segment = row + (t0 + lane) * TWELL_SLOTS;
+        uint4 head[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+        if (t0 + lane < tiles) {
+            head[0] = __ldcs(reinterpret_cast<const uint4 *>(segment));
+            head[1] = __ldcs(reinterpret_cast<const uint4 *>(segment) + 1);
+        }
+        const int count = static_cast<int>(head[0].x);
+        overflow |= __any_sync(FULL_MASK, count > TWELL_CAPACITY);
+        const int kept = min(count, TWELL_CAPACITY);
+        const int inclusive = warp_inclusive_sum(kept, lane);
+        const uint32_t first[7] = {head[0].y, head[0].z, head[0].w, head[1].x, head[1].y, head[1].z, head[1].w};
+        const int base = total + inclusive - kept;
+#pragma unroll
+        for (int i = 0; i < 7; ++i)
+            if (i < kept && base + i < cap) list[base + i] = first[i];
+        for (int i = 7; i < kept; ++i)
+            if (base + i < cap) list[base + i] = __ldcs(segment + 1 + i);
+        total += __shfl_sync(FULL_MASK, inclusive, 31);
+    }
+    return overflow ? TWELL_ROW_OVERFLOW : total;
+}
+
 // ---- Warp-row helpers. One warp works on one K-wide bf16 row (a token's x or dy, or a weight row): lane l
 // owns the 8 columns v * 256 + 8l .. + 7 of piece v < KV, so K <= 256 * KV; columns >= K are masked (K is a
 // multiple of 64, so a lane's 8 columns are either all valid or all masked).

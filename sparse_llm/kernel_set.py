@@ -58,7 +58,7 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
         ("dense_rows.cu", "gather_dense_rows"),
         ("dense_rows.cu", "dense_rows_h"),
         ("dense_rows.cu", "scatter_dense_rows"),
-        ("gate_up_then_down.cu", f"gate_up_entries<{kv}>"),
+        ("gate_up_then_down.cu", f"gate_up_entries<{kv},false>"),
         ("gate_up_then_down.cu", "order_tokens"),
         ("gate_up_then_down.cu", "entries_to_slots"),
         *_slices_down(n, sums=False),

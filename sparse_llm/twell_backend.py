@@ -922,16 +922,18 @@ def light_smem_bytes(kv: int, residual: bool) -> int:
 
 
 def _up_then_down(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
+    x_MK: torch.Tensor, gate: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
     residual_MK: torch.Tensor | None, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     heavy_rows_M: torch.Tensor, count_1: torch.Tensor,
 ) -> None:  # fmt: skip
     """The light tokens of the "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as
     `_direct_up_down` allocates them: the up walk lists each token's positives and writes its h entries (a token with
     more than split_nnz goes to heavy_rows_M, counted in count_1, for the caller), the tokens are ordered by count in
-    groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries."""
+    groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries. gate: the bf16
+    pre-activation [M, N], or its TwELL words (int32 [M, (N/256) * 32], `twell_gate`), whose tokens with an overflowed
+    segment are heavy."""
     m, k = x_MK.shape
-    n = gate_MN.shape[1]
+    n = w_up_NK.shape[0]
     device = x_MK.device
     ks = slice_width(n)
     y_MK, l1_M, l0_M, fired_N = outs
@@ -940,9 +942,10 @@ def _up_then_down(
     entries, slot_entries = torch.empty(2, chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
     counts_M = torch.empty(m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
-    up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv}>", device)
+    packed = str(gate.dtype == torch.int32).lower()
+    up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
-    operands = (gate_MN, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
+    operands = (gate, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     # two row slots, the list, two barriers (up_barriers_offset in the kernel)
     cuda.launch(up, (m,), (32,), args, device, shared_mem=2 * kv * 512 + DIRECT_LIST_CAP * 4 + 16)
