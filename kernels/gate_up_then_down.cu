@@ -5,7 +5,10 @@
 //                     at entries[m / 32][j / 4][m % 32][j % 4] (`entry_slot`), so a warp reading entries
 //                     j .. j + 3 of 32 consecutive tokens reads 512 contiguous bytes, 16 per lane. A token with
 //                     more than split_nnz positives is appended to heavy_rows (its count is -1) for
-//                     gate_up_down_heavy, which computes its whole y row.
+//                     gate_up_down_heavy, which computes its whole y row. With PACKED the positives come from the
+//                     fused gate GEMM's TwELL words (32 bytes a segment at this sparsity, against 512 of bf16 gate);
+//                     a token with an overflowed segment is heavy too, and the warp writes its segments back as a
+//                     bf16 gate row for the dense paths (the GEMM wrote the overflowed ones).
 //   order_tokens    : one block per 1024 tokens places them in "slots" by descending count (heavy tokens last), and
 //   entries_to_slots  copies their entries into slot order, so that the 32 tokens a warp of entries_down walks
 //                     together have nearly equal counts (a warp takes as many steps as its densest token).
@@ -85,6 +88,7 @@ __device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>(
 template <int KV, bool PACKED>
 __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     const void *__restrict__ gate,           // [M, N] bf16 pre-activation x w_gate^T, or (PACKED) its TwELL words
+    __nv_bfloat16 *__restrict__ heavy_gate,  // PACKED: [M, N], heavy tokens' rows completed here (twell_row_to_gate)
     const __nv_bfloat16 *__restrict__ x,     // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,  // [N, K]
     uint32_t *__restrict__ entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out
@@ -103,12 +107,12 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     RowRing<KV, 2> ring(reinterpret_cast<uint4 *>(up_smem),
                         reinterpret_cast<uint64_t *>(up_smem + up_barriers_offset<KV>()), lane);
     __syncwarp();  // the barriers are initialised
-    const int total =
-        PACKED ? list_twell_row(static_cast<const uint32_t *>(gate) + m * (N / TWELL_TILE) * TWELL_SLOTS,
-                                N / TWELL_TILE, list, ENTRY_CAP, lane)
-               : list_gate_row_ring<KV, 2>(static_cast<const __nv_bfloat16 *>(gate) + m * N, N, ring, list, ENTRY_CAP,
-                                           lane);
+    const uint32_t *words = static_cast<const uint32_t *>(gate) + m * (N / TWELL_TILE) * TWELL_SLOTS;
+    const int total = PACKED ? list_twell_row(words, N / TWELL_TILE, list, ENTRY_CAP, lane)
+                             : list_gate_row_ring<KV, 2>(static_cast<const __nv_bfloat16 *>(gate) + m * N, N, ring,
+                                                         list, ENTRY_CAP, lane);
     if (total > split_nnz) {
+        if (PACKED) twell_row_to_gate(words, N / TWELL_TILE, heavy_gate + m * N, lane);
         if (lane == 0) {
             heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
             counts[m] = -1;
@@ -394,14 +398,16 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
 }
 
 // Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
-#define GATE_UP_ENTRIES(KV, PACKED)                                                                              \
-    template __global__ void gate_up_entries<KV, PACKED>(const void *, const __nv_bfloat16 *, const __nv_bfloat16 *, \
-                                                         uint32_t *, int *, float *, int *, int *, int *, int *, int,  \
-                                                         int, int, int, int);
+#define GATE_UP_ENTRIES(KV, PACKED)                                                                           \
+    template __global__ void gate_up_entries<KV, PACKED>(const void *, __nv_bfloat16 *, const __nv_bfloat16 *,    \
+                                                         const __nv_bfloat16 *, uint32_t *, int *, float *, int *, \
+                                                         int *, int *, int *, int, int, int, int, int);
 GATE_UP_ENTRIES(1, false)
 GATE_UP_ENTRIES(8, false)
 GATE_UP_ENTRIES(16, false)
+GATE_UP_ENTRIES(1, true)
 GATE_UP_ENTRIES(8, true)
+GATE_UP_ENTRIES(16, true)
 #define ENTRIES_DOWN(KS, SUMS)                                                                                 \
     template __global__ void entries_down<KS, SUMS>(const uint32_t *, const int *, const int *,                 \
                                                     const __nv_bfloat16 *, __nv_bfloat16 *, const __nv_bfloat16 *, \

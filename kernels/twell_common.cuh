@@ -206,6 +206,27 @@ __device__ __forceinline__ int list_twell_row(const uint32_t *__restrict__ row, 
     return overflow ? TWELL_ROW_OVERFLOW : total;
 }
 
+// One warp writes a token's TwELL row back as the bf16 gate row a dense path reads (zeros where the gate is not
+// positive, which a ReLU gate reads alike): every segment but the overflowed ones, whose columns the fused gate GEMM
+// wrote there itself (kernels/twell_gate_wgmma.cu). Lane l writes columns 8l .. 8l + 7 of each tile.
+__device__ __forceinline__ void twell_row_to_gate(const uint32_t *__restrict__ row, int tiles,
+                                                  __nv_bfloat16 *__restrict__ gate_row, int lane) {
+    for (int t = 0; t < tiles; ++t) {
+        const uint32_t *segment = row + t * TWELL_SLOTS;
+        const int count = static_cast<int>(segment[0]);
+        if (count > TWELL_CAPACITY) continue;
+        uint32_t pairs[4] = {0, 0, 0, 0};  // this lane's 8 columns as bf16 pairs
+        for (int i = 0; i < count; ++i) {
+            const uint32_t entry = segment[1 + i];
+            const int col = twell_col(entry) - t * TWELL_TILE;
+            const uint32_t bits = col / 8 == lane ? (entry >> 16) << (16 * (col % 2)) : 0u;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) pairs[q] |= (col % 8) / 2 == q ? bits : 0u;  // constant indices: registers
+        }
+        reinterpret_cast<uint4 *>(gate_row + t * TWELL_TILE)[lane] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    }
+}
+
 // ---- Warp-row helpers. One warp works on one K-wide bf16 row (a token's x or dy, or a weight row): lane l
 // owns the 8 columns v * 256 + 8l .. + 7 of piece v < KV, so K <= 256 * KV; columns >= K are masked (K is a
 // multiple of 64, so a lane's 8 columns are either all valid or all masked).

@@ -165,9 +165,11 @@ __device__ __forceinline__ void store_tile_rows(const float (&d)[128], uint32_t 
 }
 
 // One packer warp: the TwELL segments of rows packer, packer + PACKERS, ... of the tile buffer (columns n0 ..
-// n0 + 255 of tokens m0 ..), built in `list` (32 words) and stored whole.
+// n0 + 255 of tokens m0 ..), built in `list` (32 words) and stored whole. A row whose segment overflows also goes to
+// overflow_gate (when given) as its 256 bf16 values, for the dense path its token takes.
 __device__ __forceinline__ void pack_tile(const uint32_t *tile, uint32_t *list, uint32_t *__restrict__ packed,
-                                          int packer, int m0, int tile_n, int tiles_n, int M) {
+                                          __nv_bfloat16 *__restrict__ overflow_gate, int packer, int m0, int tile_n,
+                                          int tiles_n, int M) {
     const int lane = threadIdx.x % 32;
     for (int r = packer; r < BM && m0 + r < M; r += PACKERS) {
         const uint4 raw = *reinterpret_cast<const uint4 *>(tile + r * TILE_PITCH + lane * 4);
@@ -175,6 +177,8 @@ __device__ __forceinline__ void pack_tile(const uint32_t *tile, uint32_t *list, 
         if (lane == 0) list[0] = total;
         __syncwarp();
         packed[(static_cast<long long>(m0 + r) * tiles_n + tile_n) * TWELL_SLOTS + lane] = list[lane];
+        if (total > TWELL_CAPACITY && overflow_gate != nullptr)
+            reinterpret_cast<uint4 *>(overflow_gate + (static_cast<long long>(m0 + r) * tiles_n + tile_n) * BN)[lane] = raw;
         __syncwarp();  // the list is read before the next row overwrites it
     }
 }
@@ -185,6 +189,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
     const __grid_constant__ TensorMap x_map,  // x [M, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
     const __grid_constant__ TensorMap w_map,  // w_gate [N, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
     uint32_t *__restrict__ packed,            // [M, (N/256) * 32]
+    __nv_bfloat16 *__restrict__ overflow_gate,  // [M, N] or null: the gate rows of overflowed segments
     int M, int N, int K) {
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw_addr = smem_addr(smem_raw);
@@ -239,7 +244,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384
             for (int item = cluster; item < items; item += clusters) {
                 named_arrive(TILE_FREE, TILE_PARTIES);  // the previous tile has been read
                 named_sync(TILE_FULL, TILE_PARTIES);
-                pack_tile(tile, list, packed, warp - 1, token_block(item), item % tiles_n, tiles_n, M);
+                pack_tile(tile, list, packed, overflow_gate, warp - 1, token_block(item), item % tiles_n, tiles_n, M);
             }
         }
     } else {

@@ -58,7 +58,8 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
         ("dense_rows.cu", "gather_dense_rows"),
         ("dense_rows.cu", "dense_rows_h"),
         ("dense_rows.cu", "scatter_dense_rows"),
-        ("gate_up_then_down.cu", f"gate_up_entries<{kv},false>"),
+        ("twell_gate_wgmma.cu", "twell_gate_wgmma"),  # the slices walk's gate
+        *[("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_then_down.cu", "order_tokens"),
         ("gate_up_then_down.cu", "entries_to_slots"),
         *_slices_down(n, sums=False),
@@ -67,10 +68,10 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
 
 
 def gate_route_kernels(k: int) -> list[Kernel]:
-    """The kernels of the TwELL gate routes ("fused" and "cublas"), which only a forced `gate_route` takes."""
+    """The kernels of the TwELL gate routes ("fused" and "cublas") that only a forced `gate_route` takes (the fused
+    gate GEMM is also the slices walk's: `inference_kernels`)."""
     kv = _pieces(k)
     return [
-        ("twell_gate_wgmma.cu", "twell_gate_wgmma"),
         ("twell_pack.cu", "twell_pack_dense"),
         ("twell_up_down.cu", f"twell_up_down<{kv}>"),
         ("twell_up_down.cu", "twell_reduce_splits"),

@@ -14,7 +14,8 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   For many tokens with evenly spread non-zeros the route may split the walk in two ("slices", `direct_walk`,
   kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
-  "twell-slices". Where the price puts slices ahead, one timed trial per shape and density settles the walk
+  "twell-slices". That walk takes its gate from the fused GEMM below as TwELL words rather than from cuBLAS as a
+  dense row (`_direct_gate`): its heavy tokens' gate rows are rebuilt on the device for the dense paths. Where the price puts slices ahead, one timed trial per shape and density settles the walk
   (`measured_walk`): the call that runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
   (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons (8 at a time with their gates on the tensor
@@ -25,7 +26,8 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode".
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
-  memory; ~500 TFLOP/s on the H100 against cuBLAS's ~730). The up + down kernel then walks the packed
+  memory; kernels/twell_gate_wgmma.cu: 2-CTA clusters fed by the bulk tensor copy engine, 640-735 TFLOP/s on the
+  H100 at the paper's block against cuBLAS's 735-770). The up + down kernel then walks the packed
   words (kernels/twell_up_down.cu). A token whose tile holds more than 31 positives (an overflow), or
   more than DENSE_ROW_NNZ in all, is recomputed by dense torch GEMMs; finding those tokens costs one
   device-to-host sync per call, `overflow_rows` counts them and `path` says "twell+dense-rows". The
@@ -607,7 +609,9 @@ def gate_route_for(m: int) -> str:
     return "fused" if m >= FUSED_GATE_MIN_M else "cublas"
 
 
-def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto") -> torch.Tensor:
+def twell_gate(
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto", overflow_gate_MN: torch.Tensor | None = None
+) -> torch.Tensor:
     """TwELL-packed relu(x w_gate^T): int32 [M, (N/256) * 32] (layout: sparse_llm.formats).
 
     Args:
@@ -615,6 +619,8 @@ def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto")
         w_gate_NK: bf16 [N, K] (gate_proj.weight), N % 256 == 0.
         route: "fused" (wgmma GEMM with packing epilogue), "cublas" (torch GEMM + packing kernel) or
             "auto" (by M, see gate_route_for).
+        overflow_gate_MN: bf16 [M, N] or None ("fused" only): the fused GEMM writes there the 256 pre-activation
+            values of every (token, tile) whose segment overflows, and nothing else.
     """
     _check_gate_route(route)
     m, k = x_MK.shape
@@ -630,7 +636,8 @@ def twell_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto")
         cuda.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
         items = math.ceil(m / (GATE_CLUSTER * GATE_BLOCK_M)) * (n // TILE)
         w_map = tensor_map.bf16_box_map(w_gate_NK, TILE // GATE_CLUSTER)
-        args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, cuda.ptr(packed_MS), _i32(m), _i32(n), _i32(k))
+        operands = (cuda.ptr(packed_MS), cuda.ptr(overflow_gate_MN))
+        args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, *operands, _i32(m), _i32(n), _i32(k))
         grid = (GATE_CLUSTER * min(items, cuda.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
         cuda.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     else:
@@ -862,10 +869,12 @@ def _check_output_norm(norm: OutputNorm, x_MK: torch.Tensor, walk: str) -> None:
 def _direct_up_down(
     x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
     residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows", dense_rows: int = 0,
-    norm: OutputNorm | None = None,
+    norm: OutputNorm | None = None, packed_MS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
-    "rows" walk's column parts (`column_parts`; None: by the weights' size); norm: "rows" only."""
+    "rows" walk's column parts (`column_parts`; None: by the weights' size); norm: "rows" only. packed_MS: the gate's
+    TwELL words from the fused GEMM, which the "slices" walk then lists from; gate_MN is then only its heavy tokens'
+    rows (`_up_then_down`)."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     if walk == "slices":
@@ -893,7 +902,8 @@ def _direct_up_down(
                             **part)  # fmt: skip
 
     if walk == "slices":
-        _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts)
+        _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts,
+                      packed_MS)  # fmt: skip
         split_tokens(heavy_counts)
         return outs
     # the y sums carried from one part to the next
@@ -922,16 +932,17 @@ def light_smem_bytes(kv: int, residual: bool) -> int:
 
 
 def _up_then_down(
-    x_MK: torch.Tensor, gate: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
+    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
     residual_MK: torch.Tensor | None, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    heavy_rows_M: torch.Tensor, count_1: torch.Tensor,
+    heavy_rows_M: torch.Tensor, count_1: torch.Tensor, packed_MS: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The light tokens of the "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as
     `_direct_up_down` allocates them: the up walk lists each token's positives and writes its h entries (a token with
     more than split_nnz goes to heavy_rows_M, counted in count_1, for the caller), the tokens are ordered by count in
-    groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries. gate: the bf16
-    pre-activation [M, N], or its TwELL words (int32 [M, (N/256) * 32], `twell_gate`), whose tokens with an overflowed
-    segment are heavy."""
+    groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries. The up walk lists the
+    positives from the bf16 pre-activation gate_MN, or where given from its TwELL words packed_MS (int32 [M, (N/256) *
+    32], `twell_gate` with gate_MN as its overflow_gate_MN): tokens with an overflowed segment are heavy too, and the
+    walk completes every heavy token's row of gate_MN for the dense paths that read it."""
     m, k = x_MK.shape
     n = w_up_NK.shape[0]
     device = x_MK.device
@@ -942,10 +953,11 @@ def _up_then_down(
     entries, slot_entries = torch.empty(2, chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
     counts_M = torch.empty(m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
-    packed = str(gate.dtype == torch.int32).lower()
+    packed = str(packed_MS is not None).lower()
     up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
-    operands = (gate, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
+    gate, heavy_gate = (gate_MN, None) if packed_MS is None else (packed_MS, gate_MN)
+    operands = (gate, heavy_gate, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     # two row slots, the list, two barriers (up_barriers_offset in the kernel)
     cuda.launch(up, (m,), (32,), args, device, shared_mem=2 * kv * 512 + DIRECT_LIST_CAP * 4 + 16)
@@ -1170,8 +1182,7 @@ def twell_gated_mlp(
         )
         return _finished(y_MK, l1_M, l0_M, fired_N, residual_MK if fused is None else None, statistics, "twell-decode")
     if gate_route in ("auto", "direct"):
-        gate_MN = F.linear(x_MK, w_gate_NK)
-        # gate_MN and the cached transpose are well formed by construction: no second validation.
+        # the gate and the cached transpose are well formed by construction: no second validation
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         w_down_t_NK = _DOWN_T.get(w_down_KN)
         dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, tail)
@@ -1180,9 +1191,10 @@ def twell_gated_mlp(
 
         def walk_through(walk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
+            gate_MN, packed_MS = _direct_gate(x_MK, w_gate_NK, walk)
             return _direct_up_down(
                 x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows,
-                norm=norm if walk == "rows" else None,
+                norm=norm if walk == "rows" else None, packed_MS=packed_MS,
             )  # fmt: skip
 
         walk = direct_walk(m, k, n, l0_hint, tail)
@@ -1215,6 +1227,18 @@ def twell_gated_mlp(
         path="twell+dense-rows" if dense_rows_R.numel() else "twell",
         overflow_rows=overflow_rows,
     )
+
+
+def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The direct route's gate for its walk: (gate_MN, packed_MS). The "rows" walk reads cuBLAS's bf16
+    pre-activation [M, N] (packed_MS None). The "slices" walk lists from the fused GEMM's TwELL words, which spare it
+    the dense row's read and the GEMM its write (the block 0-5% faster at 28 and 56 non-zeros with the same bits,
+    H100, BENCHMARKS.md 2026-11-28); its gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Operands the
+    copy engine cannot read (not 16-byte aligned) keep cuBLAS's gate."""
+    if walk == "slices" and x_MK.data_ptr() % 16 == 0 and w_gate_NK.data_ptr() % 16 == 0:
+        gate_MN = torch.empty(x_MK.shape[0], w_gate_NK.shape[0], dtype=torch.bfloat16, device=x_MK.device)
+        return gate_MN, twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
+    return F.linear(x_MK, w_gate_NK), None
 
 
 def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Tensor) -> OutputNorm | None:

@@ -101,8 +101,9 @@ def test_doctor_compiles_kernels_that_exist(filename, name):
     """Each kernel the doctor compile-checks is defined in its file, templated ones with that instantiation."""
     source = cuda.kernel_source(filename)
     base, _, args = name.partition("<")
-    bounds = r"(?: __launch_bounds__\((?:[^()]|\([^()]*\))*\))?"  # may hold one level of parentheses
-    assert re.search(rf"__global__ void{bounds} {base}\(", source), name
+    # attributes such as __cluster_dims__(...) and __launch_bounds__(...), which may hold one level of parentheses
+    attributes = r"(?: __\w+__\((?:[^()]|\([^()]*\))*\))*"
+    assert re.search(rf"__global__ void{attributes} {base}\(", source), name
     if args:  # explicit instantiation, written out or through a macro call such as TRAIN_CSC_WGRAD(8, 1)
         compact = source.replace(" ", "")
         assert f"{name}(" in compact or f"({args.rstrip('>')})" in compact, f"{name} is not instantiated"
