@@ -125,8 +125,9 @@ THREE_PART_MIN_L0 = 45.0
 # ------------------------------------------------------------------------------------------------
 CUBLAS_GEMM_TFLOPS = 730.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.517 ms
 PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
-# The fused gate GEMM + packing epilogue (0.755 ms at that shape, 500 TFLOP/s) loses to cuBLAS + packing
-# at every M measured (1 .. 16384), so twell_gate's "auto" never picks it.
+# twell_gate's "auto" takes cuBLAS + packing at every M. The fused gate GEMM + packing epilogue was 0.755 ms at that
+# shape (500 TFLOP/s) when this was set; rebuilt (2026-11-28) it runs 0.52-0.60 ms against cuBLAS + packing's ~0.60
+# and serves the direct route's slices walk (`_direct_gate`), but "auto" is left to a calibration across M.
 FUSED_GATE_MIN_M = 1 << 62
 # Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2). The direct route's
 # one-warp kernel at M = 16384: 0.611 ms at 28 non-zeros per token, 1.094 ms at 56 (a marginal 7.8 TB/s); whole
