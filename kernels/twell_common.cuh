@@ -454,11 +454,6 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals = 
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
 }
 
-// One arrival on the barrier (its phase completes when the expected arrivals and bytes are in).
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
 // Makes mbarrier_init's writes visible to the copy engine; then a __syncwarp() before other lanes wait.
 __device__ __forceinline__ void mbarrier_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -16,7 +16,7 @@
 //   - two consumers, each issuing wgmma m64n256k16 (bf16 in, fp32 accumulate) on 64 of the tile's rows, then
 //     rounding them to bf16 into the tile buffer the packers read.
 // The consumers' only work between two tiles is that copy: the packing of one tile overlaps the products of the
-// next (packing in the consumers cost ~7% of the kernel's time at the paper's block, H100).
+// next (with the consumers packing, the kernel took 0.599 ms at the paper's block against 0.524, H100).
 // A tile with more than 31 positives keeps its true count in word 0 (the consumer routes that row to a dense path).
 //
 // Requirements (checked by the caller): K % 64 == 0, N % 256 == 0, N <= 65536, 16-byte aligned rows.
