@@ -1,7 +1,8 @@
 // Up + down projection straight from the gate pre-activation (inference, the "direct" route):
 //   for every token m and every column n with gate[m, n] > 0:  u = x[m, :] . w_up[n, :],  h = gate[m, n] * u,
 //   y[m, :] += h * w_down_t[n, :]
-// where gate = x w_gate^T comes from a cuBLAS GEMM. Reading the bf16 gate row replaces the TwELL packing
+// where gate = x w_gate^T comes from a cuBLAS GEMM (or as TwELL words from the fused one: PACKED below). Reading the
+// bf16 gate row replaces the TwELL packing
 // pass and has no slot capacity, so no token is ever recomputed, and the call needs no host
 // synchronisation: the host never learns how many tokens were heavy.
 //
@@ -11,6 +12,11 @@
 //                        positives (split_nnz <= LIST_CAP) is appended to heavy_rows for gate_up_down_heavy;
 //                        the others are computed entry by entry, as up_down_entry computes one, with the
 //                        weight rows also brought by bulk copies.
+//                        With PACKED the positives come from the fused gate GEMM's TwELL words instead
+//                        (list_twell_row: ~0.7 KiB a token at the paper's sparsity, against 11 KiB of bf16 row), and a
+//                        token with an overflowed segment is heavy too; a heavy token's row of heavy_gate (the GEMM's
+//                        overflow buffer, which holds its overflowed segments) is completed from the words
+//                        (twell_row_to_gate), so the heavy paths read it as they read cuBLAS's gate.
 //   gate_up_down_heavy : heavy_warps<KV>() warps per heavy token, so a token with hundreds or thousands of
 //                        positives does not hold one warp for the whole tail of the call. Persistent blocks
 //                        walk heavy_rows (its length is read on the device); warp w takes the 256-column
@@ -65,9 +71,10 @@ __host__ __device__ constexpr int light_residual_offset() {
 // come by bulk copies into the warp's ring (no registers held while they fly), and the gate row comes through the
 // same ring first. The arithmetic is up_down_entry's, in its order. Against register loads of both rows (16 warps of
 // 128 registers) the kernel is 4.6-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
-template <int KV>
+template <int KV, bool PACKED>
 __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_light(
-    const __nv_bfloat16 *__restrict__ gate,      // [M, N] pre-activation x w_gate^T
+    const void *__restrict__ gate,               // [M, N] bf16 pre-activation x w_gate^T, or (PACKED) its TwELL words
+    __nv_bfloat16 *__restrict__ heavy_gate,      // PACKED: [M, N], heavy tokens' rows completed here
     const __nv_bfloat16 *__restrict__ x,         // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,      // [N, K]
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
@@ -96,9 +103,16 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     if (lane == 0) mbarrier_init(residual_bar);  // before the ring's fence, which covers it
     RowRing<KV, SLOTS> ring(reinterpret_cast<uint4 *>(light_smem), barriers, lane);
     __syncwarp();  // the barriers are initialised
-    const int total = list_gate_row_ring<KV, SLOTS>(gate + m * N + col_begin, col_end - col_begin, ring, list, LIST_CAP,
-                                                    lane);
-    if (total > split_nnz) {
+    // The part's positives: from its bf16 gate columns (entries' columns counted from col_begin) or from its TwELL
+    // segments (entries' columns counted from 0).
+    const __nv_bfloat16 *gate_row = static_cast<const __nv_bfloat16 *>(gate) + m * N + col_begin;
+    const uint32_t *words = static_cast<const uint32_t *>(gate) + (m * N + col_begin) / TWELL_TILE * TWELL_SLOTS;
+    const int tiles = (col_end - col_begin) / TWELL_TILE;
+    const int total = PACKED ? list_twell_row(words, tiles, list, LIST_CAP, lane)
+                             : list_gate_row_ring<KV, SLOTS>(gate_row, col_end - col_begin, ring, list, LIST_CAP, lane);
+    const int col0 = PACKED ? 0 : col_begin;
+    if (total > split_nnz) {  // (an overflowed segment's TWELL_ROW_OVERFLOW too)
+        if (PACKED) twell_row_to_gate(words, tiles, heavy_gate + m * N + col_begin, lane);
         if (lane == 0) heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
         return;
     }
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     const uint64_t keep = l2_keep_policy();
     // row r of the walk: w_up[n] of entry r / 2 for even r, its w_down_t[n] for odd r
     const auto fill = [&](int r) {
-        const long long n = col_begin + twell_col(list[r / 2]);
+        const long long n = col0 + twell_col(list[r / 2]);
         ring.fill(r % SLOTS, ((r & 1) ? w_down_t : w_up) + n * K, K * 2, keep);
     };
     if (lane == 0)
@@ -134,7 +148,7 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
         uint4 w[KV];
         const int up = 2 * j % SLOTS, down = (2 * j + 1) % SLOTS;
         const uint32_t entry = list[j];
-        const long long n = col_begin + twell_col(entry);
+        const long long n = col0 + twell_col(entry);
         const int flag = fired_flag(fired, n, lane);
         ring.wait(up);
         ring.read(up, lane, w);
@@ -290,17 +304,23 @@ __global__ void __launch_bounds__(heavy_warps<KV>() * 32, 1) gate_up_down_heavy(
 }
 
 // Explicit instantiations so nvcc compile checks see every variant; NVRTC builds one per name expression.
-#define GATE_UP_DOWN(KV)                                                                                        \
-    template __global__ void gate_up_down_light<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
-                                                    const __nv_bfloat16 *, const __nv_bfloat16 *,              \
-                                                    __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
-                                                    int *, int *, int *, float *, int, int, int, int, int, int, \
-                                                    int, const __nv_bfloat16 *, __nv_bfloat16 *, float);       \
+#define GATE_UP_DOWN_LIGHT(KV, PACKED)                                                                          \
+    template __global__ void gate_up_down_light<KV, PACKED>(                                                    \
+        const void *, __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *,     \
+        __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *, int *, int *, int *, float *, int, int, int, int, \
+        int, int, int, const __nv_bfloat16 *, __nv_bfloat16 *, float);
+#define GATE_UP_DOWN_HEAVY(KV)                                                                                  \
     template __global__ void gate_up_down_heavy<KV>(const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     const __nv_bfloat16 *, const __nv_bfloat16 *,              \
                                                     __nv_bfloat16 *, const __nv_bfloat16 *, float *, int *,    \
                                                     int *, const int *, const int *, float *, int, int, int,   \
                                                     int, int, const __nv_bfloat16 *, __nv_bfloat16 *, float);
-GATE_UP_DOWN(1)
-GATE_UP_DOWN(8)
-GATE_UP_DOWN(16)
+GATE_UP_DOWN_LIGHT(1, false)
+GATE_UP_DOWN_LIGHT(1, true)
+GATE_UP_DOWN_LIGHT(8, false)
+GATE_UP_DOWN_LIGHT(8, true)
+GATE_UP_DOWN_LIGHT(16, false)
+GATE_UP_DOWN_LIGHT(16, true)
+GATE_UP_DOWN_HEAVY(1)
+GATE_UP_DOWN_HEAVY(8)
+GATE_UP_DOWN_HEAVY(16)

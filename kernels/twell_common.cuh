@@ -218,7 +218,7 @@ __device__ __forceinline__ void twell_row_to_gate(const uint32_t *__restrict__ r
         uint32_t pairs[4] = {0, 0, 0, 0};  // this lane's 8 columns as bf16 pairs
         for (int i = 0; i < count; ++i) {
             const uint32_t entry = segment[1 + i];
-            const int col = twell_col(entry) - t * TWELL_TILE;
+            const int col = twell_col(entry) % TWELL_TILE;  // (the row may be a part of the token's: col_begin > 0)
             const uint32_t bits = col / 8 == lane ? (entry >> 16) << (16 * (col % 2)) : 0u;
 #pragma unroll
             for (int q = 0; q < 4; ++q) pairs[q] |= (col % 8) / 2 == q ? bits : 0u;  // constant indices: registers

@@ -53,12 +53,12 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     return [
         *[("decode_ffn.cu", decode_kernel_name(kv, sums, mma)) for sums in (False, True) for mma in (False, True)],
         ("decode_ffn.cu", "decode_finish"),
-        ("gate_up_down.cu", f"gate_up_down_light<{kv}>"),
+        *[("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
         ("dense_rows.cu", "gather_dense_rows"),
         ("dense_rows.cu", "dense_rows_h"),
         ("dense_rows.cu", "scatter_dense_rows"),
-        ("twell_gate_wgmma.cu", "twell_gate_wgmma"),  # the slices walk's gate
+        ("twell_gate_wgmma.cu", "twell_gate_wgmma"),  # the walks' gate from TwELL words
         *[("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_then_down.cu", "order_tokens"),
         ("gate_up_then_down.cu", "entries_to_slots"),

@@ -130,6 +130,11 @@ PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 
 # shape (500 TFLOP/s) when this was set; rebuilt (2026-11-28) it runs 0.52-0.60 ms against cuBLAS + packing's ~0.60
 # and serves the direct route's slices walk (`_direct_gate`), but "auto" is left to a calibration across M.
 FUSED_GATE_MIN_M = 1 << 62
+# The direct route's "rows" walk lists from the fused GEMM's TwELL words (`_direct_gate`) from this many tokens. Same
+# bits as from cuBLAS's gate; same process, as a decoder layer calls it (residual added, next norm written), H100,
+# K = 2048, N = 5632 (BENCHMARKS.md, 2026-11-28): at M = 16384, 3-6% faster back to back and 0-2.5% isolated at 3-24
+# non-zeros per token; 1-2% slower isolated at 28-56, equal back to back. At M = 2048 and 8192, 3% slower.
+WORDS_GATE_MIN_M = 16384
 # Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2). The direct route's
 # one-warp kernel at M = 16384: 0.611 ms at 28 non-zeros per token, 1.094 ms at 56 (a marginal 7.8 TB/s); whole
 # calls 1.20-1.27 and 1.68-1.72 ms (BENCHMARKS.md, 2026-11-25 14:45-15:20). 7.5 TB/s on top of a fixed 0.16 ms
@@ -875,8 +880,8 @@ def _direct_up_down(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
     "rows" walk's column parts (`column_parts`; None: by the weights' size); norm: "rows" only. packed_MS: the gate's
-    TwELL words from the fused GEMM, which the "slices" walk then lists from; gate_MN is then only its heavy tokens'
-    rows (`_up_then_down`)."""
+    TwELL words from the fused GEMM (`twell_gate` with gate_MN as its overflow_gate_MN), which either walk then lists
+    from; gate_MN is then only a buffer the walk completes its heavy tokens' rows in, for the dense paths."""
     m, k = x_MK.shape
     n = gate_MN.shape[1]
     if walk == "slices":
@@ -912,13 +917,15 @@ def _direct_up_down(
     partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
-    light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv}>", device)
+    packed = str(packed_MS is not None).lower()
+    light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>", device)
     smem = light_smem_bytes(kv, residual_MK is not None)
     cuda.set_dynamic_smem(light, smem)
+    gate, heavy_gate = (gate_MN, None) if packed_MS is None else (packed_MS, gate_MN)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
-        operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M, count_1,
-                    partial_MK)  # fmt: skip
+        operands = (gate, heavy_gate, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M,
+                    count_1, partial_MK)  # fmt: skip
         args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)), *norm_args(norm))
         cuda.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
@@ -1232,12 +1239,14 @@ def twell_gated_mlp(
 
 
 def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The direct route's gate for its walk: (gate_MN, packed_MS). The "rows" walk reads cuBLAS's bf16
-    pre-activation [M, N] (packed_MS None). The "slices" walk lists from the fused GEMM's TwELL words, which spare it
-    the dense row's read and the GEMM its write (the block 0-5% faster at 28 and 56 non-zeros with the same bits,
-    H100, BENCHMARKS.md 2026-11-28); its gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Operands the
-    copy engine cannot read (not 16-byte aligned) keep cuBLAS's gate."""
-    if walk == "slices" and x_MK.data_ptr() % 16 == 0 and w_gate_NK.data_ptr() % 16 == 0:
+    """The direct route's gate for its walk: (gate_MN, packed_MS). The walks list from the fused GEMM's TwELL words
+    (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
+    the GEMM its write (the slices block 0-5% faster at 28 and 56 non-zeros with the same bits, H100, BENCHMARKS.md
+    2026-11-28); gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Otherwise, and for
+    operands the copy engine cannot read (not 16-byte aligned), the walk reads cuBLAS's bf16 pre-activation [M, N]
+    (packed_MS None)."""
+    words = walk == "slices" or x_MK.shape[0] >= WORDS_GATE_MIN_M
+    if words and x_MK.data_ptr() % 16 == 0 and w_gate_NK.data_ptr() % 16 == 0:
         gate_MN = torch.empty(x_MK.shape[0], w_gate_NK.shape[0], dtype=torch.bfloat16, device=x_MK.device)
         return gate_MN, twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
     return F.linear(x_MK, w_gate_NK), None

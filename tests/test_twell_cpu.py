@@ -154,7 +154,7 @@ def tiny_model(kernel: str, train_kernels: bool = False) -> torch.nn.Module:
 def test_model_kernels_follow_the_layers_backend_and_train_kernels():
     rope = list(kernel_set.ROPE_KERNELS)
     inference, training = kernel_set.inference_kernels(512, 1024), kernel_set.training_kernels(512, 1024)
-    assert ("gate_up_down.cu", "gate_up_down_light<2>") in inference  # K = 512: two 16-byte pieces a lane
+    assert ("gate_up_down.cu", "gate_up_down_light<2,true>") in inference  # K = 512: two 16-byte pieces a lane
     assert kernel_set.model_kernels(tiny_model("torch"), training=True) == rope  # the rotary kernel runs anyway
     auto = tiny_model("auto")
     assert kernel_set.model_kernels(auto, training=False) == list(dict.fromkeys(rope + inference))

@@ -522,54 +522,60 @@ def test_slices_walk_dense_zero_and_hot_rows(m):
     assert torch.equal(with_residual_MK, residual_MK + y_MK)
 
 
-def slices_from_fused_gate(block, residual_MK=None, dense_rows=0):
-    """The slices walk listing from the fused GEMM's TwELL words (as the block op runs it), with the heavy tokens'
-    gate buffer poisoned: a row its dense paths read that was not written would give NaN."""
+def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None):
+    """A walk listing from the fused GEMM's TwELL words (as the block op runs it; the "rows" walk in `parts` column
+    parts), with the heavy tokens' gate buffer poisoned: a row its dense paths read that was not written would give
+    NaN."""
     x_MK, w_gate_NK, w_up_NK, w_down_KN = block
-    gate_MN = torch.full((x_MK.shape[0], w_gate_NK.shape[0]), float("nan"), device="cuda").bfloat16()
+    (m, k), n = x_MK.shape, w_gate_NK.shape[0]
+    gate_MN = torch.full((m, n), float("nan"), device="cuda").bfloat16()
     packed_MS = twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
-    poison(((x_MK.shape[0], x_MK.shape[1]), torch.bfloat16))
+    poison(((m, k), torch.bfloat16))
+    columns = None if parts is None else twell_backend.column_parts(k, n, parts)
     outs = twell_backend._direct_up_down(
-        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), twell_backend.DENSE_ROW_NNZ, residual_MK, walk="slices",
-        dense_rows=dense_rows, packed_MS=packed_MS,
+        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), twell_backend.DENSE_ROW_NNZ, residual_MK, columns,
+        walk=walk, dense_rows=dense_rows, packed_MS=packed_MS,
     )  # fmt: skip
     torch.cuda.synchronize()
     return outs, packed_MS
 
 
-@pytest.mark.parametrize("m, k, n, nnz, sigma, dense_rows", [
-    (1, 2048, 5632, 28, 0.0, 0),
-    (33, 256, 512, 5, 0.0, 0),
-    (1000, 2048, 5632, 28, 0.5, 0),  # heavy tokens split over warps
-    (4099, 2048, 5632, 56, 0.0, 0),
-    (8192, 2048, 5632, 60, 1.0, 0),  # overflowed segments
-    (8192, 2048, 5632, 60, 1.0, 256),  # the first 256 heavy tokens through dense rows
-    (4096, 1024, 11264, 40, 0.3, 0),  # 8-column slices
-    (2048, 4096, 14336, 20, 0.0, 0),
+@pytest.mark.parametrize("walk", ["rows", "slices"])
+@pytest.mark.parametrize("m, k, n, nnz, sigma, dense_rows, parts", [
+    (1, 2048, 5632, 28, 0.0, 0, None),
+    (33, 256, 512, 5, 0.0, 0, None),
+    (1000, 2048, 5632, 28, 0.5, 0, None),  # heavy tokens split over warps
+    (4099, 2048, 5632, 56, 0.0, 0, None),
+    (8192, 2048, 5632, 60, 1.0, 0, None),  # overflowed segments
+    (8192, 2048, 5632, 60, 1.0, 256, None),  # the first 256 heavy tokens through dense rows
+    (4096, 1024, 11264, 40, 0.3, 0, None),  # 8-column slices
+    (2048, 4096, 14336, 20, 0.0, 0, None),  # rows: two column parts (the weights outgrow L2)
+    (3000, 2048, 5632, 50, 1.0, 0, 3),  # rows: three column parts, heavy tokens' rows completed part by part
 ])  # fmt: skip
-def test_slices_walk_from_the_fused_gate_words(m, k, n, nnz, sigma, dense_rows):
-    """The slices walk from TwELL words: y within the reference tolerance, l0, l1 and fired as the reference's (up
-    to sign flips of near-zero gates: the fused GEMM rounds apart from cuBLAS), heavy tokens exact on either path."""
+def test_walks_from_the_fused_gate_words(walk, m, k, n, nnz, sigma, dense_rows, parts):
+    """Either walk from TwELL words: y within the reference tolerance, l0, l1 and fired as the reference's (up to sign
+    flips of near-zero gates: the fused GEMM rounds apart from cuBLAS), heavy tokens exact on either path."""
     block = synthetic_block(m, k, n, nnz_mean=nnz, sigma=sigma, seed=m + k + n + dense_rows)
-    (y_MK, l1_M, l0_M, fired_N), packed_MS = slices_from_fused_gate(block, dense_rows=dense_rows)
+    (y_MK, l1_M, l0_M, fired_N), packed_MS = walk_from_fused_gate(block, walk, dense_rows=dense_rows, parts=parts)
     assert_close_to_ref(y_MK, *block)
-    check_stats(FFNResult(y_MK, l1_M.sum(), l0_M, fired_N.bool(), "twell-slices"), *block[:3])
+    check_stats(FFNResult(y_MK, l1_M.sum(), l0_M, fired_N.bool(), "twell-direct"), *block[:3])
     if sigma >= 1.0:
         counts_MT = packed_MS.view(m, n // 256, 32)[:, :, 0]
         assert (counts_MT > 31).any(), "this case is meant to have overflowed segments"
 
 
+@pytest.mark.parametrize("walk", ["rows", "slices"])
 @pytest.mark.parametrize("m", [7, 4096])
-def test_slices_walk_from_the_fused_gate_words_dense_zero_and_hot_rows(m):
+def test_walks_from_the_fused_gate_words_dense_zero_and_hot_rows(walk, m):
     """Fully dense tokens (every segment overflowed), all-zero tokens and a neuron firing for every token, with and
     without a residual (added as the two unfused bf16 steps)."""
     block = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
     odd_rows(block[0], block[1])
     residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
-    (y_MK, _, l0_M, fired_N), _ = slices_from_fused_gate(block)
+    (y_MK, _, l0_M, fired_N), _ = walk_from_fused_gate(block, walk)
     assert_close_to_ref(y_MK, *block)
     assert bool(fired_N[123]) and (l0_M[1::5] == 0).all() and (l0_M[::5] > 128).all()
-    with_residual_MK = slices_from_fused_gate(block, residual_MK=residual_MK)[0][0]
+    with_residual_MK = walk_from_fused_gate(block, walk, residual_MK=residual_MK)[0][0]
     assert torch.equal(with_residual_MK, residual_MK + y_MK)
 
 
