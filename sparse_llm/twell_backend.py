@@ -14,8 +14,9 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   For many tokens with evenly spread non-zeros the route may split the walk in two ("slices", `direct_walk`,
   kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
-  "twell-slices". That walk takes its gate from the fused GEMM below as TwELL words rather than from cuBLAS as a
-  dense row (`_direct_gate`): its heavy tokens' gate rows are rebuilt on the device for the dense paths. Where the
+  "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate from the fused GEMM
+  below as TwELL words rather than from cuBLAS as a dense row (`_direct_gate`): the heavy tokens' gate rows are
+  rebuilt on the device for the dense paths. Where the
   price puts slices ahead, one timed trial per shape and density settles the walk (`measured_walk`): the call that
   runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
