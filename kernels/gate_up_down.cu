@@ -2,9 +2,8 @@
 //   for every token m and every column n with gate[m, n] > 0:  u = x[m, :] . w_up[n, :],  h = gate[m, n] * u,
 //   y[m, :] += h * w_down_t[n, :]
 // where gate = x w_gate^T comes from a cuBLAS GEMM (or as TwELL words from the fused one: PACKED below). Reading the
-// bf16 gate row replaces the TwELL packing
-// pass and has no slot capacity, so no token is ever recomputed, and the call needs no host
-// synchronisation: the host never learns how many tokens were heavy.
+// bf16 gate row replaces the TwELL packing pass and has no slot capacity, so no token is ever recomputed, and the call
+// needs no host synchronisation: the host never learns how many tokens were heavy.
 //
 //   gate_up_down_light : one warp per token. One pass over the token's gate row (brought into shared memory
 //                        by bulk copies) lists its positives as TwELL entries (bf16 value << 16 | column)
@@ -68,7 +67,7 @@ __host__ __device__ constexpr int light_residual_offset() {
 
 // One warp per block (launched with 32 threads). The walk is bound per SM by the latency of its warps' random weight
 // rows, so it keeps many warps resident, each with light_slots rows in flight: w_up[n0], w_down_t[n0], w_up[n1], ...
-// come by bulk copies into the warp's ring (no registers held while they fly), and the gate row comes through the
+// come by bulk copies into the warp's ring (no registers held while they fly), and a bf16 gate row comes through the
 // same ring first. The arithmetic is up_down_entry's, in its order. Against register loads of both rows (16 warps of
 // 128 registers) the kernel is 4.6-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
 template <int KV, bool PACKED>
