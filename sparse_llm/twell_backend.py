@@ -358,7 +358,8 @@ def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Ta
     share where measured; else the log-normal model's, an underestimate on the heavy tails measured) go to the dense
     rows; in parts they are split over warps and slow the walk (`_tail_factor`). The constants were measured on the
     TwELL kernel, whose fixed cost per token includes the packed words the direct route does not read: a conservative
-    price."""
+    price. From WORDS_GATE_MIN_M tokens the walk lists from TwELL words and no longer reads the gate, which this still
+    prices (and so stays on the dear side)."""
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
     nonzeros = m * l0_mean
     parts = len(column_parts(k, n))  # the denser layers' third part walks faster than this prices: kept dear
