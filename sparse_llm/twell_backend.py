@@ -16,9 +16,8 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
   "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate from the fused GEMM
   below as TwELL words rather than from cuBLAS as a dense row (`_direct_gate`): the heavy tokens' gate rows are
-  rebuilt on the device for the dense paths. Where the
-  price puts slices ahead, one timed trial per shape and density settles the walk (`measured_walk`): the call that
-  runs it waits for the GPU once.
+  rebuilt on the device for the dense paths. Where the price puts slices ahead, one timed trial per shape and density
+  settles the walk (`measured_walk`): the call that runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
   (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons (8 at a time with their gates on the tensor
   cores from DECODE_MMA_MIN_M tokens), dots the neuron's gate row with every token and reads its up row and its
@@ -919,11 +918,10 @@ def _direct_up_down(
     partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
-    packed = str(packed_MS is not None).lower()
+    packed, gate, heavy_gate = _listed_gate(gate_MN, packed_MS)
     light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>", device)
     smem = light_smem_bytes(kv, residual_MK is not None)
     cuda.set_dynamic_smem(light, smem)
-    gate, heavy_gate = (gate_MN, None) if packed_MS is None else (packed_MS, gate_MN)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
         operands = (gate, heavy_gate, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M,
@@ -932,6 +930,14 @@ def _direct_up_down(
         cuda.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
     return outs
+
+
+def _listed_gate(
+    gate_MN: torch.Tensor, packed_MS: torch.Tensor | None
+) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """A walk kernel's PACKED template argument, the gate it lists positives from and its heavy tokens' gate buffer:
+    ("false", gate_MN, None) for cuBLAS's bf16 gate, ("true", packed_MS, gate_MN) for the fused GEMM's TwELL words."""
+    return ("false", gate_MN, None) if packed_MS is None else ("true", packed_MS, gate_MN)
 
 
 def light_smem_bytes(kv: int, residual: bool) -> int:
@@ -964,10 +970,9 @@ def _up_then_down(
     entries, slot_entries = torch.empty(2, chunks * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
     counts_M = torch.empty(m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
-    packed = str(packed_MS is not None).lower()
+    packed, gate, heavy_gate = _listed_gate(gate_MN, packed_MS)
     up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
-    gate, heavy_gate = (gate_MN, None) if packed_MS is None else (packed_MS, gate_MN)
     operands = (gate, heavy_gate, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
     args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     # two row slots, the list, two barriers (up_barriers_offset in the kernel)
