@@ -36,12 +36,19 @@ def _encode_tiled() -> ctypes._CFuncPtr:
     return encode
 
 
+def mappable(t_RC: torch.Tensor) -> bool:
+    """Whether the copy engine can read the matrix [R, C] through `bf16_box_map`: contiguous bf16, 16-byte aligned,
+    rows a multiple of 16 bytes."""
+    aligned = t_RC.data_ptr() % 16 == 0 and t_RC.shape[1] % 8 == 0
+    return t_RC.dtype == torch.bfloat16 and t_RC.is_contiguous() and aligned
+
+
 def bf16_box_map(t_RC: torch.Tensor, box_rows: int, box_cols: int = 64) -> np.ndarray:
     """The tensor map of a contiguous bf16 matrix [R, C] read in boxes of box_rows x box_cols (128-byte swizzle, so
     box_cols * 2 must be 128), as a kernel argument: a read-only numpy array of one 128-byte element, which CuPy
     passes by value."""
     rows, cols = t_RC.shape
-    if t_RC.dtype != torch.bfloat16 or not t_RC.is_contiguous() or t_RC.data_ptr() % 16 or cols % 8:
+    if not mappable(t_RC):
         raise ValueError(
             f"a tensor map needs a contiguous bf16 matrix, 16-byte aligned, with a multiple of 8 columns; got "
             f"{t_RC.dtype} {tuple(t_RC.shape)} at address {t_RC.data_ptr():#x}"

@@ -1250,10 +1250,10 @@ def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tupl
     (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
     the GEMM its write (the slices block 0-5% faster at 28 and 56 non-zeros with the same bits, H100, BENCHMARKS.md
     2026-11-28); gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Otherwise, and for
-    operands the copy engine cannot read (not 16-byte aligned), the walk reads cuBLAS's bf16 pre-activation [M, N]
-    (packed_MS None)."""
+    operands the copy engine cannot read (not `tensor_map.mappable`, e.g. not 16-byte aligned), the walk reads
+    cuBLAS's bf16 pre-activation [M, N] (packed_MS None)."""
     words = walk == "slices" or x_MK.shape[0] >= WORDS_GATE_MIN_M
-    if words and x_MK.data_ptr() % 16 == 0 and w_gate_NK.data_ptr() % 16 == 0:
+    if words and tensor_map.mappable(x_MK) and tensor_map.mappable(w_gate_NK):
         gate_MN = torch.empty(x_MK.shape[0], w_gate_NK.shape[0], dtype=torch.bfloat16, device=x_MK.device)
         return gate_MN, twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
     return F.linear(x_MK, w_gate_NK), None

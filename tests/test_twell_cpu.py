@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda, doctor, kernel_set, twell_backend
+from sparse_llm import cuda, doctor, kernel_set, tensor_map, twell_backend
 from sparse_llm.backends import Tail, TorchFFN, get_backend
 from sparse_llm.model import ModelConfig, build_model
 from sparse_llm.twell_backend import (
@@ -485,6 +485,23 @@ def test_splits_and_gate_route():
     assert splits_for(1, 22) == 22
     assert 1 < splits_for(300, 22) < 22
     assert gate_route_for(1) == "cublas"
+
+
+def test_mappable_matches_what_a_tensor_map_accepts():
+    """The fused gate's fallback (`_direct_gate`) and `bf16_box_map` share one rule: contiguous bf16, 16-byte
+    aligned, rows a multiple of 16 bytes."""
+    base = torch.zeros(64, 72, dtype=torch.bfloat16)
+    assert tensor_map.mappable(base)
+    rejected = {
+        "fp32": base.float(),
+        "transposed": base.t(),
+        "misaligned": base.view(-1)[1 : 1 + 64 * 64].view(64, 64),
+        "odd rows": torch.zeros(64, 12, dtype=torch.bfloat16),
+    }
+    for name, t in rejected.items():
+        assert not tensor_map.mappable(t), name
+        with pytest.raises(ValueError, match="a tensor map needs"):
+            tensor_map.bf16_box_map(t, 64)
 
 
 # ---------------------------------------------------------------- backend behaviour
