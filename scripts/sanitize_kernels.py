@@ -10,6 +10,7 @@ piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route h
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
 residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
+the fused gate GEMM writing its overflowed segments' gate values;
 the decode kernel at 1, 7 and 16 tokens, its blocks summing in shared memory and not, its gates on the tensor
 cores and not;
 the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
@@ -32,6 +33,7 @@ from sparse_llm.twell_backend import (
     direct_up_down,
     synthetic_block,
     transposed_copy,
+    twell_gate,
     twell_gated_mlp,
 )
 from sparse_llm.twell_train import twell_train_ffn
@@ -54,6 +56,9 @@ def main() -> None:
                 for dense_row_nnz in (8, 1 << 30):
                     twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
             twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
+            # the fused gate GEMM writing its overflowed segments' values (the block op passes it a buffer from
+            # WORDS_GATE_MIN_M tokens only, past these shapes)
+            twell_gate(x, wg, "fused", overflow_gate_MN=torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
             for tokens in (1, 7, 16):  # the decode kernel, with and without a residual, with and without block sums
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
