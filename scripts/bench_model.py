@@ -7,7 +7,7 @@
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
 --kernels (which variants, default all four), --max-train-batch (also find the largest training
-micro-batch each path fits, growing by half up to this), --tokens (inputs from a token file), --profile-dir
+micro-batch each path fits, growing by half up to this), --accumulate (micro-batches per optimizer step), --tokens (inputs from a token file), --profile-dir
 (a torch.profiler trace and top-kernel table per variant, to see inside the breakdown), --grad-ckpt,
 --energy-seconds, --warmup, --reps, --l1, --lr, --seed, --device; `--help` describes each.
 
@@ -23,7 +23,10 @@ kernels can run). Speeds are given as ratios to both dense paths:
   bf16 autocast, loss = CE + l1 * L1 term, backward, gradient clipping, AdamW step (skipped on the
   device if the loss or norm is not finite), then the previous step's loss and gradient norm read on the
   host (the trainer's one wait per step); steps issued back to back, as the trainer does, so the host can
-  run up to a step ahead of the device.
+  run up to a step ahead of the device. With --accumulate A, a step is A forward + backward passes over the
+  micro-batch (each loss divided by A, as train.py divides it by global_batch / micro_batch) and one optimizer
+  step: the optimizer's fixed cost is shared by A micro-batches' tokens, as in a run whose global batch holds A
+  micro-batches per GPU (the paper's 512 sequences on 8 GPUs at 8 each: A = 8).
 - tokens/ms from the median of CUDA-event timings after warm-up; the ratio to the dense path of the
   same run; peak allocated memory (resident weights included; in train mode also gradients and AdamW
   state); energy per token from the NVML counter over >= --energy-seconds of back-to-back calls
@@ -87,6 +90,7 @@ import collections
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -449,8 +453,10 @@ class TrainStep:
         lr: float,
         after: Callable[[], None] = lambda: None,
         cuda_graphs: bool = False,
+        accumulate: int = 1,
     ) -> None:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
+        self.accumulate = accumulate  # micro-batches (forward + backward passes) per optimizer step
         cfg = TrainConfig()
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
@@ -471,7 +477,7 @@ class TrainStep:
             return out.loss + self.l1 * l1_term([m.last_result for m in self.mlps])
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss / self.accumulate).backward()  # the step's gradient is the mean over its micro-batches
 
     def update(self, loss: torch.Tensor) -> None:
         norm = defer_clipping(self.optimizer, self.model.parameters(), 1.0)
@@ -490,8 +496,9 @@ class TrainStep:
             earlier.tolist()
 
     def __call__(self) -> None:
-        loss = self.forward()
-        self.backward(loss)
+        for _ in range(self.accumulate):
+            loss = self.forward()
+            self.backward(loss)
         self.update(loss)
         self.after()
 
@@ -508,7 +515,7 @@ def bench_train(
 ) -> VariantResult:
     """Training steps on ids [B, T] from the master weights; energy and breakdown only when given."""
     device = ids.device
-    result = VariantResult("train", kernel, ids.shape[0], ids.numel())
+    result = VariantResult("train", kernel, ids.shape[0], ids.numel() * args.accumulate)
     model.load_state_dict(master)
     model.train()
     set_kernel(model, kernel, observed, args.train_kernels)
@@ -516,7 +523,10 @@ def bench_train(
     try:
         with FrozenHeap() as heap:  # as the trainer runs its steps
             with PeakMemory(device) as peak:
-                step = TrainStep(model, ids, args.l1, args.lr, after=heap.freeze, cuda_graphs=args.cuda_graphs)
+                step = TrainStep(
+                    model, ids, args.l1, args.lr, after=heap.freeze, cuda_graphs=args.cuda_graphs,
+                    accumulate=args.accumulate,
+                )  # fmt: skip
                 # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on
                 # the device to its last, including any wait of the device for the host within it.
                 samples = time_samples_ms(step, args.warmup, args.reps, device, drain=False)
@@ -545,25 +555,27 @@ def bench_train(
 
 
 def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) -> dict[str, float]:
+    """Phase times of one step, summed over its micro-batches (forward, backward), then its optimizer step."""
     device = step.ids.device
     clock, runs = Clock(device), []
     with section_timer(model, device) as timer:
         for _ in range(BREAKDOWN_REPS):
-            t0 = clock.mark()
-            loss = step.forward()
-            t1 = clock.mark()
-            timer.active = False  # gradient checkpointing re-runs module forwards inside backward
-            step.backward(loss)
-            t2 = clock.mark()
+            marks = [clock.mark()]  # then after each forward and each backward, then after the update
+            for _ in range(step.accumulate):
+                loss = step.forward()
+                marks.append(clock.mark())
+                timer.active = False  # gradient checkpointing re-runs module forwards inside backward
+                step.backward(loss)
+                marks.append(clock.mark())
+                timer.active = True
             step.update(loss)
-            t3 = clock.mark()
-            timer.active = True
-            fwd = clock.elapsed_ms(t0, t1)
+            marks.append(clock.mark())
+            spans = [clock.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
             runs.append({
-                "total": clock.elapsed_ms(t0, t3),
-                **split_forward(fwd, timer.totals_ms(), gate_ms),
-                "backward": clock.elapsed_ms(t1, t2),
-                "optimizer": clock.elapsed_ms(t2, t3),
+                "total": clock.elapsed_ms(marks[0], marks[-1]),
+                **split_forward(sum(spans[0:-1:2]), timer.totals_ms(), gate_ms * step.accumulate),
+                "backward": sum(spans[1:-1:2]),
+                "optimizer": spans[-1],
             })  # fmt: skip
     return median_dicts(runs)
 
@@ -745,6 +757,7 @@ def report_header(
     command = f"python scripts/bench_model.py {' '.join(args.argv)}".rstrip()
     forward_dtype = "bf16" if device.type == "cuda" else "fp32"
     train_precision = "fp32 weights + bf16 autocast" if device.type == "cuda" else "fp32"
+    accumulation = "one per optimizer step" if args.accumulate == 1 else f"{args.accumulate} per optimizer step"
     return [
         f"## Model-level benchmark: {what} ({date})",
         "",
@@ -754,7 +767,7 @@ def report_header(
         f"Settings: `{command}`; inputs: {inputs}; "
         f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head), "
         "L0 statistics from one extra pass (timed calls skip them, as generation does); "
-        f"train: micro-batch {args.train_batch} x {args.seq_len}, {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
+        f"train: micro-batch {args.train_batch} x {args.seq_len} ({accumulation}), {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
         f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}"
         f"{GRAPHS_NOTE if args.cuda_graphs else ''}"
@@ -787,6 +800,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=0,
         help="also find the largest training micro-batch that fits, growing by half up to this",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="training micro-batches per optimizer step (train.py's global_batch / micro_batch); tokens/ms counts "
+        "all of them",
     )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument(
@@ -851,7 +871,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--kernels {','.join(args.kernels)}: choose from {','.join(KERNELS)}")
     if "auto" in args.kernels and "torch" not in args.kernels[: args.kernels.index("auto")]:
         parser.error("--kernels: `auto` decides from the L0 measured by `torch`: list torch before auto")
-    for name in ("batch", "train_batch", "seq_len", "reps"):
+    for name in ("batch", "train_batch", "accumulate", "seq_len", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.density_l0 is not None and args.checkpoint:

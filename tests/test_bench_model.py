@@ -250,6 +250,7 @@ def test_train_kernels_reach_only_the_auto_variant():
         (["--density-l0", "10", "--checkpoint", "x"], "not allowed with"),
         (["--energy-seconds", "0.5"], "--energy-seconds"),
         (["--batch", "0"], "--batch"),
+        (["--accumulate", "0"], "--accumulate must be >= 1"),
         (["--kernels", "torch,fast"], "--kernels torch,fast: choose from stock,torch,auto,twell"),
         (["--kernels", "auto,torch"], "list torch before auto"),
         (["--cuda-graphs"], "add --compile"),
@@ -310,6 +311,34 @@ def test_a_step_that_runs_out_of_memory_leaves_no_activations_behind(monkeypatch
     row = bench_model.bench_train(model, master, torch.randint(0, 50, (2, 8)), "torch", None, None, None, args)
     assert row.skipped == "out of memory at micro-batch 2"
     assert [m.last_result for m in sparse_mlps(model)] == [None, None]
+
+
+def test_accumulated_step_averages_its_micro_batches_under_one_update(monkeypatch):
+    """--accumulate A: A forward + backward passes, each loss divided by A, then one optimizer step. On A copies of
+    the same micro-batch the update sees the single micro-batch's gradient; the row counts A micro-batches' tokens."""
+    torch.manual_seed(0)
+    config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
+    ids = torch.randint(0, 50, (2, 8))
+    seen = []
+
+    def update(step, loss):  # the gradient the optimizer would take, then cleared as after a step
+        seen.append([p.grad.clone() for p in step.model.parameters()])
+        step.model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(bench_model.TrainStep, "update", update)
+    model = build_model(config, kernel="torch")  # no update runs, so both steps start from the same weights
+    for accumulate in (1, 3):
+        step = bench_model.TrainStep(model, ids, 2e-5, 0.0, accumulate=accumulate)
+        forwards = []
+        monkeypatch.setattr(step, "forward", lambda real=step.forward: forwards.append(1) or real())
+        step()
+        assert len(forwards) == accumulate
+    for one, mean in zip(*seen, strict=True):
+        torch.testing.assert_close(mean, one, rtol=1e-5, atol=1e-7)
+
+    args = TINY + ["--modes", "train", "--kernels", "torch", "--accumulate", "3"]
+    (row,) = bench_model.main(args)
+    assert row.skipped is None and row.tokens == 3 * 32 and row.breakdown_ms["backward"] > 0
 
 
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
