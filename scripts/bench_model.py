@@ -7,9 +7,10 @@
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --markdown BENCHMARKS.md (append the report), --json (all numbers),
 --kernels (which variants, default all four), --max-train-batch (also find the largest training
-micro-batch each path fits, growing by half up to this), --accumulate (micro-batches per optimizer step), --tokens (inputs from a token file), --profile-dir
-(a torch.profiler trace and top-kernel table per variant, to see inside the breakdown), --grad-ckpt,
---energy-seconds, --warmup, --reps, --l1, --lr, --seed, --device; `--help` describes each.
+micro-batch each path fits, growing by half up to this), --accumulate (training micro-batches per optimizer step),
+--tokens (inputs from a token file), --profile-dir (a torch.profiler trace and top-kernel table per variant, to see
+inside the breakdown), --grad-ckpt, --energy-seconds, --warmup, --reps, --l1, --lr, --seed, --device; `--help`
+describes each.
 
 What is measured, per mode and per FFN path: `stock` (transformers' own LlamaMLP, LlamaRMSNorm and
 LlamaAttention on the same weights: the plain dense model, no sparsity statistics and no L1 term, i.e.
