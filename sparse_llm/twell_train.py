@@ -60,10 +60,13 @@ has train_fwd_gate, train_bwd_sddmm and train_bwd_dx walk it in column parts, on
 its part's rows only; y's and dx's fp32 sums are carried from part to part, so the results are the one-pass bits.
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
-the backward reads it (backends.landed) to size the heavy rows' GEMMs. In a model that copy landed long
-before the layer's backward is issued, so the read waits for nothing; if it has not (a backward issued
-right after its forward, or a gradient-checkpointed layer's recompute), the read waits for the copy alone, after
-the light tokens' backward kernels are queued, so they run while the host waits.
+the backward reads it (backends.landed) to size the heavy rows' GEMMs. For most layers of a model that copy landed
+long before the layer's backward is issued, so the read waits for nothing. Where it has not (the last layer, whose
+backward comes first; a backward issued right after its forward; a gradient-checkpointed layer's recompute), the
+read waits for the copy alone, after the light tokens' backward kernels are queued, so they run while the host
+waits. The host then has nothing queued ahead of them: in a step of several micro-batches its lead is lost once
+per micro-batch, and the step follows the host wherever the host's forward is slower than the device's
+(BENCHMARKS.md, 2026-11-28, on an H200).
 The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
 path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
 Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
