@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import StaticCache
 
-from sparse_llm.mlp import backends_held
+from sparse_llm.mlp import backends_held, cuda_graphed
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DecodeSteps:
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with cuda_graphed(self.model), torch.cuda.stream(side):
             logits_BV = self._step()
         current.wait_stream(side)
         return logits_BV
@@ -108,7 +108,7 @@ class DecodeSteps:
         captured. Capturing runs no kernel: the graph's first replay is this step."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with backends_held(self.model), torch.cuda.graph(graph):
+            with backends_held(self.model), cuda_graphed(self.model), torch.cuda.graph(graph):
                 self.logits_BV = self._step()
         except RuntimeError as error:
             log.warning("decoding steps run eagerly: a step could not be captured as a CUDA graph (%s)", error)

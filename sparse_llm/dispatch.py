@@ -6,6 +6,9 @@ for the layer's last measured sparsity and takes the cheapest, with hysteresis s
 break-even point does not flip back and forth. Where the sparse and dense prices of an inference call on a GPU lie
 within TRIAL_BAND of each other, the layer times both paths once on that call's inputs (per token count and
 density bucket) and keeps the faster: a price knows the layer's density, not how its neurons share the GPU's caches.
+A call issued from Python whose prices are both under HOST_BOUND_MS (a decoding step's few tokens) is timed the same
+way, whatever its prices: it runs at the host's pace, which the prices (device times) do not see. In a CUDA graph
+(`SparseMLP.in_cuda_graph`) the host issues nothing, and the prices stand.
 In training, `auto` considers the sparse backends only where `train_kernels` is on (train.py's `train_kernels=true`):
 a sparse training step needs the host to keep up with the GPU (compiled layers, CUDA graphs, 6k+ tokens per
 micro-batch), which the cost models cannot see.
@@ -43,6 +46,12 @@ TRIAL_BAND = 1.5
 # In a trial the sparse path must beat the dense one by this factor: a smaller lead is within a trial's noise.
 TRIAL_MARGIN = 0.97
 TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
+# An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
+# either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
+# machines against 13-38 us of device time in CUDA graphs, and the decode kernel's calls took 1.05-1.7x the dense
+# block's there (bench_mlp; BENCHMARKS.md 2026-11-27, 2026-11-28). The decode kernel's price (device time) would
+# take it every time.
+HOST_BOUND_MS = 0.06
 TRIAL_BUCKETS = 4  # density buckets per doubling of the mean non-zeros per token: a trial holds within one
 TOKEN_BUCKETS = 2  # token-count buckets per doubling of the tokens in a call, likewise
 # SPARSE_LLM_AUTO=priced: no trials, the prices decide (bit-reproducible choices); "measured" (default) runs them.
@@ -133,7 +142,8 @@ class LayerDispatcher:
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known
         self.current = "torch"
-        self.trials: dict[tuple[int, int], str] = {}  # (tokens, density) buckets -> the backend a trial found faster
+        # (host-bound, tokens bucket, density bucket) -> the backend a trial found faster
+        self.trials: dict[tuple[bool, int, int], str] = {}
 
     @property
     def l0(self) -> tuple[float, float] | None:
@@ -148,11 +158,13 @@ class LayerDispatcher:
 
     def choose(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False,
-        trial: Callable[[FFNBackend], object] | None = None,
+        trial: Callable[[FFNBackend], object] | None = None, graphed: bool = False,
     ) -> FFNBackend:  # fmt: skip
         """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight; `compiled`:
         the layer runs its torch ops through torch.compile (the dense path is cheaper then). `trial(backend)` runs
-        this inference call's block on `backend` (for a trial where the prices are close; see TRIAL_BAND)."""
+        this inference call's block on `backend` (for a trial where the prices are close, see TRIAL_BAND, or where
+        the call is host-bound, see HOST_BOUND_MS). `graphed`: the call runs in a CUDA graph (captured, or the eager
+        run before a capture), where no host time is paid per call."""
         if self.kernel != "auto":
             backend = get_backend(self.kernel)
             reason = backend.unavailable_reason(x_MK.device)
@@ -163,12 +175,12 @@ class LayerDispatcher:
                 )
             self.current = backend.name
             return backend
-        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled, trial)
+        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)
         return get_backend(self.current)
 
     def _cheapest(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool,
-        trial: Callable[[FFNBackend], object] | None,
+        trial: Callable[[FFNBackend], object] | None, graphed: bool,
     ) -> str:  # fmt: skip
         if self.l0_mean is None:
             return "torch"  # no measurement yet
@@ -192,20 +204,24 @@ class LayerDispatcher:
         best = min(estimates, key=estimates.get, default="torch")
         sparse = min((name for name in estimates if name != "torch"), key=estimates.get, default=None)
         ratio = math.inf if sparse is None else estimates[sparse] / dense_ms  # 0 without a dense price
-        trials = trial is not None and not training and 1 / TRIAL_BAND <= ratio <= TRIAL_BAND
+        host_bound = sparse is not None and not graphed and max(dense_ms, estimates[sparse]) < HOST_BOUND_MS
+        trials = trial is not None and not training and (1 / TRIAL_BAND <= ratio <= TRIAL_BAND or host_bound)
         if trials and env_choice(AUTO_CHOICE_ENV, AUTO_CHOICE_MEANING) == "measured":  # (read only where it decides)
-            measured = self._tried(x_MK, sparse, trial)
+            measured = self._tried(x_MK, sparse, trial, host_bound)
             if measured is not None:
                 return measured
         if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
             return "torch"
         return best
 
-    def _tried(self, x_MK: torch.Tensor, sparse: str, trial: Callable[[FFNBackend], object]) -> str | None:
+    def _tried(
+        self, x_MK: torch.Tensor, sparse: str, trial: Callable[[FFNBackend], object], host_bound: bool
+    ) -> str | None:
         """"torch" or `sparse`, whichever a trial on this call found faster at its token count's and density's buckets
         (one trial per pair, remembered: lm-eval's and generation's token counts vary from call to call); None where
-        no trial can run now (`can_time`)."""
-        key = (log_bucket(x_MK.shape[0], TOKEN_BUCKETS), log_bucket(self.l0_mean, TRIAL_BUCKETS))
+        no trial can run now (`can_time`). A host-bound call's trial times the host's pace, which a call in a CUDA
+        graph does not pay: it is remembered apart."""
+        key = (host_bound, log_bucket(x_MK.shape[0], TOKEN_BUCKETS), log_bucket(self.l0_mean, TRIAL_BUCKETS))
         if key not in self.trials:
             if not can_time(x_MK):
                 return None

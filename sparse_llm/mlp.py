@@ -51,6 +51,7 @@ class SparseMLP(nn.Module):
         self.dispatcher = LayerDispatcher(kernel, train_kernels)
         self.self_observe = True  # the trainer turns this off and feeds rank-reduced statistics instead
         self.record_statistics = False  # inference calls keep L1/L0/fired in last_result (recording_statistics)
+        self.in_cuda_graph = False  # calls run in (or warm up for) a CUDA graph: no host time per call (cuda_graphed)
         self.compile_backend: str | None = None  # torch.compile backend of the torch path's block (compile_layers)
         self.last_result: FFNResult | None = None
         self._calls = 0
@@ -98,8 +99,9 @@ class SparseMLP(nn.Module):
             return backend.forward(x_MK, *weights, statistics=False, **{**call, "residual_MK": scratch[0]})
 
         backend = self.dispatcher.choose(
-            x_MK, weights[0], training=training, compiled=compiled, trial=None if training else trial
-        )
+            x_MK, weights[0], training=training, compiled=compiled, trial=None if training else trial,
+            graphed=self.in_cuda_graph,
+        )  # fmt: skip
         result = backend.forward(x_MK, *weights, statistics=self.record_statistics or observing, **call)
         self.last_result = result
         if observing and result.l0_M.numel():
@@ -138,3 +140,10 @@ def backends_held(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Within the block no SparseMLP of `model` observes its own statistics, so each keeps the backend it has
     chosen and reads nothing back to the host (what a CUDA graph capture needs)."""
     return _every_layer(model, "self_observe", False)
+
+
+def cuda_graphed(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within the block every SparseMLP of `model` chooses its backend for calls replayed in a CUDA graph: by the
+    device time of each path, with no trial of host-bound calls (`dispatch.HOST_BOUND_MS`). For a capture and the
+    eager run before it, so that both choose alike."""
+    return _every_layer(model, "in_cuda_graph", True)

@@ -9,7 +9,7 @@ from sparse_llm import backends, dispatch
 from sparse_llm.backends import FFNBackend, TorchFFN
 from sparse_llm.backends import HEAVY_TOKEN_NNZ, Tail
 from sparse_llm.dispatch import LayerDispatcher, density_of
-from sparse_llm.mlp import SparseMLP
+from sparse_llm.mlp import SparseMLP, cuda_graphed
 
 
 class FakeSparse(FFNBackend):
@@ -185,6 +185,44 @@ def test_prices_far_apart_training_and_untimeable_calls_take_the_price(fake, tim
     monkeypatch.setattr(dispatch, "can_time", lambda x: False)  # e.g. a CUDA graph being captured
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake"
     assert timed.trials == 0
+
+
+def test_host_bound_calls_are_settled_by_a_trial_except_in_cuda_graphs(fake, timed):
+    """A call of a few tokens costs the host more than either path's device time. Issued from Python it is timed
+    even where its prices lie far apart; in a CUDA graph the price stands. The two choices are remembered apart."""
+    dispatcher = LayerDispatcher("auto")
+    dispatcher.observe(3.0, 9.0)
+    x, w = torch.zeros(4, 2048, dtype=torch.bfloat16), torch.zeros(5632, 2048, dtype=torch.bfloat16)
+    dense_ms = TorchFFN().estimated_ms(4, 2048, 5632, 3.0, 9.0, False)
+    assert dense_ms < dispatch.HOST_BOUND_MS
+    fake.ms = 0.4 * dense_ms  # far outside the trial band: the price alone takes the sparse path
+    timed.ms = {"torch": 0.07, "fake": 0.08}  # issued from Python, the dense path's host work is the smaller
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1
+    assert dispatcher.choose(x, w, False, trial=lambda b: None, graphed=True).name == "fake" and timed.trials == 1
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1  # remembered
+    timed.ms = {"torch": 0.07, "fake": 0.05}
+    dispatcher.observe(6.0, 18.0)  # a new density bucket: a new trial, which the sparse path wins
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake" and timed.trials == 2
+
+
+def test_cuda_graphed_layers_choose_for_graphs(monkeypatch):
+    """Within `cuda_graphed(model)` a layer asks its dispatcher for a choice in a CUDA graph; before and after, not."""
+    seen = []
+    choose = LayerDispatcher.choose
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs["graphed"])
+        return choose(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerDispatcher, "choose", recording)
+    model = torch.nn.Sequential(SparseMLP(64, 256, kernel="auto"))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        model(x)
+        with cuda_graphed(model):
+            model(x)
+        model(x)
+    assert seen == [False, True, False]
 
 
 def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypatch):
