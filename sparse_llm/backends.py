@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,13 @@ class FFNResult:
         return self.overflow_rows
 
 
+class HostWaits:
+    """Host seconds that `landed` has spent waiting for counts still on their way, over the process: a diagnostic
+    (scripts/profile_train_step.py reads it around each phase of a training step)."""
+
+    seconds = 0.0
+
+
 def landed(values_host: torch.Tensor) -> list[int]:
     """The values of a pinned CPU tensor that an asynchronous device-to-host copy fills, once they are there.
 
@@ -81,10 +89,13 @@ def landed(values_host: torch.Tensor) -> list[int]:
     for the device: the kernels queued after the copy (a backward's first launches) keep the GPU busy while
     the host waits, where a device synchronisation would drain them and leave the GPU idle until the host
     issued more. Once the current stream has run everything queued on it the copy was elsewhere (another
-    stream), so the device is synchronised.
+    stream), so the device is synchronised. The time waited adds to `HostWaits.seconds`.
     """
     values = values_host.tolist()
-    while values and min(values) < 0:
+    if not values or min(values) >= 0:
+        return values
+    start = time.perf_counter()
+    while min(values) < 0:
         drained = _current_stream_drained()
         values = values_host.tolist()
         if drained and min(values) < 0:
@@ -92,6 +103,7 @@ def landed(values_host: torch.Tensor) -> list[int]:
             values = values_host.tolist()
             if min(values) < 0:
                 raise RuntimeError("A device-to-host count never arrived: the copy that fills it was not queued.")
+    HostWaits.seconds += time.perf_counter() - start
     return values
 
 

@@ -1,0 +1,181 @@
+"""Where a training step waits: the host's time to issue each micro-batch beside the device's time to run it.
+
+    python scripts/profile_train_step.py --size 2b --density-l0 24 --accumulate 8 --compile
+    python scripts/profile_train_step.py --checkpoint outputs/<run>/final --tokens data/embedded --accumulate 8
+    python scripts/profile_train_step.py --size tiny --seq-len 64 --train-batch 2 --accumulate 2   # CPU smoke run
+
+A step is bench_model.py's training step (`TrainStep`: fp32 master weights, bf16 autocast on a GPU, the L1 term,
+backward, gradient clipping, AdamW), run --steps times after --warmup, back to back as the trainer issues them.
+Per FFN path (--kernels, each layer forced onto it) and per micro-batch, medians over the timed steps:
+- host forward / backward ms: the host's wall-clock time to issue that phase. It includes any wait: a full launch
+  queue when the host is far ahead, or a read of a count the device has not produced yet;
+- of which count waits: the backward's reads of heavy-token counts that had not landed (`backends.HostWaits`);
+- device forward / backward ms: CUDA-event time between the same points of the stream (GPU only).
+Then the optimizer step the same way, and the step's event time (the device's, its idle gaps included).
+Where a phase takes the host as long as the device, the device runs at the host's pace there: a faster device
+path gains nothing until the host issues it faster or keeps a lead from the phase before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bench_model import (  # scripts/, on the path when this file runs as a script
+    CALIBRATION_TOKENS,
+    TrainStep,
+    add_model_source,
+    free_memory,
+    kernel_unavailable_reason,
+    load_model,
+    make_inputs,
+    make_sparse,
+    set_kernel,
+)
+from sparse_llm.backends import HostWaits
+from sparse_llm.model import compile_layers
+from sparse_llm.training import FrozenHeap
+
+KERNELS = ("torch", "twell")
+
+
+@dataclass
+class Phase:
+    """One phase of a step (a micro-batch's forward or backward, or the optimizer step): host ms to issue it, of
+    which ms waiting for counts, and device ms between its two stream marks (None without a GPU)."""
+
+    host_ms: float
+    wait_ms: float
+    device: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+    def device_ms(self) -> float | None:
+        return None if self.device is None else self.device[0].elapsed_time(self.device[1])
+
+
+def timed_phase(run: Callable[[], object], cuda: bool) -> tuple[object, Phase]:
+    """run()'s result and its Phase: host time around it, and CUDA events before and after on the current stream."""
+    marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    waited, start = HostWaits.seconds, time.perf_counter()
+    if marks:
+        marks[0].record()
+    out = run()
+    if marks:
+        marks[1].record()
+    host_s, wait_s = time.perf_counter() - start, HostWaits.seconds - waited
+    return out, Phase(host_s * 1e3, wait_s * 1e3, marks)
+
+
+def step_phases(step: TrainStep, cuda: bool) -> list[tuple[str, Phase]]:
+    """One training step, issued as TrainStep issues it, as named phases in order."""
+    phases = []
+    for i in range(step.accumulate):
+        loss, forward = timed_phase(step.forward, cuda)
+        _, backward = timed_phase(lambda loss=loss: step.backward(loss), cuda)
+        phases += [(f"micro-batch {i} forward", forward), (f"micro-batch {i} backward", backward)]
+    _, update = timed_phase(lambda: (step.update(loss), step.after()), cuda)
+    return phases + [("optimizer", update)]
+
+
+def profile_kernel(model, master, ids, kernel: str, args: argparse.Namespace) -> list[str]:
+    """Markdown lines: the per-phase table of `kernel`'s training step on ids [B, T], and its step times."""
+    cuda = ids.device.type == "cuda"
+    model.load_state_dict(master)
+    model.train()
+    set_kernel(model, kernel, None)
+    try:
+        with FrozenHeap() as heap:
+            step = TrainStep(model, ids, args.l1, 0.0, after=heap.freeze, accumulate=args.accumulate)
+            for _ in range(args.warmup):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            runs = []
+            for _ in range(args.steps):
+                # one step's phases and its event span; the steps run back to back, as the trainer issues them
+                runs.append(timed_phase(lambda: step_phases(step, cuda), cuda))
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        model.zero_grad(set_to_none=True)
+        free_memory(model, ids.device)
+
+    def median(values: list[float | None]) -> str:
+        return "-" if None in values else f"{statistics.median(values):.1f}"
+
+    lines = [
+        f"| {kernel}: phase | host ms | of which count waits ms | device ms |",
+        "|---|---|---|---|",
+    ]
+    for i, (name, _) in enumerate(runs[0][0]):
+        phases = [run[0][i][1] for run in runs]
+        lines.append(
+            f"| {name} | {median([p.host_ms for p in phases])} | {median([p.wait_ms for p in phases])} | "
+            f"{median([p.device_ms() for p in phases])} |"
+        )
+    steps = [span.device_ms() if cuda else span.host_ms for _, span in runs]
+    clock = "CUDA events" if cuda else "host"
+    lines.append(f"\n{kernel}: step ms ({clock}), each timed step: {', '.join(f'{ms:.1f}' for ms in steps)}")
+    return lines
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_source(parser)
+    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
+    parser.add_argument("--train-batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"FFN paths, each forced on every layer: {KERNELS}")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (trainer.compile)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args(argv)
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in args.kernels if k not in KERNELS]
+    if unknown or not args.kernels:
+        parser.error(f"--kernels {','.join(args.kernels)}: choose from {','.join(KERNELS)}")
+    for name in ("train_batch", "accumulate", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.density_l0 is not None and args.checkpoint:
+        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # as bench_model: fp32 leftovers stay fp32
+    model = load_model(args, device)
+    ids = make_inputs(args, args.train_batch, model.config.vocab_size).to(device)
+    if args.density_l0 is not None:
+        make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
+    if args.compile:
+        compile_layers(model)
+    model.to(torch.float32)
+    master = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    what = args.checkpoint or f"random-init {args.size}"
+    print(f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
+          f"{'compiled layers, ' if args.compile else ''}{device}", flush=True)  # fmt: skip
+    for kernel in args.kernels:
+        reason = kernel_unavailable_reason(kernel, model, device)
+        lines = [f"{kernel}: skipped ({reason})"] if reason else profile_kernel(model, master, ids, kernel, args)
+        print("\n" + "\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""CPU tests of scripts/profile_train_step.py: a training step's phases, host time against device time."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparse_llm import backends
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # the script imports bench_model from there, as when run as a script
+_spec = importlib.util.spec_from_file_location("profile_train_step", ROOT / "scripts" / "profile_train_step.py")
+profile_train_step = importlib.util.module_from_spec(_spec)
+sys.modules["profile_train_step"] = profile_train_step  # dataclasses look their module up there
+_spec.loader.exec_module(profile_train_step)
+
+TINY = "--size tiny --seq-len 16 --train-batch 2 --warmup 0 --device cpu".split()
+
+
+def test_cpu_run_lists_every_phase_of_each_step_and_skips_what_cannot_run(capsys):
+    profile_train_step.main([*TINY, "--accumulate", "3", "--steps", "2"])
+    out = capsys.readouterr().out
+    phases = [line.split(" | ")[0].removeprefix("| ") for line in out.splitlines() if line.startswith("| micro")]
+    assert phases == [f"micro-batch {i} {part}" for i in range(3) for part in ("forward", "backward")]
+    optimizer = next(line for line in out.splitlines() if line.startswith("| optimizer"))
+    host_ms, wait_ms, device_ms = optimizer.strip("| ").split(" | ")[1:]
+    assert float(host_ms) > 0 and float(wait_ms) == 0 and device_ms == "-"  # no GPU: no device times
+    steps = next(line for line in out.splitlines() if line.startswith("torch: step ms"))
+    assert len(steps.split(": ")[-1].split(", ")) == 2
+    assert "twell: skipped (" in out
+
+
+def test_count_waits_are_measured_around_each_phase(monkeypatch):
+    """A phase's count waits are what `landed` added to HostWaits while it ran."""
+
+    def waits_a_while():
+        backends.HostWaits.seconds += 0.25
+
+    monkeypatch.setattr(backends.HostWaits, "seconds", 1.0)
+    _, phase = profile_train_step.timed_phase(waits_a_while, cuda=False)
+    assert phase.wait_ms == pytest.approx(250.0) and phase.device_ms() is None
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--kernels", "stock"], "--kernels stock: choose from torch,twell"),
+        (["--accumulate", "0"], "--accumulate must be >= 1"),
+        (["--checkpoint", "x"], "not allowed with argument --size"),
+    ],
+)
+def test_bad_arguments_are_named(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        profile_train_step.main([*TINY, *extra])
+    assert message in capsys.readouterr().err
