@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import LlamaForCausalLM
 
 from bench_model import (  # scripts/, on the path when this file runs as a script
     CALIBRATION_TOKENS,
@@ -82,8 +83,11 @@ def step_phases(step: TrainStep, cuda: bool) -> list[tuple[str, Phase]]:
     return phases + [("optimizer", update)]
 
 
-def profile_kernel(model, master, ids, kernel: str, args: argparse.Namespace) -> list[str]:
-    """Markdown lines: the per-phase table of `kernel`'s training step on ids [B, T], and its step times."""
+def profile_kernel(
+    model: LlamaForCausalLM, master: dict[str, torch.Tensor], ids: torch.Tensor, kernel: str, args: argparse.Namespace
+) -> list[str]:
+    """Markdown lines: the per-phase table of `kernel`'s training step on ids [B, T] from the weights `master`, and
+    its step times."""
     cuda = ids.device.type == "cuda"
     model.load_state_dict(master)
     model.train()
@@ -169,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.to(torch.float32)
     master = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     what = args.checkpoint or f"random-init {args.size}"
+    if args.density_l0 is not None:
+        what += f" made sparse at {args.density_l0} non-zeros per token"
     print(f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
           f"{'compiled layers, ' if args.compile else ''}{device}", flush=True)  # fmt: skip
     for kernel in args.kernels:
