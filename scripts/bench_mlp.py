@@ -10,10 +10,11 @@ so the host's latency to the first kernel counts, as in a decode step), their ra
 (as a model's layers run them during prefill, the host ahead of the GPU) and their ratio; also the torch backend as the
 model runs it (dense plus its L1/L0/fired statistics) and the twell time with each gate route; relative error vs an
 fp32 reference (dense bf16 for comparison), energy per call (NVML counter over >= --energy-seconds of back-to-back
-calls), the path taken (overflow rows) and what `kernel=auto` would run (cost model: sparse only if predicted < 0.95x
-dense) with its ratio to the torch backend, both with the L1/L0/fired statistics. For decode sizes (M <= 64) also
-the device time per call with no host cost between kernels: GRAPH_LAYERS blocks of distinct weights (more than L2
-holds, as a model's layers in a decode step) called in turn, replayed as one CUDA graph.
+calls), the path taken (overflow rows) and what `kernel=auto` would run by price (sparse only if predicted < 0.95x
+dense; in a model, close prices and decode-sized calls issued from Python are settled by a timed trial instead,
+`dispatch.HOST_BOUND_MS`) with its ratio to the torch backend, both with the L1/L0/fired statistics. For decode
+sizes (M <= 64) also the device time per call with no host cost between kernels: GRAPH_LAYERS blocks of distinct
+weights (more than L2 holds, as a model's layers in a decode step) called in turn, replayed as one CUDA graph.
 Sparsity is controlled with `synthetic_block` (a constant input feature with a negative gate weight). The twell
 calls know the block's mean and max non-zeros per token and its share of heavy tokens from its first call, as a model's
 layer does from its statistics (they set the direct route's walk, its dense rows, and the column parts of blocks wider

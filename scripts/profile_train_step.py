@@ -136,7 +136,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--train-batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"FFN paths, each forced on every layer: {KERNELS}")
+    parser.add_argument(
+        "--kernels", default=",".join(KERNELS), help=f"FFN paths, each forced on every layer: {', '.join(KERNELS)}"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (trainer.compile)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
