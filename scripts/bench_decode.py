@@ -32,6 +32,7 @@ from bench_model import (
     STOCK,
     LayerStats,
     add_model_source,
+    check_model_source,
     layer_stats,
     load_model,
     make_sparse,
@@ -133,6 +134,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
+    check_model_source(parser, args)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.batch_list = [int(b) for b in args.batches.split(",")]
     args.kernel_list = args.kernels.split(",")

@@ -791,6 +791,18 @@ def add_model_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
 
 
+def check_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors before any model is loaded: a --checkpoint that is not a model directory, or one given with
+    --density-l0 (which only random-init models take)."""
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        parser.error(
+            f"--checkpoint {args.checkpoint}: not a model directory (no config.json); pass a run's final/ or "
+            "checkpoints/step_N/model directory"
+        )
+    if args.density_l0 is not None and args.checkpoint:
+        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source(parser)
@@ -875,8 +887,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for name in ("batch", "train_batch", "accumulate", "seq_len", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.density_l0 is not None and args.checkpoint:
-        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+    check_model_source(parser, args)
     if args.cuda_graphs and not args.compile:
         parser.error("--cuda-graphs replays the compiled layers: add --compile")
     if args.cuda_graphs and args.grad_ckpt:

@@ -32,6 +32,7 @@ from bench_model import (  # scripts/, on the path when this file runs as a scri
     CALIBRATION_TOKENS,
     TrainStep,
     add_model_source,
+    check_model_source,
     free_memory,
     kernel_unavailable_reason,
     load_model,
@@ -155,8 +156,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    if args.density_l0 is not None and args.checkpoint:
-        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+    check_model_source(parser, args)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args
 

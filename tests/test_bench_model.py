@@ -264,6 +264,20 @@ def test_bad_arguments_are_named(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("script", "extra"), [("bench_model", []), ("bench_decode", []), ("profile_train_step", ["--accumulate", "1"])]
+)
+def test_every_model_script_checks_its_model_source_before_loading(script, extra, tmp_path):
+    """bench_model, bench_decode and profile_train_step share the check: a --checkpoint without a model in it, or one
+    given with --density-l0, is a usage error naming the fix."""
+    run = [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *extra, "--device", "cpu"]
+    missing = subprocess.run([*run, "--checkpoint", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and "not a model directory (no config.json); pass a run's final/" in missing.stderr
+    (tmp_path / "config.json").write_text("{}")
+    both = subprocess.run([*run, "--checkpoint", str(tmp_path), "--density-l0", "5"], capture_output=True, text=True)
+    assert both.returncode == 2 and "a checkpoint has its own sparsity" in both.stderr
+
+
 def test_sequence_longer_than_the_context_is_refused():
     with pytest.raises(ValueError, match="--seq-len 4096"):
         bench_model.main(["--size", "tiny", "--seq-len", "4096", "--device", "cpu"])
