@@ -467,10 +467,14 @@ class TrainStep:
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
         )
         self.unread: HostCopy | None = None  # the last step's loss and gradient norm, on their way to the host
+        self.issued = 0  # micro-batches of the current step issued so far
 
     def forward(self) -> torch.Tensor:
-        if self.cuda_graphs:  # as the trainer: the last backward is done, its graphs' outputs are free
+        if self.cuda_graphs and self.issued == 0:
+            # As the trainer: the last update has run, so its graphs' outputs are free. Not between micro-batches:
+            # the first one's weight gradients are outputs of its backward graphs, which the next ones add into.
             torch.compiler.cudagraph_mark_step_begin()
+        self.issued += 1
         with self.autocast():
             out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
             if not self.mlps:
@@ -492,6 +496,7 @@ class TrainStep:
         self.optimizer.grad_scale = None
         self.optimizer.found_inf = None
         self.optimizer.zero_grad(set_to_none=True)
+        self.issued = 0
         earlier, self.unread = self.unread, readout
         if earlier is not None:
             earlier.tolist()

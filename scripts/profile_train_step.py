@@ -95,7 +95,9 @@ def profile_kernel(
     set_kernel(model, kernel, None)
     try:
         with FrozenHeap() as heap:
-            step = TrainStep(model, ids, args.l1, 0.0, after=heap.freeze, accumulate=args.accumulate)
+            step = TrainStep(
+                model, ids, args.l1, 0.0, after=heap.freeze, cuda_graphs=args.cuda_graphs, accumulate=args.accumulate
+            )
             for _ in range(args.warmup):
                 step()
             if cuda:
@@ -108,6 +110,8 @@ def profile_kernel(
                 torch.cuda.synchronize()
     finally:
         model.zero_grad(set_to_none=True)
+        if args.cuda_graphs:  # drop this path's graphs and their memory pools with the compiled code (bench_model)
+            torch._dynamo.reset()
         free_memory(model, ids.device)
 
     def median(values: list[float | None]) -> str:
@@ -141,6 +145,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--kernels", default=",".join(KERNELS), help=f"FFN paths, each forced on every layer: {', '.join(KERNELS)}"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (trainer.compile)")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --compile: replay each compiled layer part as a CUDA graph (trainer.cuda_graphs)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
@@ -156,6 +165,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.cuda_graphs and not args.compile:
+        parser.error("--cuda-graphs replays the compiled layers: add --compile")
     check_model_source(parser, args)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args
@@ -171,14 +182,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.density_l0 is not None:
         make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
     if args.compile:
-        compile_layers(model)
+        compile_layers(model, cuda_graphs=args.cuda_graphs)
     model.to(torch.float32)
     master = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     what = args.checkpoint or f"random-init {args.size}"
     if args.density_l0 is not None:
         what += f" made sparse at {args.density_l0} non-zeros per token"
     print(f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
-          f"{'compiled layers, ' if args.compile else ''}{device}", flush=True)  # fmt: skip
+          f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}{device}",
+          flush=True)  # fmt: skip
     for kernel in args.kernels:
         reason = kernel_unavailable_reason(kernel, model, device)
         lines = [f"{kernel}: skipped ({reason})"] if reason else profile_kernel(model, master, ids, kernel, args)

@@ -355,6 +355,22 @@ def test_accumulated_step_averages_its_micro_batches_under_one_update(monkeypatc
     assert row.skipped is None and row.tokens == 3 * 32 and row.breakdown_ms["backward"] > 0
 
 
+def test_graphed_step_marks_a_new_graph_step_once_per_optimizer_step(monkeypatch):
+    """With --cuda-graphs a step of A micro-batches marks one new CUDA-graph step, before its first forward: a mark
+    between micro-batches would let the next backward's graphs overwrite the weight gradients they add into."""
+    events = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+    config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
+    model = build_model(config, kernel="torch")
+    step = bench_model.TrainStep(model, torch.randint(0, 50, (2, 8)), 2e-5, 0.0, cuda_graphs=True, accumulate=3)
+    monkeypatch.setattr(step, "backward", lambda loss: events.append("backward"))
+    monkeypatch.setattr(step, "update", lambda loss, real=step.update: events.append("update") or real(loss))
+    step()
+    step()
+    one_step = ["mark"] + ["backward"] * 3 + ["update"]
+    assert events == one_step * 2
+
+
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
     torch.manual_seed(0)
     model = build_model(

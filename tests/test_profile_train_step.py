@@ -47,6 +47,7 @@ def test_count_waits_are_measured_around_each_phase(monkeypatch):
     [
         (["--kernels", "stock"], "--kernels stock: choose from torch,twell"),
         (["--accumulate", "0"], "--accumulate must be >= 1"),
+        (["--cuda-graphs"], "--cuda-graphs replays the compiled layers: add --compile"),
         (["--checkpoint", "x"], "not allowed with argument --size"),
     ],
 )
