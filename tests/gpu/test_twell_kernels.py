@@ -729,3 +729,27 @@ def test_auto_layer_settles_close_prices_by_a_trial(monkeypatch):
         assert_close_to_ref(y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
         mlp(x_MK)
     assert len(mlp.dispatcher.trials) == 1
+
+
+def test_auto_layer_trials_host_bound_calls_but_prices_graphed_ones():
+    """A decoding step's few tokens issued from Python run at the host's pace on either path, so an `auto` layer times
+    both paths once per token count (keyed apart from graphed calls); inside `cuda_graphed` (a CUDA graph's capture
+    and its warm-up step) the device prices decide and no trial runs. The output is the block's either way."""
+    from sparse_llm.mlp import SparseMLP, cuda_graphed
+
+    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4, 2048, 5632, nnz_mean=28, seed=12)
+    mlp = SparseMLP(2048, 5632, kernel="auto").to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for linear, w in ((mlp.gate_proj, w_gate_NK), (mlp.up_proj, w_up_NK), (mlp.down_proj, w_down_KN)):
+            linear.weight.copy_(w)
+        mlp.dispatcher.observe(*density_of((F.linear(x_MK, w_gate_NK) > 0).sum(dim=1)))
+        with cuda_graphed(mlp):
+            graphed_y_MK = mlp(x_MK)
+        assert mlp.dispatcher.trials == {}  # the prices chose
+        assert mlp.dispatcher.current == "twell"  # the decode kernel's device time is below the dense block's
+        y_MK = mlp(x_MK)
+        ((host_bound, _, _), choice), *more = mlp.dispatcher.trials.items()
+        assert host_bound and not more and choice in ("torch", "twell")
+        assert mlp.dispatcher.current == choice
+    for y in (graphed_y_MK, y_MK):
+        assert_close_to_ref(y, x_MK, w_gate_NK, w_up_NK, w_down_KN)
