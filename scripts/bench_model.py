@@ -784,6 +784,7 @@ def report_header(
     ]
 
 
+GRAPH_WARMUP_STEPS = 2  # calls before torch.compile's CUDA graphs replay: one eager, one recording
 GRAPHS_NOTE = "compiled parts replayed as CUDA graphs, peak memory = peak reserve (graph pools included); "
 
 
@@ -806,6 +807,26 @@ def check_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace
         )
     if args.density_l0 is not None and args.checkpoint:
         parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+
+
+def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of --cuda-graphs: it replays the compiled layers (not with --grad-ckpt, as trainer.cuda_graphs)
+    on a CUDA GPU, and the untimed steps must cover what precedes the replays: each compiled part runs eagerly on its
+    first call and is recorded on its second. Recording is slow (73 s for the second step of a 2B model with 8
+    micro-batches a step, on an H200), so a timed step that records measures it."""
+    if not args.cuda_graphs:
+        return
+    if not args.compile:
+        parser.error("--cuda-graphs replays the compiled layers: add --compile")
+    if getattr(args, "grad_ckpt", False):
+        parser.error("--cuda-graphs is not supported with --grad-ckpt (as trainer.cuda_graphs)")
+    if args.warmup < GRAPH_WARMUP_STEPS:
+        parser.error(
+            f"--cuda-graphs needs --warmup {GRAPH_WARMUP_STEPS} or more: the first step runs the compiled layers "
+            "eagerly and the second records their graphs, which a timed step would measure"
+        )
+    if torch.device(args.device).type != "cuda":
+        parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -893,12 +914,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     check_model_source(parser, args)
-    if args.cuda_graphs and not args.compile:
-        parser.error("--cuda-graphs replays the compiled layers: add --compile")
-    if args.cuda_graphs and args.grad_ckpt:
-        parser.error("--cuda-graphs is not supported with --grad-ckpt (as trainer.cuda_graphs)")
-    if args.cuda_graphs and torch.device(args.device).type != "cuda":
-        parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")
+    check_cuda_graphs(parser, args)
     if args.max_train_batch and args.max_train_batch <= args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or above --train-batch ({args.train_batch})")
     if args.energy_seconds < 1.0:

@@ -32,6 +32,7 @@ from bench_model import (  # scripts/, on the path when this file runs as a scri
     CALIBRATION_TOKENS,
     TrainStep,
     add_model_source,
+    check_cuda_graphs,
     check_model_source,
     free_memory,
     kernel_unavailable_reason,
@@ -165,10 +166,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    if args.cuda_graphs and not args.compile:
-        parser.error("--cuda-graphs replays the compiled layers: add --compile")
-    check_model_source(parser, args)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_model_source(parser, args)
+    check_cuda_graphs(parser, args)
     return args
 
 

@@ -255,7 +255,8 @@ def test_train_kernels_reach_only_the_auto_variant():
         (["--kernels", "auto,torch"], "list torch before auto"),
         (["--cuda-graphs"], "add --compile"),
         (["--cuda-graphs", "--compile", "--grad-ckpt"], "not supported with --grad-ckpt"),
-        (["--cuda-graphs", "--compile", "--device", "cpu"], "needs a CUDA GPU"),
+        (["--cuda-graphs", "--compile", "--warmup", "1"], "--cuda-graphs needs --warmup 2 or more"),
+        (["--cuda-graphs", "--compile", "--warmup", "2", "--device", "cpu"], "needs a CUDA GPU"),
     ],
 )
 def test_bad_arguments_are_named(extra, message, capsys):

@@ -48,6 +48,8 @@ def test_count_waits_are_measured_around_each_phase(monkeypatch):
         (["--kernels", "stock"], "--kernels stock: choose from torch,twell"),
         (["--accumulate", "0"], "--accumulate must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs replays the compiled layers: add --compile"),
+        (["--compile", "--cuda-graphs", "--warmup", "1"], "--cuda-graphs needs --warmup 2 or more"),
+        (["--compile", "--cuda-graphs", "--warmup", "2"], "--cuda-graphs needs a CUDA GPU"),
         (["--checkpoint", "x"], "not allowed with argument --size"),
     ],
 )
