@@ -1,6 +1,5 @@
 """CPU tests of the model-level benchmark (scripts/bench_model.py) and its helpers (sparse_llm/benchmark.py)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -26,11 +25,10 @@ from sparse_llm.energy import EnergyMeter
 from sparse_llm.mlp import recording_statistics
 from sparse_llm.model import ModelConfig, build_model, sparse_mlps
 
+from script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_model", ROOT / "scripts" / "bench_model.py")
-bench_model = importlib.util.module_from_spec(_spec)
-sys.modules["bench_model"] = bench_model  # dataclasses look their module up there
-_spec.loader.exec_module(bench_model)
+bench_model = load_script("bench_model")
 
 TINY = "--size tiny --seq-len 16 --batch 2 --reps 1 --warmup 0 --device cpu".split()
 

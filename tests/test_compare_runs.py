@@ -1,15 +1,13 @@
 """CPU tests of scripts/compare_runs.py: the training table and the quality table read from eval.py results."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
-compare_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_runs)
+from script_modules import load_script
+
+compare_runs = load_script("compare_runs")
 
 
 def _run(root: Path, name: str, losses: list[float], dead: float) -> Path:

@@ -1,19 +1,14 @@
 """CPU tests of scripts/build_doc_corpus.py's cleaning, dedup and shard writing on tiny inline samples."""
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("build_doc_corpus", ROOT / "scripts" / "build_doc_corpus.py")
-corpus = importlib.util.module_from_spec(_spec)
-sys.modules["build_doc_corpus"] = corpus  # dataclasses look their module up there
-_spec.loader.exec_module(corpus)
+from script_modules import load_script
+
+corpus = load_script("build_doc_corpus")
 
 _SENTENCES = (
     "The kernel keeps a list of the processes that are waiting for a lock, and it wakes the first one when "

@@ -1,19 +1,13 @@
 """CPU tests of scripts/profile_train_step.py: a training step's phases, host time against device time."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from sparse_llm import backends
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))  # the script imports bench_model from there, as when run as a script
-_spec = importlib.util.spec_from_file_location("profile_train_step", ROOT / "scripts" / "profile_train_step.py")
-profile_train_step = importlib.util.module_from_spec(_spec)
-sys.modules["profile_train_step"] = profile_train_step  # dataclasses look their module up there
-_spec.loader.exec_module(profile_train_step)
+from script_modules import load_script
+
+profile_train_step = load_script("profile_train_step")
 
 TINY = "--size tiny --seq-len 16 --train-batch 2 --warmup 0 --device cpu".split()
 
