@@ -139,7 +139,14 @@ from sparse_llm.model import (
 )
 from sparse_llm.sparsity import l1_term
 from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import FrozenHeap, HostCopy, defer_clipping, make_optimizer, skip_update_if_non_finite
+from sparse_llm.training import (
+    FrozenHeap,
+    HostCopy,
+    defer_clipping,
+    hold_gradients,
+    make_optimizer,
+    skip_update_if_non_finite,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "0.5b", "1b", "1.5b", "2b")
@@ -467,14 +474,15 @@ class TrainStep:
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
         )
         self.unread: HostCopy | None = None  # the last step's loss and gradient norm, on their way to the host
-        self.issued = 0  # micro-batches of the current step issued so far
+        self.grads_held = cuda_graphs and accumulate > 1  # as the trainer: `hold_gradients`
+        if self.grads_held:
+            hold_gradients(model.parameters())
 
     def forward(self) -> torch.Tensor:
-        if self.cuda_graphs and self.issued == 0:
-            # As the trainer: the last update has run, so its graphs' outputs are free. Not between micro-batches:
-            # the first one's weight gradients are outputs of its backward graphs, which the next ones add into.
+        if self.cuda_graphs:
+            # As the trainer: the last backward has run, so its graphs' outputs are free (the weight gradients are
+            # held tensors the graphs' outputs were added into).
             torch.compiler.cudagraph_mark_step_begin()
-        self.issued += 1
         with self.autocast():
             out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
             if not self.mlps:
@@ -495,8 +503,7 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.grad_scale = None
         self.optimizer.found_inf = None
-        self.optimizer.zero_grad(set_to_none=True)
-        self.issued = 0
+        self.optimizer.zero_grad(set_to_none=not self.grads_held)
         earlier, self.unread = self.unread, readout
         if earlier is not None:
             earlier.tolist()
@@ -812,8 +819,8 @@ def check_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace
 def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors of --cuda-graphs: it replays the compiled layers (not with --grad-ckpt, as trainer.cuda_graphs)
     on a CUDA GPU, and the untimed steps must cover what precedes the replays: each compiled part runs eagerly on its
-    first call and is recorded on its second. Recording is slow (73 s for the second step of a 2B model with 8
-    micro-batches a step, on an H200), so a timed step that records measures it."""
+    first call and is recorded on its second (the second micro-batch; with one micro-batch a step, the second step),
+    which a timed step would measure."""
     if not args.cuda_graphs:
         return
     if not args.compile:
@@ -823,7 +830,7 @@ def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.warmup < GRAPH_WARMUP_STEPS:
         parser.error(
             f"--cuda-graphs needs --warmup {GRAPH_WARMUP_STEPS} or more: the first step runs the compiled layers "
-            "eagerly and the second records their graphs, which a timed step would measure"
+            "eagerly and the second call records their graphs, which a timed step would measure"
         )
     if torch.device(args.device).type != "cuda":
         parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")

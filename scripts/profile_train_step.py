@@ -99,10 +99,13 @@ def profile_kernel(
             step = TrainStep(
                 model, ids, args.l1, 0.0, after=heap.freeze, cuda_graphs=args.cuda_graphs, accumulate=args.accumulate
             )
+            warmup_s = []  # each warm-up step's seconds: compiling, and recording CUDA graphs
             for _ in range(args.warmup):
+                start = time.perf_counter()
                 step()
-            if cuda:
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
+                warmup_s.append(time.perf_counter() - start)
             runs = []
             for _ in range(args.steps):
                 # one step's phases and its event span; the steps run back to back, as the trainer issues them
@@ -131,6 +134,10 @@ def profile_kernel(
     steps = [span.device_ms() if cuda else span.host_ms for _, span in runs]
     clock = "CUDA events" if cuda else "host"
     lines.append(f"\n{kernel}: step ms ({clock}), each timed step: {', '.join(f'{ms:.1f}' for ms in steps)}")
+    work = " (compiling the layers, recording their CUDA graphs)" if args.cuda_graphs else ""
+    work = work or (" (compiling the layers)" if args.compile else "")
+    took = ", ".join(f"{seconds:.1f}" for seconds in warmup_s)
+    lines.append(f"{kernel}: the warm-up steps took {took} s{work}" if warmup_s else f"{kernel}: no warm-up steps")
     return lines
 
 

@@ -354,20 +354,37 @@ def test_accumulated_step_averages_its_micro_batches_under_one_update(monkeypatc
     assert row.skipped is None and row.tokens == 3 * 32 and row.breakdown_ms["backward"] > 0
 
 
-def test_graphed_step_marks_a_new_graph_step_once_per_optimizer_step(monkeypatch):
-    """With --cuda-graphs a step of A micro-batches marks one new CUDA-graph step, before its first forward: a mark
-    between micro-batches would let the next backward's graphs overwrite the weight gradients they add into."""
+def test_graphed_step_marks_a_graph_step_per_micro_batch_with_gradients_held(monkeypatch):
+    """With --cuda-graphs and A micro-batches a step, every forward begins a new CUDA-graph step, so each micro-batch
+    replays the same graphs. The gradients are held (allocated before the first backward, zeroed in place after each
+    update), so no gradient is a graph's output buffer that the next replay would overwrite; and the accumulated
+    gradient is still the mean over the micro-batches."""
     events = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+    torch.manual_seed(0)
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
     model = build_model(config, kernel="torch")
     step = bench_model.TrainStep(model, torch.randint(0, 50, (2, 8)), 2e-5, 0.0, cuda_graphs=True, accumulate=3)
-    monkeypatch.setattr(step, "backward", lambda loss: events.append("backward"))
-    monkeypatch.setattr(step, "update", lambda loss, real=step.update: events.append("update") or real(loss))
+    held = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in held)
+    grads = []
+
+    def update(loss, real=step.update):
+        events.append("update")
+        grads.append([p.grad.clone() for p in model.parameters()])
+        real(loss)
+
+    monkeypatch.setattr(step, "backward", lambda loss, real=step.backward: events.append("backward") or real(loss))
+    monkeypatch.setattr(step, "update", update)
     step()
     step()
-    one_step = ["mark"] + ["backward"] * 3 + ["update"]
-    assert events == one_step * 2
+    assert events == (["mark", "backward"] * 3 + ["update"]) * 2
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), held, strict=True))
+    plain = bench_model.TrainStep(model, step.ids, 2e-5, 0.0, accumulate=1)
+    model.zero_grad(set_to_none=True)
+    plain.backward(plain.forward())  # lr 0: the weights have not moved, and three equal micro-batches average to one
+    for accumulated, p in zip(grads[1], model.parameters(), strict=True):
+        torch.testing.assert_close(accumulated, p.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_stock_mlps_share_the_weights_and_compute_the_same_function():
