@@ -305,6 +305,22 @@ def hold_gradients(parameters: Iterable[torch.Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
+def sparse_training_hint(
+    kernel: str, train_kernels: bool, t: TrainerConfig, device: torch.device, fsdp: bool = False
+) -> str | None:
+    """A start-up hint where the sparse kernels may train on a GPU without the settings that keep the host off the
+    step's critical path, else None (also under FSDP, which refuses trainer.compile). The training op is issued layer by layer from Python, and a step of several
+    micro-batches gives the host no slack to catch up: the 2B step with 8 micro-batches ran 1.14x the dense step
+    without CUDA graphs and 1.31x with them (H200, BENCHMARKS.md 2026-11-28 and 2026-11-29)."""
+    sparse = kernel == "twell" or (kernel == "auto" and train_kernels)
+    if not sparse or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
+        return None
+    missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true trainer.cuda_graphs=true"
+    return (f"the sparse training kernels are issued from the host layer by layer; {missing} replays the rest of each "
+            "layer as CUDA graphs, which kept a 2B step of 8 micro-batches at the GPU's pace (1.31x the dense step, "
+            "against 1.14x without graphs)")
+
+
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier at `step`: linear warm-up, then cosine decay to `min_ratio`."""
     if step < warmup:
@@ -403,6 +419,10 @@ class Trainer:
                      "once per micro-batch shape)%s", t.compile_backend,
                      "; their second run (the second micro-batch, or the second step) records them as CUDA graphs"
                      if t.cuda_graphs else "")
+        fsdp = self.acc.distributed_type == DistributedType.FSDP
+        hint = sparse_training_hint(cfg.kernel, cfg.train_kernels, t, self.acc.device, fsdp)
+        if hint and self.acc.is_main_process:
+            log.info("Hint: %s.", hint)
         with self.acc.local_main_process_first():  # one process per machine compiles, the others load the cache
             kernel_set.warm(model, self.acc.device, training=True)
         self.n_params = count_parameters(model)

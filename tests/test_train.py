@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from sparse_llm.checkpoint import list_checkpoints
-from sparse_llm.config import TrainConfig, register_configs
+from sparse_llm.config import TrainConfig, TrainerConfig, register_configs
 from sparse_llm.model import sparse_mlps
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
 from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
-                                 plain_tensor, plan_batches, skip_update_if_non_finite, train)
+                                 plain_tensor, plan_batches, skip_update_if_non_finite, sparse_training_hint, train)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -129,6 +129,19 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
 def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=named):
         Trainer(small_config(*overrides), tmp_path)
+
+
+def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_settings():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    eager, compiled, graphed = TrainerConfig(), TrainerConfig(compile=True), TrainerConfig(compile=True, cuda_graphs=True)
+    assert "trainer.compile=true trainer.cuda_graphs=true" in sparse_training_hint("twell", False, eager, cuda)
+    hint = sparse_training_hint("auto", True, compiled, cuda)
+    assert "trainer.cuda_graphs=true" in hint and "trainer.compile=true" not in hint
+    assert sparse_training_hint("twell", False, graphed, cuda) is None  # already set
+    assert sparse_training_hint("auto", False, eager, cuda) is None  # trains densely
+    assert sparse_training_hint("torch", False, eager, cuda) is None
+    assert sparse_training_hint("auto", True, eager, cpu) is None  # no kernels there
+    assert sparse_training_hint("twell", False, eager, cuda, fsdp=True) is None  # FSDP refuses trainer.compile
 
 
 def test_train_kernels_reach_every_layer_and_need_kernel_auto(tmp_path):
