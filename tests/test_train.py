@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from sparse_llm import training
 from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, TrainerConfig, register_configs
 from sparse_llm.model import sparse_mlps
@@ -129,6 +130,27 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
 def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=named):
         Trainer(small_config(*overrides), tmp_path)
+
+
+def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, monkeypatch):
+    """The trainer's side of trainer.cuda_graphs with several micro-batches a step, on the CPU with the graphs
+    themselves stubbed out (tests/gpu/test_train_graphs.py replays real ones): a graph step begins before every
+    micro-batch, and the gradients exist from the start and are zeroed in place, never freed, so no backward graph's
+    output buffer becomes a .grad. The loss matches a run without the setting."""
+    marks = []
+    monkeypatch.setattr(training, "check_cuda_graphs_setup", lambda t, device: None)
+    monkeypatch.setattr(training, "compile_layers", lambda model, backend, cuda_graphs: model)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    steps = ("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2")  # 4 micro-batches a step
+    trainer = Trainer(small_config(*steps, "trainer.compile=true", "trainer.cuda_graphs=true"), tmp_path / "graphs")
+    held = [p.grad for p in trainer.model.parameters()]
+    assert all(g is not None and not g.any() for g in held)
+    trainer.run()
+    assert len(marks) == 2 * 4
+    assert all(p.grad is g and not g.any() for p, g in zip(trainer.model.parameters(), held, strict=True))
+    train(small_config(*steps), tmp_path / "plain")
+    assert list(losses(tmp_path / "graphs")) == [2]
+    assert losses(tmp_path / "graphs") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
 
 
 def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_settings():
