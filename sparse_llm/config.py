@@ -48,7 +48,8 @@ class TrainerConfig:
     compile_backend: str = "inductor"
     # With compile (inductor): replay each layer's compiled parts as CUDA graphs (torch.compile mode
     # "reduce-overhead"), taking their launch work off the host, for steps the host cannot issue as fast as the GPU
-    # runs them (sparse FFNs). Not with gradient checkpointing.
+    # runs them (sparse FFNs). With several micro-batches a step each one replays the same graphs, and the gradients
+    # stay allocated between steps (training.hold_gradients). Not with gradient checkpointing.
     cuda_graphs: bool = False
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
     val_every: int = 100  # optimizer steps between validation passes (0: never)
