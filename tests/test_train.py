@@ -155,7 +155,8 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
 
 def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_settings():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    eager, compiled, graphed = TrainerConfig(), TrainerConfig(compile=True), TrainerConfig(compile=True, cuda_graphs=True)
+    eager, compiled = TrainerConfig(), TrainerConfig(compile=True)
+    graphed = TrainerConfig(compile=True, cuda_graphs=True)
     assert "trainer.compile=true trainer.cuda_graphs=true" in sparse_training_hint("twell", False, eager, cuda)
     hint = sparse_training_hint("auto", True, compiled, cuda)
     assert "trainer.cuda_graphs=true" in hint and "trainer.compile=true" not in hint
