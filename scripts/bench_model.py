@@ -143,7 +143,7 @@ from sparse_llm.training import (
     FrozenHeap,
     HostCopy,
     defer_clipping,
-    hold_gradients,
+    hold_gradients_for_graphs,
     make_optimizer,
     skip_update_if_non_finite,
 )
@@ -474,9 +474,7 @@ class TrainStep:
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
         )
         self.unread: HostCopy | None = None  # the last step's loss and gradient norm, on their way to the host
-        self.grads_held = cuda_graphs and accumulate > 1  # as the trainer: `hold_gradients`
-        if self.grads_held:
-            hold_gradients(model.parameters())
+        self.grads_held = hold_gradients_for_graphs(model.parameters(), cuda_graphs, accumulate)  # as the trainer
 
     def forward(self) -> torch.Tensor:
         if self.cuda_graphs:

@@ -135,7 +135,8 @@ def profile_kernel(
     clock = "CUDA events" if cuda else "host"
     lines.append(f"\n{kernel}: step ms ({clock}), each timed step: {', '.join(f'{ms:.1f}' for ms in steps)}")
     work = " (compiling the layers, recording their CUDA graphs)" if args.cuda_graphs else ""
-    work = work or (" (compiling the layers)" if args.compile else "")
+    if args.compile and not args.cuda_graphs:
+        work = " (compiling the layers)"
     took = ", ".join(f"{seconds:.1f}" for seconds in warmup_s)
     lines.append(f"{kernel}: the warm-up steps took {took} s{work}" if warmup_s else f"{kernel}: no warm-up steps")
     return lines

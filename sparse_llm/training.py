@@ -305,6 +305,16 @@ def hold_gradients(parameters: Iterable[torch.Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
+def hold_gradients_for_graphs(parameters: Iterable[torch.Tensor], cuda_graphs: bool, micro_batches: int) -> bool:
+    """`hold_gradients` where CUDA graphs replay several micro-batches a step; returns whether it did, in which case
+    clear the gradients with `zero_grad(set_to_none=False)`. One micro-batch a step needs no holding: its gradients
+    are read by the update before the next replay."""
+    held = cuda_graphs and micro_batches > 1
+    if held:
+        hold_gradients(parameters)
+    return held
+
+
 def sparse_training_hint(
     kernel: str, train_kernels: bool, t: TrainerConfig, device: torch.device, fsdp: bool = False
 ) -> str | None:
@@ -433,11 +443,8 @@ class Trainer:
             optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
         )
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        # With CUDA graphs every micro-batch replays the layers' graphs (`_micro_step`); held gradients keep their
-        # output buffers from becoming .grad across micro-batches. One micro-batch a step needs no holding.
-        self.grads_held = t.cuda_graphs and self.plan.accumulation > 1
-        if self.grads_held:
-            hold_gradients(self.model.parameters())
+        # With CUDA graphs every micro-batch replays the layers' graphs (`_micro_step`)
+        self.grads_held = hold_gradients_for_graphs(self.model.parameters(), t.cuda_graphs, self.plan.accumulation)
         self.acc.register_for_checkpointing(self.scheduler)
         self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
         self.energy = EnergyMeter(self.acc.device)
