@@ -18,7 +18,8 @@
 //                     sets that stay in L2 where all three together (69 MB at K = 2048, N = 5632) do not.
 //   train_csc_columns, train_csc_chunks : column starts, chunk starts and the chunks' columns of the
 //                     transposed view from the sorted keys sddmm wrote.
-//   train_csc_wgrad : weight gradients out[n] += sum over the entries e of column n of value(e) * src[row(e)],
+//   train_csc_wgrad : weight gradients out[n] = sum over the entries e of column n of value(e) * src[row(e)]
+//                     (with `add`: out[n] += that sum, a gradient accumulated over micro-batches in place),
 //                     e.g. dW_gate = dg^T x, dW_up = du^T x (NV = 2, one gather of x for both) and
 //                     dW_down^T = h^T dy (NV = 1). torch reference: formats.hybrid_t_matmul.
 //   train_backup_grads : the heavy (backup) tokens' pointwise step between their cuBLAS GEMMs, all of it in
@@ -219,13 +220,30 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_bwd_dx(
     }
 }
 
-// Eight fp32 sums stored as `Out` at p (fp32, or bf16 rounded once).
-__device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
-    reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+// Eight fp32 sums stored as `Out` at p (fp32, or bf16 rounded once), or with `add` added to the eight values p holds
+// (a gradient accumulated over micro-batches in place).
+__device__ __forceinline__ void store8(float *p, const float (&v)[8], bool add) {
+    float4 *const p4 = reinterpret_cast<float4 *>(p);
+    float4 lo = make_float4(v[0], v[1], v[2], v[3]), hi = make_float4(v[4], v[5], v[6], v[7]);
+    if (add) {
+        const float4 a = p4[0], b = p4[1];
+        lo = make_float4(lo.x + a.x, lo.y + a.y, lo.z + a.z, lo.w + a.w);
+        hi = make_float4(hi.x + b.x, hi.y + b.y, hi.z + b.z, hi.w + b.w);
+    }
+    p4[0] = lo;
+    p4[1] = hi;
 }
-__device__ __forceinline__ void store8(__nv_bfloat16 *p, const float (&v)[8]) {
-    *reinterpret_cast<uint4 *>(p) = pack_bf16x8(v);
+__device__ __forceinline__ void store8(__nv_bfloat16 *p, const float (&v)[8], bool add) {
+    uint4 *const p8 = reinterpret_cast<uint4 *>(p);
+    if (!add) {
+        *p8 = pack_bf16x8(v);
+        return;
+    }
+    float sum[8];
+    bf16x8_to_float(*p8, sum);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum[j] += v[j];
+    *p8 = pack_bf16x8(sum);
 }
 
 // Slot protocol of train_csc_wgrad's many-chunk columns (counters = [next item, slot_gen[slots],
@@ -242,10 +260,11 @@ __device__ __noinline__ void await_slot(unsigned long long *counters, int rank, 
 }
 
 // After an item's additions to its slot rows: counts the item done; the column's last item (of `items`) stores
-// the rows' sums to out[row_offset ...] as Out, zeroes the rows and hands the slot to its next column.
+// the rows' sums to out[row_offset ...] as Out (adds them with `add`), zeroes the rows and hands the slot to its next column.
 template <int NV, typename Out>
 __device__ __noinline__ void finish_slot(unsigned long long *counters, int rank, int slots, long long items,
-                                         float *slot_rows, Out *out0, Out *out1, long long row_offset, int K, int lane) {
+                                         float *slot_rows, Out *out0, Out *out1, long long row_offset, int K, bool add,
+                                         int lane) {
     unsigned long long *const gen = counters + 1 + rank % slots, *const done = gen + slots;
     __threadfence();  // this lane's additions land before the item counts itself done
     __syncwarp();
@@ -261,7 +280,7 @@ __device__ __noinline__ void finish_slot(unsigned long long *counters, int rank,
             const float4 lo = __ldcg(reinterpret_cast<const float4 *>(sums + col));
             const float4 hi = __ldcg(reinterpret_cast<const float4 *>(sums + col + 4));
             const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            store8(dst + col, v);
+            store8(dst + col, v, add);
             __stcg(reinterpret_cast<float4 *>(sums + col), make_float4(0.0f, 0.0f, 0.0f, 0.0f));
             __stcg(reinterpret_cast<float4 *>(sums + col + 4), make_float4(0.0f, 0.0f, 0.0f, 0.0f));
         }
@@ -290,7 +309,9 @@ __device__ __noinline__ void finish_slot(unsigned long long *counters, int rank,
 // fp32 registers. The item of a single-chunk column (most columns, and every empty one, whose item writes
 // zeros) stores its sums as `Out`. The items of a many-chunk column add theirs with fp32 vector atomics to a
 // row of `scratch`, and the last of them stores that row as `Out` and zeroes it: bf16 outputs need no fp32 copy
-// of the gradients (3 x N x K x 4 bytes), and every sum is rounded once.
+// of the gradients (3 x N x K x 4 bytes), and every sum is rounded once. With `add` every such store adds to the
+// row instead, and an empty column's item skips its row: a gradient held over a step's micro-batches is read and
+// written once per micro-batch, where a separate gradient buffer added into it costs three passes.
 // The scratch has `slots` rows per value array: the many-chunk column of rank r (shared_rank) takes slot
 // r % slots once the column of rank r - slots has released it (slot_gen[slot] == r / slots). That column's items
 // were all claimed before any of this column's (items are claimed in column order) and wait only on still
@@ -308,11 +329,11 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     const __nv_bfloat16 *__restrict__ value0,   // [M, W] values at the entries
     const __nv_bfloat16 *__restrict__ value1,   // [M, W] (NV == 2) second value array
     const __nv_bfloat16 *__restrict__ src,      // [M, K] rows gathered per entry (x or dy)
-    Out *__restrict__ out0,                     // [N, K] every row written
+    Out *__restrict__ out0,                     // [N, K] every row written (add: every row added to)
     Out *__restrict__ out1,                     // [N, K] likewise (NV == 2)
     float *__restrict__ scratch,                // [slots * NV, K] zeroed; left zeroed
     unsigned long long *__restrict__ counters,  // [1 + 2 * slots] zeroed: next item, slot_gen, slot_done
-    int N, int K, int W, int chunk, int parts, int slots) {
+    int N, int K, int W, int chunk, int parts, int slots, int add) {
     const int lane = threadIdx.x & 31;
     const long long total = chunk_start[N] * parts;
     for (;;) {
@@ -371,12 +392,13 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
             }
         }
         if (alone) {
+            if (add && length == 0) continue;  // an empty column adds nothing
 #pragma unroll
             for (int i = 0; i < NV; ++i) {
 #pragma unroll
                 for (int v = 0; v < KW; ++v) {
                     const int col = col0 + v * 256;
-                    if (col < K) store8((i == 0 ? out0 : out1) + static_cast<long long>(n) * K + col, acc[i][v]);
+                    if (col < K) store8((i == 0 ? out0 : out1) + static_cast<long long>(n) * K + col, acc[i][v], add);
                 }
             }
             continue;
@@ -396,7 +418,7 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
             }
         }
         finish_slot<NV>(counters, rank, slots, (chunk_start[n + 1] - chunk_start[n]) * parts, slot_rows, out0, out1,
-                        static_cast<long long>(n) * K, K, lane);
+                        static_cast<long long>(n) * K, K, add, lane);
     }
 }
 
@@ -416,7 +438,7 @@ __global__ void __launch_bounds__(128, NV == 1 ? 4 : 3) train_csc_wgrad(
     template __global__ void train_csc_wgrad<KW, NV, OUT>(                                                        \
         const long long *, const long long *, const long long *, const int *, const int *, const __nv_bfloat16 *, \
         const __nv_bfloat16 *, const __nv_bfloat16 *, OUT *, OUT *, float *, unsigned long long *, int, int, int,  \
-        int, int, int);
+        int, int, int, int);
 TRAIN_BWD_SDDMM(1, short)
 TRAIN_BWD_SDDMM(1, int)
 TRAIN_BWD_SDDMM(8, short)

@@ -138,6 +138,7 @@ from sparse_llm.model import (
     sparsify,
 )
 from sparse_llm.sparsity import l1_term
+from sparse_llm.step_scope import optimizer_step
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import (
     FrozenHeap,
@@ -506,10 +507,15 @@ class TrainStep:
         if earlier is not None:
             earlier.tolist()
 
+    def micro_batches(self) -> AbstractContextManager[None]:
+        """Around a step's forwards and backwards, as the trainer of one process: `step_scope.optimizer_step`."""
+        return optimizer_step(reuse_casts=True, add_into_grads=True)
+
     def __call__(self) -> None:
-        for _ in range(self.accumulate):
-            loss = self.forward()
-            self.backward(loss)
+        with self.micro_batches():
+            for _ in range(self.accumulate):
+                loss = self.forward()
+                self.backward(loss)
         self.update(loss)
         self.after()
 
@@ -572,13 +578,14 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
     with section_timer(model, device) as timer:
         for _ in range(BREAKDOWN_REPS):
             marks = [clock.mark()]  # then after each forward and each backward, then after the update
-            for _ in range(step.accumulate):
-                loss = step.forward()
-                marks.append(clock.mark())
-                timer.active = False  # gradient checkpointing re-runs module forwards inside backward
-                step.backward(loss)
-                marks.append(clock.mark())
-                timer.active = True
+            with step.micro_batches():
+                for _ in range(step.accumulate):
+                    loss = step.forward()
+                    marks.append(clock.mark())
+                    timer.active = False  # gradient checkpointing re-runs module forwards inside backward
+                    step.backward(loss)
+                    marks.append(clock.mark())
+                    timer.active = True
             step.update(loss)
             marks.append(clock.mark())
             spans = [clock.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]

@@ -77,10 +77,11 @@ def timed_phase(run: Callable[[], object], cuda: bool) -> tuple[object, Phase]:
 def step_phases(step: TrainStep, cuda: bool) -> list[tuple[str, Phase]]:
     """One training step, issued as TrainStep issues it, as named phases in order."""
     phases = []
-    for i in range(step.accumulate):
-        loss, forward = timed_phase(step.forward, cuda)
-        _, backward = timed_phase(lambda loss=loss: step.backward(loss), cuda)
-        phases += [(f"micro-batch {i} forward", forward), (f"micro-batch {i} backward", backward)]
+    with step.micro_batches():
+        for i in range(step.accumulate):
+            loss, forward = timed_phase(step.forward, cuda)
+            _, backward = timed_phase(lambda loss=loss: step.backward(loss), cuda)
+            phases += [(f"micro-batch {i} forward", forward), (f"micro-batch {i} backward", backward)]
     _, update = timed_phase(lambda: (step.update(loss), step.after()), cuda)
     return phases + [("optimizer", update)]
 

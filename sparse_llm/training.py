@@ -37,6 +37,7 @@ from sparse_llm.model import build_model, compile_layers, count_parameters, spar
 from sparse_llm.plots import NothingToPlot, plot_run
 from sparse_llm.preemption import StopSignals, TrainingStopped
 from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
+from sparse_llm.step_scope import optimizer_step
 from sparse_llm.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -538,6 +539,13 @@ class Trainer:
         self.tracker.accumulate(results)
         return out.loss.detach(), l1.detach()
 
+    def _step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """`step_scope.optimizer_step` for this run's micro-batches. FSDP gathers the weights anew for every forward,
+        so nothing is reused there; gradients are added in place in a single process only, where no reducer waits
+        for autograd to hand it each gradient."""
+        fsdp = self.acc.distributed_type == DistributedType.FSDP
+        return optimizer_step(reuse_casts=not fsdp, add_into_grads=self.acc.num_processes == 1 and not fsdp)
+
     def _optimizer_step(self, stop: StopSignals) -> StepReadout:
         """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.
 
@@ -547,11 +555,12 @@ class Trainer:
         coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
         ce_sum = torch.zeros((), device=self.acc.device)
         l1_sum = torch.zeros((), device=self.acc.device)
-        for micro in range(self.plan.accumulation):
-            batch = self.loader.next_batch().to(self.acc.device, non_blocking=True)
-            ce, l1 = self._micro_step(batch, coeff, sync=micro == self.plan.accumulation - 1)
-            ce_sum += ce
-            l1_sum += l1
+        with self._step_scope():
+            for micro in range(self.plan.accumulation):
+                batch = self.loader.next_batch().to(self.acc.device, non_blocking=True)
+                ce, l1 = self._micro_step(batch, coeff, sync=micro == self.plan.accumulation - 1)
+                ce_sum += ce
+                l1_sum += l1
         optimizer = self.optimizer.optimizer  # the torch optimizer inside accelerate's wrapper
         grad_norm = None
         if self.acc.distributed_type != DistributedType.FSDP:  # FSDP's norm is over shards: accelerate computes it

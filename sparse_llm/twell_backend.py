@@ -544,10 +544,10 @@ _KERNEL_TYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
 
 def transposed_copy(
-    w_RC: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+    w_RC: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None, add: bool = False
 ) -> torch.Tensor:
     """Contiguous copy of w_RC^T [C, R] in `dtype`, for a 2-D bf16 or fp32 tensor and a bf16 or fp32 `dtype`,
-    written to `out` (a contiguous [C, R] tensor of `dtype`) when given.
+    written to `out` (a contiguous [C, R] tensor of `dtype`) when given; with `add`, added to `out` (required).
 
     On a GPU where the kernels run, with R and C multiples of 32, a tiled transpose kernel
     (kernels/transpose.cu) casts and transposes in one coalesced pass; elsewhere torch's strided copy.
@@ -562,16 +562,18 @@ def transposed_copy(
         and cuda.unavailable_reason(w_RC.device) is None
     )
     if out is None:
+        if add:
+            raise ValueError("add=True adds into `out`: pass the tensor to add to")
         out = torch.empty(cols, rows, dtype=dtype, device=w_RC.device)
     elif out.shape != (cols, rows) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {[cols, rows]}")
     if not fast:
-        return out.copy_(w_RC.detach().t())
+        return out.add_(w_RC.detach().t()) if add else out.copy_(w_RC.detach().t())
     src = w_RC.detach().contiguous()
     if src.numel():
         name = f"transpose_cast<{_KERNEL_TYPES[src.dtype]},{_KERNEL_TYPES[dtype]}>"
         kernel = cuda.get_function("transpose.cu", name, src.device)
-        args = (cuda.ptr(src), cuda.ptr(out), _i32(rows), _i32(cols))
+        args = (cuda.ptr(src), cuda.ptr(out), _i32(rows), _i32(cols), _i32(add))
         cuda.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
     return out
 

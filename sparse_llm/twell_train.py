@@ -36,7 +36,10 @@ w_gate and w_up, so the backward neither transposes nor casts them again.
 Master weights: under autocast the weights reach the op in float32 (no separate cast before it). The forward
 casts them itself (w_down cast and transposed in one pass) and the backward returns float32 weight gradients
 straight from its float32 accumulators: the bf16 rounding and the two casts per weight that a bf16 gradient
-costs on its way to a float32 parameter are skipped.
+costs on its way to a float32 parameter are skipped. Inside `step_scope.optimizer_step` (the trainer enters it for each
+optimizer step) the eager route casts each layer's weights once per step, not once per micro-batch, and its backward
+adds the weight gradients into the parameters' `.grad` where that is allowed (`step_scope.held_grads`): the
+weight-gradient kernel and the heavy tokens' GEMMs add in place, and dW_down^T is added transposed.
 
 GPU pipeline (CUDA tensors, sm_90a, bf16)
 -----------------------------------------
@@ -103,6 +106,7 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import FFNResult, landed
+from sparse_llm.step_scope import adding_into_grads, held_grads, reused_cast
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -356,10 +360,13 @@ def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> t
 
 
 def _reference_forward(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
-) -> _Outputs:
-    # dx_slices (part of the op's schema) is the CUDA backward's; the reference has one dx
-    w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False,
+    w_compute_RK: Tensor | None = None,
+) -> _Outputs:  # fmt: skip
+    # dx_slices (part of the op's schema) is the CUDA backward's; the reference has one dx. w_compute_RK: the
+    # weights' `compute_weights` when the caller has them (reused over an optimizer step's micro-batches).
+    if w_compute_RK is None:
+        w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     fwd = hybrid_gated_mlp_forward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, width=width)
     g, u = fwd.saved.g, fwd.saved.u
@@ -381,9 +388,9 @@ def _reference_forward(
 
 def _reference_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    w_compute_RK, dy_MK, dl1, dx_slices=False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    # dx_slices picks the CUDA backward's dx walk; the reference has one
+    w_compute_RK, dy_MK, dl1, dx_slices=False, grads_into=None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    # dx_slices picks the CUDA backward's dx walk; the reference has one. grads_into: as in _cuda_backward.
     weight_dtype = w_gate_NK.dtype
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
     rows_R = heavy_rows(heavy_M, heavy_counts)
@@ -402,6 +409,10 @@ def _reference_backward(
     saved = HybridSaved(g=g, u=g.with_values(ell_u_MW, backup_u_RN))
     grads = hybrid_gated_mlp_backward_ref(x_MK, w_gate_NK, w_up_NK, w_down_KN, saved, dy_MK, dl1)
     dw = (grads.dw_gate_NK, grads.dw_up_NK, grads.dw_down_KN)
+    if grads_into is not None:
+        for into, t in zip(grads_into, dw, strict=True):
+            into.add_(t)
+        return grads.dx_MK, None, None, None
     return (grads.dx_MK, *(t.to(weight_dtype) for t in dw))
 
 
@@ -455,16 +466,19 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
 
 
 def _cuda_forward(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
-) -> _Outputs:
-    # dx_slices (part of the op's schema) reaches the backward through the autograd context
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False,
+    w_compute_RK: Tensor | None = None,
+) -> _Outputs:  # fmt: skip
+    # dx_slices (part of the op's schema) reaches the backward through the autograd context; w_compute_RK as in
+    # _reference_forward
     device = x_MK.device
     _require_kernels(device)  # the operands were checked once, by twell_train_ffn
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
     with torch.cuda.device(device):
-        w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, bf16)
+        if w_compute_RK is None:
+            w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, bf16)
         w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
         # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
         # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
@@ -612,10 +626,10 @@ def wgrad_scratch(k: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 def _csc_wgrad(
     csc: tuple[Tensor, ...], values: tuple[Tensor, ...], src_MK: Tensor, outs: tuple[Tensor, ...], scratch: Tensor,
-    counters: Tensor, width: int,
+    counters: Tensor, width: int, add: bool = False,
 ) -> None:  # fmt: skip
     """Writes every row of each [N, K] out (fp32 or bf16, one per value array: 1 or 2): row n = the fp32 sum over
-    column n's entries of value * src_MK[token], rounded once to the out's dtype.
+    column n's entries of value * src_MK[token], rounded once to the out's dtype; with `add`, adds it to row n.
 
     csc = `csc_index`'s five tensors; scratch and counters: `wgrad_scratch`'s, the counters one row of them.
     """
@@ -627,6 +641,7 @@ def _csc_wgrad(
         *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
         cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(scratch), cuda.ptr(counters),
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts), np.int32(WGRAD_SLOTS),
+        np.int32(add),
     )  # fmt: skip
     kernel = f"train_csc_wgrad<{kw},{len(values)},{OUT_CTYPES[outs[0].dtype]}>"
     _launch("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, WGRAD_WARPS_PER_BLOCK, args, device)
@@ -762,21 +777,23 @@ def _dx_by_slices(
 
 def _light_weight_gradients(
     csc: tuple[Tensor, ...], ell_h_MW: Tensor, ell_du_MW: Tensor, ell_dg_MW: Tensor, x_MK: Tensor, dy_MK: Tensor,
-    outs: tuple[Tensor, Tensor, Tensor],
+    outs: tuple[Tensor, Tensor, Tensor], add_gate_up: bool = False,
 ) -> None:  # fmt: skip
     """Writes the light tokens' (dW_gate, dW_up, dW_down^T) into outs ([N, K] each) through the transposed view
-    csc (`csc_index`)."""
+    csc (`csc_index`); with `add_gate_up`, adds dW_gate and dW_up to theirs."""
     k = outs[0].shape[1]
     width = ell_h_MW.shape[1]
     scratch, counters = wgrad_scratch(k, x_MK.device)
-    _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, outs[:2], scratch, counters[0], width)
+    _csc_wgrad(csc, (ell_dg_MW, ell_du_MW), x_MK, outs[:2], scratch, counters[0], width, add_gate_up)
     _csc_wgrad(csc, (ell_h_MW,), dy_MK, outs[2:], scratch, counters[1], width)
 
 
 def _cuda_backward(
     x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    w_compute_RK, dy_MK, dl1, dx_slices=False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    w_compute_RK, dy_MK, dl1, dx_slices=False, grads_into=None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    # grads_into: None, or float32 tensors shaped as the three weights (`step_scope.held_grads`) that the weight
+    # gradients are added into; then None is returned for them.
     device = x_MK.device
     _require_kernels(device)
     m, k = x_MK.shape
@@ -798,18 +815,24 @@ def _cuda_backward(
         # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
         # kernels write every row (empty columns included), so only an empty batch needs a fill.
         rows_R = heavy_rows(heavy_M, heavy_counts)
-        sum_dtype = torch.float32 if rows_R.numel() else weight_dtype
+        sum_dtype = torch.float32 if rows_R.numel() or grads_into is not None else weight_dtype
         new = torch.empty if m else torch.zeros
-        dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=sum_dtype, device=device) for _ in range(3))
+        if grads_into is None:
+            dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=sum_dtype, device=device) for _ in range(3))
+        else:  # dW_down^T still takes a buffer of its own, added to its gradient transposed
+            dw_gate_NK, dw_up_NK, dw_down_NK = (*grads_into[:2], new(n, k, dtype=sum_dtype, device=device))
         if m:
             outs = (dw_gate_NK, dw_up_NK, dw_down_NK)
-            _light_weight_gradients(csc, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs)
+            _light_weight_gradients(csc, ell_h_MW, ell_du_MW, ell_dg_MW, x_MK, dy_MK, outs, grads_into is not None)
         del csc, ell_h_MW, ell_du_MW, ell_dg_MW
         if rows_R.numel():
             _backup_backward(
                 x_MK, w_gate_NK, w_up_NK, w_down_t_NK.t(), rows_R, dy_MK, dl1_1, dx_MK, dw_gate_NK, dw_up_NK,
                 dw_down_NK,
             )  # fmt: skip
+        if grads_into is not None:
+            transposed_copy(dw_down_NK, torch.float32, out=grads_into[2], add=True)
+            return dx_MK, None, None, None
         return (
             dx_MK, dw_gate_NK.to(weight_dtype), dw_up_NK.to(weight_dtype), transposed_copy(dw_down_NK, weight_dtype)
         )  # fmt: skip
@@ -911,7 +934,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor, Tensor, Tensor, None, None]:
+def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None, None]:
     """The op's input gradients through `backward_impl` (the backward custom op, or its implementation)."""
     saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
     x_MK = saved[0]
@@ -932,23 +955,32 @@ class _EagerTrainFFN(torch.autograd.Function):
     """The op's eager route: the forward and backward implementations and the context of the custom ops above,
     without the custom ops' Python dispatch around them (per op two passes through the dispatcher, its argument
     defaults and its aliasing check: host time that a host-bound layer pays in full). torch.compile traces the
-    custom ops instead."""
+    custom ops instead.
+
+
+    Inside `step_scope.optimizer_step` it also reuses the weights' casts over a step's micro-batches and adds the weight
+    gradients into held `.grad` tensors (see there); the custom ops, whose schema is fixed, do neither."""
 
     @staticmethod
     def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices):
         forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
-        outputs = forward_impl(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices)
-        _setup_context(ctx, (x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices), outputs)
+        weights = (w_gate_NK, w_up_NK, w_down_KN)
+        w_compute_RK = reused_cast(weights, x_MK.dtype, lambda: compute_weights(*weights, x_MK.dtype))
+        outputs = forward_impl(x_MK, *weights, width, dx_slices, w_compute_RK)
+        _setup_context(ctx, (x_MK, *weights, width, dx_slices), outputs)
+        ctx.add_into_grads = adding_into_grads()
         return outputs
 
     @staticmethod
     def backward(ctx, dy_MK, dl1, *_):
-        return _gradients(ctx, dy_MK, dl1, _backward_impl)
+        def backward_impl(x_MK: Tensor, *args: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+            """What the backward custom op runs for x_MK's device, called directly, adding into held gradients where
+            the forward was called to and the weights' gradients allow it. args[:3] are the weights, saved as
+            inputs: unpacked, they are the tensors the forward was given."""
+            into = held_grads(args[:3]) if ctx.add_into_grads else None
+            return (_cuda_backward if x_MK.is_cuda else _reference_backward)(x_MK, *args, grads_into=into)
 
-
-def _backward_impl(x_MK: Tensor, *args: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What the backward custom op runs for x_MK's device, called directly."""
-    return (_cuda_backward if x_MK.is_cuda else _reference_backward)(x_MK, *args)
+        return _gradients(ctx, dy_MK, dl1, backward_impl)
 
 
 # ------------------------------------------------------------------------------------------------

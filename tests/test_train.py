@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from sparse_llm import training
+from sparse_llm import step_scope, training
 from sparse_llm.checkpoint import list_checkpoints
 from sparse_llm.config import TrainConfig, TrainerConfig, register_configs
 from sparse_llm.model import sparse_mlps
@@ -151,6 +151,19 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
     train(small_config(*steps), tmp_path / "plain")
     assert list(losses(tmp_path / "graphs")) == [2]
     assert losses(tmp_path / "graphs") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, monkeypatch):
+    """The trainer enters step_scope.optimizer_step once per update, around all of its micro-batches, and in one
+    process lets the op add gradients into .grad."""
+    scopes, inside = [], []
+    real_scope, real_micro = training.optimizer_step, Trainer._micro_step
+    monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
+    monkeypatch.setattr(Trainer, "_micro_step", lambda self, *a, **kw: inside.append(step_scope.adding_into_grads())
+                        or real_micro(self, *a, **kw))  # fmt: skip
+    train(small_config("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2"), tmp_path)
+    assert scopes == [{"reuse_casts": True, "add_into_grads": True}] * 2
+    assert inside == [True] * 8 and not step_scope.adding_into_grads()
 
 
 def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_settings():
