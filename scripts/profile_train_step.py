@@ -42,6 +42,7 @@ from bench_model import (  # scripts/, on the path when this file runs as a scri
     set_kernel,
 )
 from sparse_llm.backends import HostWaits
+from sparse_llm.benchmark import PeakMemory
 from sparse_llm.model import compile_layers
 from sparse_llm.training import FrozenHeap
 
@@ -95,6 +96,7 @@ def profile_kernel(
     model.load_state_dict(master)
     model.train()
     set_kernel(model, kernel, None)
+    peak = PeakMemory(ids.device)
     try:
         with FrozenHeap() as heap:
             step = TrainStep(
@@ -108,11 +110,10 @@ def profile_kernel(
                     torch.cuda.synchronize()
                 warmup_s.append(time.perf_counter() - start)
             runs = []
-            for _ in range(args.steps):
-                # one step's phases and its event span; the steps run back to back, as the trainer issues them
-                runs.append(timed_phase(lambda: step_phases(step, cuda), cuda))
-            if cuda:
-                torch.cuda.synchronize()
+            with peak:  # over the timed steps: warm-up steps compile and record, which takes memory of its own
+                for _ in range(args.steps):
+                    # one step's phases and its event span; the steps run back to back, as the trainer issues them
+                    runs.append(timed_phase(lambda: step_phases(step, cuda), cuda))
     finally:
         model.zero_grad(set_to_none=True)
         if args.cuda_graphs:  # drop this path's graphs and their memory pools with the compiled code (bench_model)
@@ -140,6 +141,9 @@ def profile_kernel(
         work = " (compiling the layers)"
     took = ", ".join(f"{seconds:.1f}" for seconds in warmup_s)
     lines.append(f"{kernel}: the warm-up steps took {took} s{work}" if warmup_s else f"{kernel}: no warm-up steps")
+    if peak.gib is not None:
+        lines.append(f"{kernel}: peak memory over the timed steps {peak.gib:.1f} GiB in tensors, "
+                     f"{peak.reserved_gib:.1f} GiB reserved (the reserve also holds CUDA graphs' pools)")  # fmt: skip
     return lines
 
 
