@@ -8,8 +8,10 @@ parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell_train.
 - add_into_grads: its backward adds the weight gradients straight into a `.grad` that is already allocated (held
   over the step, or left by the step's first micro-batch) and hands autograd no gradient for those weights. Handing
   autograd a separate gradient costs three passes over it (write it, then read it and `.grad`, write `.grad`); adding
-  in place costs two. Only for plain `.backward()` into `.grad`: not for `torch.autograd.grad`, tensor hooks, or
-  gradient reducers that expect to see each gradient (DDP, FSDP), so the trainer turns it on for one process only.
+  in place costs two. Only where a backward accumulates into `.grad` (not `torch.autograd.grad`) and no tensor hook
+  waits for the gradient (`held_grads`). DDP's reducer reads `.grad` after the weight's AccumulateGrad node has run,
+  which it still does (with no gradient to add), so it all-reduces the sums (tests/ddp_step_scope_check.py); the
+  trainer turns this on for one process and under DDP, not under FSDP, whose unsharded gradients are its own.
 
 Outside the block neither happens. The block is entered once per optimizer step (train.py's trainer and
 scripts/bench_model.py's TrainStep), so nothing cached outlives the step it was made in: weights written through

@@ -540,11 +540,10 @@ class Trainer:
         return out.loss.detach(), l1.detach()
 
     def _step_scope(self) -> contextlib.AbstractContextManager[None]:
-        """`step_scope.optimizer_step` for this run's micro-batches. FSDP gathers the weights anew for every forward,
-        so nothing is reused there; gradients are added in place in a single process only, where no reducer waits
-        for autograd to hand it each gradient."""
+        """`step_scope.optimizer_step` for this run's micro-batches, on one process and under DDP. Not under FSDP: it
+        gathers the weights anew for every forward and reduces gradients from hooks of its own."""
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        return optimizer_step(reuse_casts=not fsdp, add_into_grads=self.acc.num_processes == 1 and not fsdp)
+        return optimizer_step(reuse_casts=not fsdp, add_into_grads=not fsdp)
 
     def _optimizer_step(self, stop: StopSignals) -> StepReadout:
         """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.

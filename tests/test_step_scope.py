@@ -4,6 +4,12 @@ is tests/gpu/test_step_scope_gpu.py): weight casts reused over one optimizer ste
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +18,7 @@ from sparse_llm.step_scope import held_grads, optimizer_step, reused_cast
 from sparse_llm.twell_train import STATE_NAMES, twell_train_ffn
 
 M, K, N, WIDTH = 24, 16, 64, 20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def master_weights(seed: int = 0) -> list[torch.Tensor]:
@@ -191,3 +198,18 @@ def test_one_step_at_a_time():
     assert not step_scope.adding_into_grads()
     with optimizer_step(add_into_grads=True):
         assert step_scope.adding_into_grads()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_ddp_all_reduces_gradients_added_in_place():
+    """Two CPU ranks (tests/ddp_step_scope_check.py): the op adds into .grad in the micro-batches after the first and
+    hands autograd nothing for those weights; DDP's reducer, which runs once a weight's AccumulateGrad node has run
+    (it still runs, with no gradient to add), all-reduces the sums, equal to one process's over both ranks' batches."""
+    command = [shutil.which("torchrun") or sys.executable, "--nproc_per_node", "2", "tests/ddp_step_scope_check.py"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert sorted(line.split(":")[0] for line in out.stdout.splitlines() if "added in place" in line) == [
+        "rank 0", "rank 1"
+    ]  # fmt: skip

@@ -154,8 +154,8 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
 
 
 def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, monkeypatch):
-    """The trainer enters step_scope.optimizer_step once per update, around all of its micro-batches, and in one
-    process lets the op add gradients into .grad."""
+    """The trainer enters step_scope.optimizer_step once per update, around all of its micro-batches, and lets the op
+    reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither)."""
     scopes, inside = [], []
     real_scope, real_micro = training.optimizer_step, Trainer._micro_step
     monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
