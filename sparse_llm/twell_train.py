@@ -106,7 +106,6 @@ import torch.nn.functional as F
 
 from sparse_llm import cuda
 from sparse_llm.backends import FFNResult, landed
-from sparse_llm.step_scope import adding_into_grads, held_grads, reused_cast
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -114,6 +113,7 @@ from sparse_llm.formats import (
     hybrid_gated_mlp_forward_ref,
     hybrid_mul,
 )
+from sparse_llm.step_scope import adding_into_grads, held_grads, reused_cast
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
     DIRECT_LIST_CAP,
