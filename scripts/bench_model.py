@@ -463,9 +463,11 @@ class TrainStep:
         after: Callable[[], None] = lambda: None,
         cuda_graphs: bool = False,
         accumulate: int = 1,
+        step_scope: bool = True,
     ) -> None:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
         self.accumulate = accumulate  # micro-batches (forward + backward passes) per optimizer step
+        self.step_scope = step_scope  # False: casts per micro-batch, gradients through autograd (for an A/B)
         cfg = TrainConfig()
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
@@ -509,7 +511,7 @@ class TrainStep:
 
     def micro_batches(self) -> AbstractContextManager[None]:
         """Around a step's forwards and backwards, as the trainer of one process: `step_scope.optimizer_step`."""
-        return optimizer_step(reuse_casts=True, add_into_grads=True)
+        return optimizer_step(reuse_casts=True, add_into_grads=True) if self.step_scope else nullcontext()
 
     def __call__(self) -> None:
         with self.micro_batches():

@@ -100,7 +100,8 @@ def profile_kernel(
     try:
         with FrozenHeap() as heap:
             step = TrainStep(
-                model, ids, args.l1, 0.0, after=heap.freeze, cuda_graphs=args.cuda_graphs, accumulate=args.accumulate
+                model, ids, args.l1, 0.0, after=heap.freeze, cuda_graphs=args.cuda_graphs, accumulate=args.accumulate,
+                step_scope=not args.no_step_scope,
             )
             warmup_s = []  # each warm-up step's seconds: compiling, and recording CUDA graphs
             for _ in range(args.warmup):
@@ -164,6 +165,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="with --compile: replay each compiled layer part as a CUDA graph (trainer.cuda_graphs)",
     )
+    parser.add_argument(
+        "--no-step-scope",
+        action="store_true",
+        help="run the micro-batches outside step_scope.optimizer_step: the training op casts its weights per "
+        "micro-batch and hands its weight gradients to autograd (as before 2026-11-29; for an A/B)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
@@ -202,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.density_l0 is not None:
         what += f" made sparse at {args.density_l0} non-zeros per token"
     print(f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
-          f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}{device}",
+          f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}"
+          f"{'no step scope, ' if args.no_step_scope else ''}{device}",
           flush=True)  # fmt: skip
     for kernel in args.kernels:
         reason = kernel_unavailable_reason(kernel, model, device)

@@ -8,6 +8,7 @@ from sparse_llm import backends
 from script_modules import load_script
 
 profile_train_step = load_script("profile_train_step")
+bench_model = load_script("bench_model")
 
 TINY = "--size tiny --seq-len 16 --train-batch 2 --warmup 0 --device cpu".split()
 
@@ -51,3 +52,14 @@ def test_bad_arguments_are_named(extra, message, capsys):
     with pytest.raises(SystemExit):
         profile_train_step.main([*TINY, *extra])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_step_scope_is_entered_once_per_step_unless_switched_off(off, monkeypatch, capsys):
+    entered = []
+    real = bench_model.optimizer_step
+    monkeypatch.setattr(bench_model, "optimizer_step", lambda **kw: entered.append(kw) or real(**kw))
+    profile_train_step.main([*TINY, "--accumulate", "2", "--steps", "2", "--kernels", "torch",
+                             *(["--no-step-scope"] if off else [])])  # fmt: skip
+    assert entered == ([] if off else [{"reuse_casts": True, "add_into_grads": True}] * 2)
+    assert ("no step scope" in capsys.readouterr().out) == off

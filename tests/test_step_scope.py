@@ -103,6 +103,7 @@ def held_in_a_backward(weights: tuple[torch.Tensor, ...], create_graph: bool = F
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")  # the transposed case
 def test_gradients_that_cannot_take_the_sums_go_to_autograd():
     """All or none of the three, and only plain float32 gradients with no hooks, outside a differentiable backward."""
 
