@@ -260,7 +260,8 @@ __device__ __noinline__ void await_slot(unsigned long long *counters, int rank, 
 }
 
 // After an item's additions to its slot rows: counts the item done; the column's last item (of `items`) stores
-// the rows' sums to out[row_offset ...] as Out (adds them with `add`), zeroes the rows and hands the slot to its next column.
+// the rows' sums to out[row_offset ...] as Out (adds them with `add`), zeroes the rows and hands the slot to its
+// next column.
 template <int NV, typename Out>
 __device__ __noinline__ void finish_slot(unsigned long long *counters, int rank, int slots, long long items,
                                          float *slot_rows, Out *out0, Out *out1, long long row_offset, int K, bool add,

@@ -36,5 +36,6 @@ __global__ void __launch_bounds__(256) transpose_cast(const In *__restrict__ src
 }
 
 template __global__ void transpose_cast<float, __nv_bfloat16>(const float *, __nv_bfloat16 *, int, int, int);
-template __global__ void transpose_cast<__nv_bfloat16, __nv_bfloat16>(const __nv_bfloat16 *, __nv_bfloat16 *, int, int, int);
+template __global__ void transpose_cast<__nv_bfloat16, __nv_bfloat16>(const __nv_bfloat16 *, __nv_bfloat16 *, int, int,
+                                                                       int);
 template __global__ void transpose_cast<float, float>(const float *, float *, int, int, int);

@@ -815,7 +815,7 @@ def _cuda_backward(
         # copy of them. Heavy tokens add their cuBLAS products to fp32 sums, rounded after. The weight-gradient
         # kernels write every row (empty columns included), so only an empty batch needs a fill.
         rows_R = heavy_rows(heavy_M, heavy_counts)
-        sum_dtype = torch.float32 if rows_R.numel() or grads_into is not None else weight_dtype
+        sum_dtype = torch.float32 if rows_R.numel() else weight_dtype  # float32 wherever grads_into is given
         new = torch.empty if m else torch.zeros
         if grads_into is None:
             dw_gate_NK, dw_up_NK, dw_down_NK = (new(n, k, dtype=sum_dtype, device=device) for _ in range(3))
