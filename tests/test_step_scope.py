@@ -207,7 +207,8 @@ def test_ddp_all_reduces_gradients_added_in_place():
     """Two CPU ranks (tests/ddp_step_scope_check.py): the op adds into .grad in the micro-batches after the first and
     hands autograd nothing for those weights; DDP's reducer, which runs once a weight's AccumulateGrad node has run
     (it still runs, with no gradient to add), all-reduces the sums, equal to one process's over both ranks' batches."""
-    command = [shutil.which("torchrun") or sys.executable, "--nproc_per_node", "2", "tests/ddp_step_scope_check.py"]
+    torchrun = shutil.which("torchrun") or sys.executable
+    command = [torchrun, "--nproc_per_node", "2", "tests/ddp_step_scope_check.py", "cpu"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -6,6 +6,11 @@ neurons (empty columns) in every micro-batch."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -119,3 +124,19 @@ def test_transposed_add(src_dtype):
     want = out + src.float().t()
     transposed_copy(src, torch.float32, out=out, add=True)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_ddp_all_reduces_gradients_the_kernels_added_in_place():
+    """Two ranks on the GPU (gloo: they may share one), the op's kernels under DDP (tests/ddp_step_scope_check.py):
+    from the second micro-batch on the kernels and the heavy tokens' GEMMs add into .grad, and the reducer all-reduces
+    those sums, equal to one process's over both ranks' batches."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        ["torchrun", "--nproc_per_node", "2", "tests/ddp_step_scope_check.py", "cuda"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    ranks = [line for line in run.stdout.splitlines() if "added in place [False, True, True]" in line]
+    assert len(ranks) == 2, run.stdout[-2000:]
