@@ -52,6 +52,9 @@ TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
 # block's there (bench_mlp; BENCHMARKS.md 2026-11-27, 2026-11-28). The decode kernel's price (device time) would
 # take it every time.
 HOST_BOUND_MS = 0.06
+# Choices a layer remembers between observations (per token count and call kind), before it forgets them all: lm-eval's
+# calls bring a new token count each, a decoding loop the same few again and again.
+CHOICES_KEPT = 256
 TRIAL_BUCKETS = 4  # density buckets per doubling of the mean non-zeros per token: a trial holds within one
 TOKEN_BUCKETS = 2  # token-count buckets per doubling of the tokens in a call, likewise
 # SPARSE_LLM_AUTO=priced: no trials, the prices decide (bit-reproducible choices); "measured" (default) runs them.
@@ -122,6 +125,13 @@ def log_bucket(value: float, per_doubling: int) -> int:
     return round(per_doubling * math.log2(max(value, 1.0)))
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on `device_type` now, None where it is off (or has no autocast: meta)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def validate_kernel(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel={kernel!r} is not a valid choice; use one of {list(KERNEL_CHOICES)}.")
@@ -144,6 +154,12 @@ class LayerDispatcher:
         self.current = "torch"
         # (host-bound, tokens bucket, density bucket) -> the backend a trial found faster
         self.trials: dict[tuple[bool, int, int], str] = {}
+        # A call's kind -> the backend `auto` chose for it since the last observation. The kind is all that the prices,
+        # `accepts` and the trials read besides the observation: tokens, device, dtypes, autocast, training, compiled,
+        # graphed, trial offered, SPARSE_LLM_AUTO and the current backend. A call of a kind seen before skips the cost
+        # models and the trial lookup: ~10-30 us of host time a call, which a decoding step's few tokens issued from
+        # Python pay in full on either path (BENCHMARKS.md, 2026-11-29).
+        self._chosen: dict[tuple, str] = {}
 
     @property
     def l0(self) -> tuple[float, float] | None:
@@ -155,6 +171,12 @@ class LayerDispatcher:
         tokens' shares."""
         self.l0_mean, self.l0_max = float(l0_mean), float(l0_max)
         self.tail = tail
+        self._chosen.clear()  # chosen from the previous observation's prices
+
+    def forget_trials(self) -> None:
+        """Drop the trials' results (and the choices made from them): the next close call runs its trial again."""
+        self.trials.clear()
+        self._chosen.clear()
 
     def choose(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False,
@@ -175,15 +197,27 @@ class LayerDispatcher:
                 )
             self.current = backend.name
             return backend
-        self.current = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)
-        return get_backend(self.current)
+        device = x_MK.device
+        kind = (x_MK.shape[0], device, x_MK.dtype, w_gate_NK.dtype, _autocast_dtype(device.type), training, compiled,
+                graphed, trial is not None, os.environ.get(AUTO_CHOICE_ENV), self.current)  # fmt: skip
+        choice = self._chosen.get(kind)
+        if choice is None:
+            choice, settled = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)
+            if settled:
+                if len(self._chosen) >= CHOICES_KEPT:
+                    self._chosen.clear()
+                self._chosen[kind] = choice
+        self.current = choice
+        return get_backend(choice)
 
     def _cheapest(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool,
         trial: Callable[[FFNBackend], object] | None, graphed: bool,
-    ) -> str:  # fmt: skip
+    ) -> tuple[str, bool]:  # fmt: skip
+        """The backend for this call, and whether calls of its kind may keep it until the next observation (not where a
+        trial was due but could not run now)."""
         if self.l0_mean is None:
-            return "torch"  # no measurement yet
+            return "torch", True  # no measurement yet
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         estimates = {}
         for name in backend_names():
@@ -206,13 +240,15 @@ class LayerDispatcher:
         ratio = math.inf if sparse is None else estimates[sparse] / dense_ms  # 0 without a dense price
         host_bound = sparse is not None and not graphed and max(dense_ms, estimates[sparse]) < HOST_BOUND_MS
         trials = trial is not None and not training and (1 / TRIAL_BAND <= ratio <= TRIAL_BAND or host_bound)
+        settled = True
         if trials and env_choice(AUTO_CHOICE_ENV, AUTO_CHOICE_MEANING) == "measured":  # (read only where it decides)
             measured = self._tried(x_MK, sparse, trial, host_bound)
             if measured is not None:
-                return measured
+                return measured, True
+            settled = False
         if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
-            return "torch"
-        return best
+            return "torch", settled
+        return best, settled
 
     def _tried(
         self, x_MK: torch.Tensor, sparse: str, trial: Callable[[FFNBackend], object], host_bound: bool

@@ -85,6 +85,7 @@ def test_switching_to_sparse_needs_a_margin(fake):
     fake.ms = 0.97 * TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
     assert dispatcher.choose(x, w, False).name == "torch"  # only 3% cheaper: stay dense
     fake.ms = 0.5 * fake.ms
+    dispatcher.observe(3.0, 9.0)  # prices change with an observation: the layer chose from the last one's until now
     assert dispatcher.choose(x, w, False).name == "fake"
 
 
@@ -205,6 +206,32 @@ def test_host_bound_calls_are_settled_by_a_trial_except_in_cuda_graphs(fake, tim
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake" and timed.trials == 2
 
 
+def test_a_choice_is_kept_for_calls_of_its_kind_until_the_next_observation(fake, timed, monkeypatch):
+    """A decoding loop's calls repeat one kind: the prices, `accepts` and the trial lookup run once for it. Another
+    token count, dtype or flag is another kind; an observation or forgotten trials start afresh; a trial that was due
+    but could not run leaves its kind unsettled, so the trial runs once it can."""
+    priced = []
+    monkeypatch.setattr(fake, "estimated_ms", lambda *args, **kw: priced.append(args[0]) or fake.ms)
+    dispatcher, x, w = close_prices(fake, 1.2)
+    timed.ms = {"torch": 1.0, "fake": 0.8}
+    monkeypatch.setattr(dispatch, "can_time", lambda x: False)  # a capture, say
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and len(priced) == 1
+    monkeypatch.setattr(dispatch, "can_time", lambda x: True)
+    for _ in range(3):
+        assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake"
+    # priced again once the trial could run, and once more from the new current path (the hysteresis reads it)
+    assert len(priced) == 3 and timed.trials == 1
+    assert dispatcher.choose(x.float(), w, False, trial=lambda b: None).name == "torch"  # fp32: not accepted
+    # half the tokens: another kind, priced, and the dense price is halved while the fake one is not
+    assert dispatcher.choose(x[:2048], w, False, trial=lambda b: None).name == "torch" and len(priced) == 4
+    dispatcher.forget_trials()
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake" and timed.trials == 2
+    assert len(priced) == 5
+    fake.ms = 2.0 * TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
+    dispatcher.observe(3.0, 9.0)
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and len(priced) == 6
+
+
 def test_cuda_graphed_layers_choose_for_graphs(monkeypatch):
     """Within `cuda_graphed(model)` a layer asks its dispatcher for a choice in a CUDA graph; before and after, not."""
     seen = []
@@ -256,14 +283,14 @@ def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypat
     with torch.no_grad():
         want = residual + mlp(x)
         seen.clear()
-        mlp.dispatcher.trials.clear()
+        mlp.dispatcher.forget_trials()
         y = mlp(x, residual=residual, residual_writable=True)
     assert mlp.dispatcher.current == "torch" and [name for name, *_ in seen[:2]] == ["torch", "fake"]
     assert all(ptr != residual.data_ptr() and writable for _, _, _, _, ptr, writable in seen[:2])
     assert seen[2][4:] == (residual.data_ptr(), True) and y.data_ptr() == residual.data_ptr()
     torch.testing.assert_close(y, want, rtol=1e-2, atol=1e-2)  # bf16: one rounding of residual + product, not two
 
-    mlp.dispatcher.trials.clear()
+    mlp.dispatcher.forget_trials()
     trials = timed.trials
     mlp(x.requires_grad_())  # training: priced, no trial
     assert timed.trials == trials
