@@ -156,10 +156,11 @@ class LayerDispatcher:
         self.trials: dict[tuple[bool, int, int], str] = {}
         # A call's kind -> the backend `auto` chose for it since the last observation. The kind is all that the prices,
         # `accepts` and the trials read besides the observation: tokens, device, dtypes, autocast, training, compiled,
-        # graphed, trial offered, SPARSE_LLM_AUTO and the current backend. A call of a kind seen before skips the cost
-        # models and the trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an
-        # `auto` layer's such calls took 20-35 us longer than a `torch` layer's on an H200's host (BENCHMARKS.md,
-        # 2026-11-29); the lookup itself took 5.5-7.8 us a call on a 2-core CPU, 2.6 us with the choice kept.
+        # graphed, trial offered and the current backend (SPARSE_LLM_AUTO is read when a choice is made, and holds for
+        # it until the next observation or `forget_trials`). A call of a kind seen before skips the cost models and the
+        # trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an `auto` layer's
+        # such calls took 24-39 us longer than a `torch` layer's on an H200's host, 15-16 us longer on a 2-core CPU,
+        # and 6-8 us there with the choice kept (BENCHMARKS.md, 2026-11-29).
         self._chosen: dict[tuple, str] = {}
 
     @property
@@ -200,7 +201,7 @@ class LayerDispatcher:
             return backend
         device = x_MK.device
         kind = (x_MK.shape[0], device, x_MK.dtype, w_gate_NK.dtype, _autocast_dtype(device.type), training, compiled,
-                graphed, trial is not None, os.environ.get(AUTO_CHOICE_ENV), self.current)  # fmt: skip
+                graphed, trial is not None, self.current)  # fmt: skip
         choice = self._chosen.get(kind)
         if choice is None:
             choice, settled = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)

@@ -303,6 +303,8 @@ def test_priced_auto_runs_no_trials_and_bad_choices_are_named(fake, timed, monke
     dispatcher, x, w = close_prices(fake, 1.2)
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 0
     monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "measured")
+    assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch"  # the choice holds until forgotten
+    dispatcher.forget_trials()
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake" and timed.trials == 1
     monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "fast")
     with pytest.raises(ValueError, match="SPARSE_LLM_AUTO='fast' is not valid; use one of"):
