@@ -934,7 +934,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dy_MK, dl1, backward_impl) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None, None]:
+def _gradients(
+    ctx, dy_MK, dl1, backward_impl
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None, None]:
     """The op's input gradients through `backward_impl` (the backward custom op, or its implementation)."""
     saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
     x_MK = saved[0]
@@ -956,7 +958,6 @@ class _EagerTrainFFN(torch.autograd.Function):
     without the custom ops' Python dispatch around them (per op two passes through the dispatcher, its argument
     defaults and its aliasing check: host time that a host-bound layer pays in full). torch.compile traces the
     custom ops instead.
-
 
     Inside `step_scope.optimizer_step` it also reuses the weights' casts over a step's micro-batches and adds the weight
     gradients into held `.grad` tensors (see there); the custom ops, whose schema is fixed, do neither."""
