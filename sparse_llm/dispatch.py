@@ -21,6 +21,7 @@ Outside the trainer (evaluation, generation) a layer observes its own statistics
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -125,9 +126,16 @@ def log_bucket(value: float, per_doubling: int) -> int:
     return round(per_doubling * math.log2(max(value, 1.0)))
 
 
+@functools.cache
+def _has_autocast(device_type: str) -> bool:
+    """Whether torch has an autocast for `device_type` (not for meta, say); asked once per type: a layer's every call
+    asks `_autocast_dtype`."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes in on `device_type` now, None where it is off (or has no autocast: meta)."""
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if not _has_autocast(device_type) or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
