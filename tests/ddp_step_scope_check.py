@@ -93,7 +93,9 @@ def main(device: str) -> None:
         name: float((p.grad - q.grad).abs().max() / q.grad.abs().max())
         for (name, p), q in zip(model.module.named_parameters(), single.parameters(), strict=True)
     }
-    print(f"rank {rank}: added in place {added}; max errors {errors}", flush=True)
+    # One write per line: unbuffered, print writes the text and its newline apart, and the two ranks' lines can merge.
+    sys.stdout.write(f"rank {rank}: added in place {added}; max errors {errors}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     if sum(added) != MICRO_BATCHES - 1 or max(errors.values()) > SHAPES[device][4]:
         sys.exit(1)
