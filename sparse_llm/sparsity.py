@@ -61,6 +61,23 @@ def _quantile_from_hist(hist: torch.Tensor, q: float) -> int:
     return int(torch.searchsorted(cdf, target).item())
 
 
+def held_rows(w_NK: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
+    """(the rows of weight w_NK that this process holds, as a tensor to write in place; the first one's index in
+    w_NK): all N rows, or under FSDP2 this rank's shard of dim 0 (FSDP2 splits it as torch.chunk does)."""
+    data = w_NK.data
+    if type(data) is torch.Tensor:
+        return data, 0
+    from torch.distributed.tensor import DTensor, Shard  # only sharded runs get here
+
+    if not isinstance(data, DTensor) or tuple(data.placements) != (Shard(0),):
+        raise NotImplementedError(
+            f"Dead-neuron reinit handles whole weights and FSDP2's row shards (Shard(0)), not a {type(data).__name__} "
+            f"placed {getattr(data, 'placements', '?')}; set sparsity.reinit_dead=false for this setup."
+        )
+    rows_per_rank = -(-data.shape[0] // data.device_mesh.size())
+    return data.to_local(), data.device_mesh.get_local_rank() * rows_per_rank
+
+
 class SparsityTracker:
     """Accumulates per-layer L0 histograms and fired-neuron masks between reads."""
 
@@ -126,25 +143,24 @@ class SparsityTracker:
         return self._reinit_dead(step, seed)
 
     def _reinit_dead(self, step: int, seed: int) -> int:
-        # Same generator state on every rank: replicas receive identical updates and stay in sync.
+        # Same generator state on every rank: replicas receive identical updates and stay in sync, and FSDP's shards
+        # together receive the one process's update.
         gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
         mix = self.cfg.reinit_mix
         total = 0
         for layer, mlp in enumerate(self.mlps):
             w_gate_NK = mlp.gate_proj.weight
-            if type(w_gate_NK.data) is not torch.Tensor:
-                raise NotImplementedError(
-                    "Dead-neuron reinit needs unsharded gate weights; it is not supported with FSDP. "
-                    "Use DDP or set sparsity.reinit_dead=false."
-                )
             rows_D = self.dead_LN[layer].nonzero().squeeze(1)
             if not rows_D.numel():
                 continue
-            # Noise for the dead rows only, drawn on the CPU so every rank draws the same numbers.
+            # Noise for all the dead rows, drawn on the CPU so every rank draws the same numbers; each rank applies
+            # the rows it holds.
             noise_DK = torch.randn(rows_D.numel(), w_gate_NK.shape[1], generator=gen) * self.cfg.reinit_std
-            w_gate_NK.data[rows_D] = (1 - mix) * w_gate_NK.data[rows_D] + mix * noise_DK.to(
-                w_gate_NK.device, w_gate_NK.dtype
-            )
+            held_HK, first = held_rows(w_gate_NK)
+            mine_D = (rows_D >= first) & (rows_D < first + held_HK.shape[0])
+            rows_R = rows_D[mine_D] - first
+            noise_RK = noise_DK[mine_D.cpu()].to(held_HK.device, held_HK.dtype)
+            held_HK[rows_R] = (1 - mix) * held_HK[rows_R] + mix * noise_RK
             total += rows_D.numel()
         return total
 

@@ -468,9 +468,6 @@ class Trainer:
             check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP)
         if t.cuda_graphs:
             check_cuda_graphs_setup(t, self.acc.device)
-        if cfg.sparsity.reinit_dead and self.acc.distributed_type == DistributedType.FSDP:
-            raise ValueError("sparsity.reinit_dead=true is not supported under FSDP (the gate rows are sharded); "
-                             "use the DDP config or set sparsity.reinit_dead=false.")
         if cfg.trainer.max_steps < 0:
             raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps}: give a step count >= 1 (or 0, which writes "
                              "the initialised model to final/ without training).")

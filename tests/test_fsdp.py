@@ -6,6 +6,7 @@ this model (the fused decoder layers, which hand their FFN output on to the next
 trainer's AdamW on the sharded parameters, the gradient norm and clipping, the L1 term, and the sharded state dict.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -39,3 +40,16 @@ def test_fsdp_ranks_match_one_process_and_resume_from_sharded_checkpoints(tmp_pa
     _fsdp_run(tmp_path, "cut", "trainer.max_steps=3")
     resumed = _fsdp_run(tmp_path, "cut", "trainer.max_steps=6", "checkpoint.resume=auto")
     assert resumed[-2:] == pytest.approx(fsdp[-2:], rel=1e-5)
+
+
+def test_fsdp_reinitialises_dead_neurons_as_one_process(tmp_path):
+    """Dead-neuron reinit under FSDP2: every rank draws the noise of all the dead gate rows, as one process does, and
+    mixes in the rows of its shard, so the run follows one process's. A steep L1 with a quick learning rate kills
+    neurons in both ranks' shards within a few steps."""
+    overrides = ("trainer.max_steps=8", "sparsity.reinit_dead=true", "l1=3", "trainer.lr=1e-2",
+                 "trainer.warmup_steps=1", "logging.every=1")
+    single = _run(tmp_path, "single", 1, *overrides)
+    fsdp = _fsdp_run(tmp_path, "fsdp", *overrides)
+    assert fsdp == pytest.approx(single, rel=1e-5)
+    metrics = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["reinit_neurons"] for r in metrics) >= 256  # a whole layer's width or more: rows of both shards

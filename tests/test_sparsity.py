@@ -5,7 +5,7 @@ import torch
 
 from sparse_llm.backends import Tail
 from sparse_llm.mlp import SparseMLP
-from sparse_llm.sparsity import SparsityConfig, SparsityTracker, l1_coefficient, l1_term
+from sparse_llm.sparsity import SparsityConfig, SparsityTracker, held_rows, l1_coefficient, l1_term
 
 
 def _mlp_with_known_activations() -> SparseMLP:
@@ -183,3 +183,25 @@ def test_tracker_feeds_each_layer_its_share_of_heavy_tokens():
     other = SparseMLP(4, 512, kernel="torch")
     SparsityTracker([other], SparsityConfig()).load_state_dict(tracker.state_dict())
     assert other.dispatcher.tail == Tail(0.5, 1.0)
+
+
+def test_held_rows_names_the_layouts_it_cannot_reinit(tmp_path):
+    """A whole weight is held entire; a DTensor placed other than FSDP2's row shards is refused by name."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    held, first = held_rows(w)
+    assert first == 0 and held.data_ptr() == w.data_ptr()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        rows = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        held, first = held_rows(rows)
+        assert first == 0 and held.shape == (8, 4)
+        replicated = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()]))
+        with pytest.raises(NotImplementedError, match="reinit_dead=false"):
+            held_rows(replicated)
+    finally:
+        dist.destroy_process_group()
