@@ -682,8 +682,8 @@ def _light_backward(
             _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
         main, side = torch.cuda.current_stream(device), cuda.side_stream(device.index)
         side.wait_stream(main)  # the keys are written
-        # set_stream, not the torch.cuda.stream context: the device is current (cuda.on_device), and the context's own
-        # host time was ~0.1 ms a call on an H200's host
+        # set_stream, not the torch.cuda.stream context: the device is current (cuda.on_device), and the context took
+        # 14 us a call on an H200's host against 2.5
         torch.cuda.set_stream(side)
         try:
             csc = csc_index(key_MW, n)
