@@ -167,8 +167,8 @@ class LayerDispatcher:
         # graphed, trial offered and the current backend (SPARSE_LLM_AUTO is read when a choice is made, and holds for
         # it until the next observation or `forget_trials`). A call of a kind seen before skips the cost models and the
         # trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an `auto` layer's
-        # such calls took 24-39 us longer than a `torch` layer's on an H200's host, 15-16 us longer on a 2-core CPU,
-        # and 6-8 us there with the choice kept (BENCHMARKS.md, 2026-11-29).
+        # such calls took 24-39 us longer than a `torch` layer's on an H200's host, and 3-14 us longer with the choice
+        # kept (BENCHMARKS.md, 2026-11-29).
         self._chosen: dict[tuple, str] = {}
 
     @property
