@@ -464,10 +464,13 @@ class TrainStep:
         cuda_graphs: bool = False,
         accumulate: int = 1,
         step_scope: bool = True,
+        graph_forwards: bool | None = None,
     ) -> None:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
         self.accumulate = accumulate  # micro-batches (forward + backward passes) per optimizer step
         self.step_scope = step_scope  # False: casts per micro-batch, gradients through autograd (for an A/B)
+        # the training op's forward as a CUDA graph per layer (`train_graphs`); by default with cuda_graphs, as the trainer
+        self.graph_forwards = cuda_graphs if graph_forwards is None else graph_forwards
         cfg = TrainConfig()
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
@@ -511,7 +514,9 @@ class TrainStep:
 
     def micro_batches(self) -> AbstractContextManager[None]:
         """Around a step's forwards and backwards, as the trainer of one process: `step_scope.optimizer_step`."""
-        return optimizer_step(reuse_casts=True, add_into_grads=True) if self.step_scope else nullcontext()
+        if not self.step_scope:
+            return nullcontext()
+        return optimizer_step(reuse_casts=True, add_into_grads=True, graph_forwards=self.graph_forwards)
 
     def __call__(self) -> None:
         with self.micro_batches():

@@ -12,6 +12,9 @@ parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell_train.
   waits for the gradient (`held_grads`). DDP's reducer reads `.grad` after the weight's AccumulateGrad node has run,
   which it still does (with no gradient to add), so it all-reduces the sums (tests/ddp_step_scope_check.py); the
   trainer turns this on for one process and under DDP, not under FSDP, whose unsharded gradients are its own.
+- graph_forwards: its forward replays one CUDA graph per layer (`train_graphs`), whose outputs the layer's next forward
+  rewrites. For steps whose compiled layers are CUDA graphs too (`trainer.cuda_graphs=true`), which make the same
+  demand: each micro-batch's backward runs before the next micro-batch's forward.
 
 Outside the block neither happens. The block is entered once per optimizer step (train.py's trainer and
 scripts/bench_model.py's TrainStep), so nothing cached outlives the step it was made in: weights written through
@@ -34,6 +37,7 @@ Tensor = torch.Tensor
 class _Scope:
     reuse_casts: bool
     add_into_grads: bool
+    graph_forwards: bool
     # key -> (the weights' versions when made, the tensor made): see `reused_cast`
     casts: dict[tuple, tuple[tuple[int, ...], Tensor]] = field(default_factory=dict)
 
@@ -42,13 +46,15 @@ _current: _Scope | None = None
 
 
 @contextlib.contextmanager
-def optimizer_step(reuse_casts: bool = True, add_into_grads: bool = False) -> Iterator[None]:
+def optimizer_step(
+    reuse_casts: bool = True, add_into_grads: bool = False, graph_forwards: bool = False
+) -> Iterator[None]:
     """Within the block: one optimizer step's micro-batches (forward and backward), with the uses of that fact named
     in the module docstring switched on. Not reentrant: a step holds no other step."""
     global _current
     if _current is not None:
         raise RuntimeError("optimizer_step() is already active: enter it once per optimizer step")
-    _current = _Scope(reuse_casts, add_into_grads)
+    _current = _Scope(reuse_casts, add_into_grads, graph_forwards)
     try:
         yield
     finally:
@@ -58,6 +64,11 @@ def optimizer_step(reuse_casts: bool = True, add_into_grads: bool = False) -> It
 def adding_into_grads() -> bool:
     """Whether calls made now may add their weight gradients into `.grad` (`held_grads` decides per call)."""
     return _current is not None and _current.add_into_grads
+
+
+def graphing_forwards() -> bool:
+    """Whether calls made now may replay their forward as a CUDA graph (`train_graphs`)."""
+    return _current is not None and _current.graph_forwards
 
 
 def reused_cast(weights: tuple[Tensor, ...], dtype: torch.dtype, make: Callable[[], Tensor]) -> Tensor:

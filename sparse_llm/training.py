@@ -538,9 +538,11 @@ class Trainer:
 
     def _step_scope(self) -> contextlib.AbstractContextManager[None]:
         """`step_scope.optimizer_step` for this run's micro-batches, on one process and under DDP. Not under FSDP: it
-        gathers the weights anew for every forward and reduces gradients from hooks of its own."""
+        gathers the weights anew for every forward and reduces gradients from hooks of its own. With CUDA graphs the
+        sparse op's forwards are graphs too (`train_graphs`): the compiled layers' graphs already demand each
+        micro-batch's backward before the next forward, which is what graphed forwards rely on."""
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        return optimizer_step(reuse_casts=not fsdp, add_into_grads=not fsdp)
+        return optimizer_step(reuse_casts=not fsdp, add_into_grads=not fsdp, graph_forwards=self.cfg.trainer.cuda_graphs)
 
     def _optimizer_step(self, stop: StopSignals) -> StepReadout:
         """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.

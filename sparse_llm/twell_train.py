@@ -113,7 +113,8 @@ from sparse_llm.formats import (
     hybrid_gated_mlp_forward_ref,
     hybrid_mul,
 )
-from sparse_llm.step_scope import adding_into_grads, held_grads, reused_cast
+from sparse_llm.step_scope import adding_into_grads, graphing_forwards, held_grads, reused_cast
+from sparse_llm.train_graphs import graphed_forward
 from sparse_llm.twell_backend import (
     CUBLAS_GEMM_TFLOPS,
     DIRECT_LIST_CAP,
@@ -337,18 +338,28 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def compute_weights(w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, dtype: torch.dtype) -> Tensor:
+def compute_weights(
+    w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, dtype: torch.dtype, out: Tensor | None = None
+) -> Tensor:
     """The weights as the kernels read them, saved for the backward: w_down^T [N, K] in `dtype`, preceded by
     w_gate and w_up in `dtype` ([3N, K] in all) when the weights are held in another dtype (float32 master
-    weights). A new tensor either way (outputs of a custom op must not alias its inputs)."""
+    weights). A new tensor (outputs of a custom op must not alias its inputs), or written into `out`
+    (`compute_weights_shape`), which a graphed forward reads at a fixed address."""
     n, k = w_gate_NK.shape
+    if out is None:
+        out = torch.empty(compute_weights_shape(w_gate_NK, dtype), dtype=dtype, device=w_gate_NK.device)
     if w_gate_NK.dtype == dtype:
-        return transposed_copy(w_down_KN, dtype)
-    w_RK = torch.empty(3 * n, k, dtype=dtype, device=w_gate_NK.device)
-    w_RK[:n].copy_(w_gate_NK)
-    w_RK[n : 2 * n].copy_(w_up_NK)
-    transposed_copy(w_down_KN, dtype, out=w_RK[2 * n :])
-    return w_RK
+        return transposed_copy(w_down_KN, dtype, out=out)
+    out[:n].copy_(w_gate_NK)
+    out[n : 2 * n].copy_(w_up_NK)
+    transposed_copy(w_down_KN, dtype, out=out[2 * n :])
+    return out
+
+
+def compute_weights_shape(w_gate_NK: Tensor, dtype: torch.dtype) -> tuple[int, int]:
+    """[N, K] (w_down^T alone) where the weights are in `dtype`, else [3N, K]: `compute_weights`' output."""
+    n, k = w_gate_NK.shape
+    return (n, k) if w_gate_NK.dtype == dtype else (3 * n, k)
 
 
 def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -473,58 +484,72 @@ def _cuda_forward(
     # _reference_forward
     device = x_MK.device
     _require_kernels(device)  # the operands were checked once, by twell_train_ffn
+    with cuda.on_device(device):
+        if w_compute_RK is None:
+            w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, torch.bfloat16)
+        return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host())
+
+
+def new_counts_host() -> Tensor:
+    """A pinned CPU int32 [1] for the heavy-token count, -1 until its copy lands (`backends.landed`)."""
+    return torch.full((1,), -1, dtype=torch.int32, pin_memory=True)
+
+
+def forward_kernels(
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
+    counts_host: Tensor | None = None, gate_MN: Tensor | None = None,
+) -> _Outputs:  # fmt: skip
+    """The CUDA forward on the current device and stream: `_cuda_forward`'s outputs, with the heavy-token count
+    copied into counts_host (`new_counts_host`) as soon as it is known, or, where counts_host is None (a CUDA graph
+    capture, `train_graphs`), left on the device in its place (int32 [1]). gate_MN: where the gate GEMM writes (bf16
+    [M, N]), else a new tensor. Issues no host sync."""
+    device = x_MK.device
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     i32, bf16 = torch.int32, torch.bfloat16
-    with cuda.on_device(device):
-        if w_compute_RK is None:
-            w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, bf16)
-        w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
-        # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
-        # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
-        ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
-        ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
-        ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)
-        ell_count_M = torch.empty(m, dtype=i32, device=device)
-        heavy_M = torch.empty(m, dtype=torch.bool, device=device)
-        l0_M = torch.empty(m, dtype=i32, device=device)
-        l1_M = torch.empty(m, dtype=torch.float32, device=device)
-        # One fill for the heavy-token counter and the fired flags, and room for the heavy-token list (in the
-        # kernel's order of arrival: not an output, so a view is fine).
-        zeroed_i32 = torch.zeros(1 + n + m, dtype=i32, device=device)
-        heavy_count, fired_N, heavy_list = zeroed_i32.split((1, n, m))
-        y_MK = torch.empty(m, k, dtype=bf16, device=device)
-        # The count reaches the host asynchronously; -1 marks "not landed" (backends.landed).
-        heavy_counts = torch.full((1,), -1, dtype=i32, pin_memory=True)
-        if m:
-            gate_MN = F.linear(x_MK, w_gate_NK)
-            kv = _pieces(k)
-            by_slices = walk_by_slices(FWD_WALK, m, k, n, width)
-            columns = [(0, n)] if by_slices else walk_column_parts(k, n)[0]
-            # y's fp32 sums carried from one column part to the next
-            partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
-            operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M,
-                        heavy_list, heavy_count, y_MK, l1_M, l0_M, fired_N, partial_MK)  # fmt: skip
-            smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
-            blocks = math.ceil(m / TOKENS_PER_BLOCK)
-            name = f"train_fwd_gate<{kv},{str(not by_slices).lower()}>"  # without its down half for the slices
-            for (begin, end), part in flagged_parts(columns):
-                args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
-                _launch("train_forward.cu", name, blocks, TOKENS_PER_BLOCK, args, device, smem)
-            if by_slices:
-                _y_by_slices(w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, y_MK)
-            heavy_counts.copy_(heavy_count, non_blocking=True)
-            # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
-            # read on the device, so the host goes on without waiting.
-            split_token_up_down(
-                x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, heavy_count, (y_MK, l1_M, l0_M, fired_N)
-            )
-        else:
-            heavy_counts.zero_()
-        return (
-            y_MK, l1_M.sum(), l0_M, fired_N.bool(),
-            ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts, w_compute_RK,
-        )  # fmt: skip
+    w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
+    # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
+    # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
+    ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
+    ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
+    ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)
+    ell_count_M = torch.empty(m, dtype=i32, device=device)
+    heavy_M = torch.empty(m, dtype=torch.bool, device=device)
+    l0_M = torch.empty(m, dtype=i32, device=device)
+    l1_M = torch.empty(m, dtype=torch.float32, device=device)
+    # One fill for the heavy-token counter and the fired flags, and room for the heavy-token list (in the
+    # kernel's order of arrival: not an output, so a view is fine).
+    zeroed_i32 = torch.zeros(1 + n + m, dtype=i32, device=device)
+    heavy_count, fired_N, heavy_list = zeroed_i32.split((1, n, m))
+    y_MK = torch.empty(m, k, dtype=bf16, device=device)
+    if m:
+        gate_MN = torch.mm(x_MK, w_gate_NK.t(), out=gate_MN)
+        kv = _pieces(k)
+        by_slices = walk_by_slices(FWD_WALK, m, k, n, width)
+        columns = [(0, n)] if by_slices else walk_column_parts(k, n)[0]
+        # y's fp32 sums carried from one column part to the next
+        partial_MK = torch.empty(m, k, dtype=torch.float32, device=device) if len(columns) > 1 else None
+        operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M,
+                    heavy_list, heavy_count, y_MK, l1_M, l0_M, fired_N, partial_MK)  # fmt: skip
+        smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + width * 4)  # per warp: the x row, the token's entry list
+        blocks = math.ceil(m / TOKENS_PER_BLOCK)
+        name = f"train_fwd_gate<{kv},{str(not by_slices).lower()}>"  # without its down half for the slices
+        for (begin, end), part in flagged_parts(columns):
+            args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
+            _launch("train_forward.cu", name, blocks, TOKENS_PER_BLOCK, args, device, smem)
+        if by_slices:
+            _y_by_slices(w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, y_MK)
+    if counts_host is not None:
+        counts_host.copy_(heavy_count, non_blocking=True)
+    if m:
+        # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
+        # read on the device, so the host goes on without waiting.
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, heavy_count, (y_MK, l1_M, l0_M, fired_N))
+    return (
+        y_MK, l1_M.sum(), l0_M, fired_N.bool(),
+        ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_count if counts_host is None else counts_host,
+        w_compute_RK,
+    )  # fmt: skip
 
 
 def csc_key_dtype(n: int) -> torch.dtype:
@@ -921,7 +946,7 @@ def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False):
         x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
         x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=torch.bool),
         x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(1, dtype=i32, device="cpu"),
-        x_MK.new_empty(n if w_gate_NK.dtype == x_MK.dtype else 3 * n, k),
+        x_MK.new_empty(compute_weights_shape(w_gate_NK, x_MK.dtype)),
     )  # fmt: skip
 
 
@@ -969,16 +994,27 @@ class _EagerTrainFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices):
-        forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
         weights = (w_gate_NK, w_up_NK, w_down_KN)
-        w_compute_RK = reused_cast(weights, x_MK.dtype, lambda: compute_weights(*weights, x_MK.dtype))
-        outputs = forward_impl(x_MK, *weights, width, dx_slices, w_compute_RK)
+        graphed = graphed_forward(w_gate_NK) if x_MK.is_cuda and graphing_forwards() else None
+        cast_into = None if graphed is None else graphed.compute_buffer(w_gate_NK, x_MK.dtype)
+        w_compute_RK = reused_cast(weights, x_MK.dtype, lambda: compute_weights(*weights, x_MK.dtype, out=cast_into))
+        ctx.replay = None
+        if graphed is not None:
+            _require_kernels(x_MK.device)
+            with cuda.on_device(x_MK.device):
+                outputs, ctx.replay = graphed.forward(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK)
+        else:
+            forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
+            outputs = forward_impl(x_MK, *weights, width, dx_slices, w_compute_RK)
         _setup_context(ctx, (x_MK, *weights, width, dx_slices), outputs)
         ctx.add_into_grads = adding_into_grads()
         return outputs
 
     @staticmethod
     def backward(ctx, dy_MK, dl1, *_):
+        if ctx.replay is not None:
+            ctx.replay.check()
+
         def backward_impl(x_MK: Tensor, *args: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
             """What the backward custom op runs for x_MK's device, called directly, adding into held gradients where
             the forward was called to and the weights' gradients allow it. args[:3] are the weights, saved as

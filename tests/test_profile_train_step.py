@@ -61,5 +61,5 @@ def test_step_scope_is_entered_once_per_step_unless_switched_off(off, monkeypatc
     monkeypatch.setattr(bench_model, "optimizer_step", lambda **kw: entered.append(kw) or real(**kw))
     profile_train_step.main([*TINY, "--accumulate", "2", "--steps", "2", "--kernels", "torch",
                              *(["--no-step-scope"] if off else [])])  # fmt: skip
-    assert entered == ([] if off else [{"reuse_casts": True, "add_into_grads": True}] * 2)
+    assert entered == ([] if off else [{"reuse_casts": True, "add_into_grads": True, "graph_forwards": False}] * 2)
     assert ("no step scope" in capsys.readouterr().out) == off

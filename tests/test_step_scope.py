@@ -202,6 +202,20 @@ def test_one_step_at_a_time():
         assert step_scope.adding_into_grads()
 
 
+def test_graph_forwards_leave_cpu_calls_to_the_reference():
+    """CUDA graphs are for CUDA tensors: on the CPU the op inside optimizer_step(graph_forwards=True) is the reference,
+    call after call (a graph would show as a repeated first call's outputs)."""
+    weights = master_weights()
+    assert not step_scope.graphing_forwards()
+    for micro in range(3):
+        x, _ = tokens(micro)
+        expected = twell_train_ffn(x, *weights, width=WIDTH).y_MK
+        with optimizer_step(graph_forwards=True):
+            assert step_scope.graphing_forwards()
+            got = twell_train_ffn(x, *weights, width=WIDTH).y_MK
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_ddp_all_reduces_gradients_added_in_place():

@@ -155,14 +155,15 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
 
 def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, monkeypatch):
     """The trainer enters step_scope.optimizer_step once per update, around all of its micro-batches, and lets the op
-    reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither)."""
+    reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither); its forwards are CUDA
+    graphs only with trainer.cuda_graphs=true."""
     scopes, inside = [], []
     real_scope, real_micro = training.optimizer_step, Trainer._micro_step
     monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
     monkeypatch.setattr(Trainer, "_micro_step", lambda self, *a, **kw: inside.append(step_scope.adding_into_grads())
                         or real_micro(self, *a, **kw))  # fmt: skip
     train(small_config("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2"), tmp_path)
-    assert scopes == [{"reuse_casts": True, "add_into_grads": True}] * 2
+    assert scopes == [{"reuse_casts": True, "add_into_grads": True, "graph_forwards": False}] * 2
     assert inside == [True] * 8 and not step_scope.adding_into_grads()
 
 

@@ -1,5 +1,6 @@
-"""Training with CUDA graphs and several micro-batches a step: each micro-batch replays the compiled layers' graphs, and
-the accumulated gradients equal those of the same compiled layers run without graphs."""
+"""Training with CUDA graphs and several micro-batches a step: each micro-batch replays the compiled layers' graphs (and,
+in the step scope as the trainer enters it, the sparse op's forward graphs), and the accumulated gradients equal those
+of the same compiled layers run without graphs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from sparse_llm import cuda
 from sparse_llm.model import ModelConfig, build_model, compile_layers
+from sparse_llm.step_scope import optimizer_step
 from sparse_llm.training import hold_gradients
 
 REASON = cuda.unavailable_reason()
@@ -20,7 +22,8 @@ STEPS = 3  # the first runs the compiled layers eagerly, the graphs are recorded
 
 def accumulated_gradients(kernel: str, graphs: bool) -> list[list[torch.Tensor]]:
     """Each step's summed gradients (mean loss over MICRO_BATCHES different micro-batches); fp32 weights under bf16
-    autocast, as the trainer runs them; no update, so every step sees the same weights."""
+    autocast in the trainer's step scope (with graphs: the sparse op's forward graphs too); no update, so every step
+    sees the same weights."""
     torch.manual_seed(0)
     model = build_model(SMALL, vocab_size=VOCAB, kernel=kernel).cuda().train()
     compile_layers(model, cuda_graphs=graphs)
@@ -29,12 +32,13 @@ def accumulated_gradients(kernel: str, graphs: bool) -> list[list[torch.Tensor]]
     batches = [torch.randint(0, VOCAB, (2, 64), device="cuda") for _ in range(MICRO_BATCHES)]
     steps = []
     for _ in range(STEPS):
-        for ids in batches:
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            (loss / MICRO_BATCHES).backward()
+        with optimizer_step(reuse_casts=True, add_into_grads=True, graph_forwards=graphs):
+            for ids in batches:
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                (loss / MICRO_BATCHES).backward()
         steps.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=not graphs)
     torch._dynamo.reset()  # drop the graphs and their memory pool

@@ -1,0 +1,147 @@
+"""The training op's forward replayed as one CUDA graph per layer, in training steps whose compiled layers are graphs.
+
+With `trainer.cuda_graphs=true` torch.compile replays each decoder layer's compiled parts as CUDA graphs, and the
+sparse FFN op runs eagerly between them. Issuing it (a GEMM, a handful of CuPy launches, a dozen allocations and their
+Python) takes the host about 1 ms per layer call at 8192 tokens on an H200's host, longer than the device needs for
+the layer's forward, so in a graphed step the device idles in every forward (BENCHMARKS.md, 2026-11-29). The forward
+reads nothing back to the host, so it can be captured: `GraphedForward` runs a layer's first call eagerly (which also
+compiles the kernels and sets their shared-memory limits), captures its kernels at the second call, and from then on
+replays them: one copy of x into the graph's input and one graph launch. The heavy-token count's device-to-host copy
+stays outside the graph, into a fresh pinned tensor per call, so that a count read late (the backward, the sparsity
+statistics) reads its own call's count.
+
+The cost is the contract of a graphed step, as for torch.compile's graphs: a replay returns the graph's own output
+buffers, which the layer's next replay rewrites. A training step runs each micro-batch's backward before the next
+micro-batch's forward, so nothing is rewritten before it is read; a backward whose forward has been replayed over
+raises (`ReplayToken.check`) rather than computing gradients from another micro-batch's activations.
+
+Memory: each layer keeps its graph's outputs (y, the saved sparse state, the statistics: ~45 MB per layer at 8192
+tokens, K = 2048, N = 5632) in a pool of its own; the input copy and the [M, N] gate GEMM output are one pair of
+buffers shared by every layer of that shape, since replays run one after another on one stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from sparse_llm import cuda
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ReplayToken:
+    """Which replay of a layer's graph produced a forward's outputs; `check` in its backward."""
+
+    graphed: GraphedForward
+    replay: int
+
+    def check(self) -> None:
+        """Raise if the layer's graph has been replayed since, i.e. the saved outputs now hold a later call's."""
+        if self.graphed.replays != self.replay:
+            raise RuntimeError(
+                "The sparse training op's forward was replayed again before this forward's backward ran, so the "
+                "activations saved for it were overwritten. Graphed forwards (step_scope.optimizer_step("
+                "graph_forwards=True), on with trainer.cuda_graphs=true) need each micro-batch's backward before the "
+                "same layer's next forward: no gradient checkpointing, no second forward of a layer per backward."
+            )
+
+
+class GraphedForward:
+    """One layer's training forward (`twell_train.forward_kernels`) as a CUDA graph, captured at its second call."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None  # what the graph was made for: shapes, dtype, width, weight addresses
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[Tensor, ...] = ()  # the graph's output buffers (forward_kernels' outputs, count on device)
+        self.replays = 0
+        self.eager_calls = 0
+        self._compute_RK: Tensor | None = None
+
+    def compute_buffer(self, w_gate_NK: Tensor, dtype: torch.dtype) -> Tensor:
+        """Where the layer's `twell_train.compute_weights` are to be written: the graph reads them at a fixed
+        address, so the casts of every step go into this one tensor."""
+        from sparse_llm.twell_train import compute_weights_shape
+
+        shape = compute_weights_shape(w_gate_NK, dtype)
+        kept = self._compute_RK
+        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != w_gate_NK.device:
+            self._compute_RK = torch.empty(shape, dtype=dtype, device=w_gate_NK.device)
+        return self._compute_RK
+
+    def forward(
+        self, x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
+    ) -> tuple[tuple[Tensor, ...], ReplayToken | None]:
+        """forward_kernels' outputs (the count as a pinned CPU int32 [1], as `_cuda_forward` returns it) and the token
+        of the replay that made them (None: an eager call's, whose outputs are its own)."""
+        from sparse_llm.twell_train import STATE_NAMES, forward_kernels, new_counts_host
+
+        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
+               w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
+        if key != self.key:  # a new shape or new weight storage: run eagerly once, capture at the next call
+            self.key, self.graph, self.outputs, self.eager_calls = key, None, (), 0
+        if self.graph is None and self.eager_calls == 0:
+            self.eager_calls += 1
+            return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host()), None
+        x_in_MK, gate_MN = _shared_buffers(x_MK.device, *x_MK.shape, w_gate_NK.shape[0])
+        x_in_MK.copy_(x_MK)
+        if self.graph is None:
+            self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK)
+        self.graph.replay()
+        self.replays += 1
+        count = STATE_NAMES.index("heavy_counts") + 4  # its place among the outputs
+        counts_host = new_counts_host()
+        counts_host.copy_(self.outputs[count], non_blocking=True)
+        # Fresh tensor objects over the same buffers: autograd records each call's history on its outputs.
+        outputs = tuple(counts_host if i == count else t.detach() for i, t in enumerate(self.outputs))
+        return outputs, ReplayToken(self, self.replays)
+
+    def _capture(
+        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
+    ) -> None:
+        from sparse_llm.twell_train import forward_kernels
+
+        main = torch.cuda.current_stream()
+        side = _capture_stream(x_in_MK.device.index)
+        side.wait_stream(main)  # x's copy and the weights' casts come first
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (a data loader's, a logger's) may use CUDA while this one captures
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN)
+            finally:
+                graph.capture_end()
+        main.wait_stream(side)
+        self.graph, self.outputs = graph, outputs
+
+
+@functools.cache
+def _capture_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_buffers(device: torch.device, m: int, k: int, n: int) -> tuple[Tensor, Tensor]:
+    """(x_in_MK, gate_MN): bf16 [M, K] and [M, N] read and written by every layer's graph of that shape in turn."""
+    with cuda.on_device(device):
+        return (torch.empty(m, k, dtype=torch.bfloat16, device=device),
+                torch.empty(m, n, dtype=torch.bfloat16, device=device))  # fmt: skip
+
+
+_graphed: dict[int, GraphedForward] = {}  # id(w_gate_NK) -> its layer's graph
+
+
+def graphed_forward(w_gate_NK: Tensor) -> GraphedForward:
+    """The GraphedForward of the layer whose gate weight is w_gate_NK (a parameter: the same tensor every call),
+    dropped with the weight."""
+    key = id(w_gate_NK)
+    graphed = _graphed.get(key)
+    if graphed is None:
+        graphed = _graphed[key] = GraphedForward()
+        weakref.finalize(w_gate_NK, _graphed.pop, key, None)
+    return graphed

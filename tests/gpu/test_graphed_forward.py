@@ -1,0 +1,82 @@
+"""The training op's forward replayed as a CUDA graph per layer (`train_graphs`, `optimizer_step(graph_forwards=True)`):
+every call's outputs, heavy-token count and gradients equal the eager op's on the same inputs, while the layer's graph is
+captured once and replayed; a backward whose forward was replayed over raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_llm import cuda
+
+REASON = cuda.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
+
+if REASON is None:
+    from sparse_llm import train_graphs
+    from sparse_llm.step_scope import optimizer_step
+    from sparse_llm.twell_backend import synthetic_block
+    from sparse_llm.twell_train import twell_train_ffn
+
+K, N = 512, 1536
+WIDTH = 32  # narrow ELL rows: a heavy tail puts tokens on the heavy route in every call
+
+
+def master_weights(bf16: bool) -> list[torch.Tensor]:
+    """Leaf weights as a layer holds them: fp32 masters (autocast casts them inside the op) or bf16."""
+    _, wg, wu, wd = synthetic_block(64, K, N, 30, sigma=0.7, seed=0)
+    return [w.to(torch.bfloat16 if bf16 else torch.float32).clone().requires_grad_() for w in (wg, wu, wd)]
+
+
+def batches(ms: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, dy) per call, each drawn afresh: heavy-tailed tokens, so the heavy-token count differs call to call."""
+    out = []
+    for i, m in enumerate(ms):
+        x = synthetic_block(m, K, N, 30, sigma=0.7, seed=10 + i)[0]
+        dy = torch.randn(m, K, device="cuda", generator=torch.Generator("cuda").manual_seed(i)).bfloat16()
+        out.append((x, dy))
+    return out
+
+
+def run(weights: list[torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor]], graphs: bool) -> list[tuple]:
+    """Per call: y, l1_sum, l0, fired, heavy count, and the gradients (dx and the weights', each call's own)."""
+    results = []
+    for x, dy in calls:
+        x = x.clone().requires_grad_()
+        with optimizer_step(reuse_casts=True, graph_forwards=graphs), torch.autocast("cuda", dtype=torch.bfloat16):
+            r = twell_train_ffn(x, *weights, width=WIDTH)
+            grads = torch.autograd.grad((r.y_MK.float() * dy.float()).sum() + 0.3 * r.l1_sum, (x, *weights))
+        results.append((r.y_MK.clone(), r.l1_sum.clone(), r.l0_M.clone(), r.fired_N.clone(), r.dense_rows(), grads))
+    return results
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-masters", "bf16-weights"])
+def test_graphed_forwards_equal_eager_calls_call_by_call(bf16):
+    weights = master_weights(bf16)
+    # Two of one size (eager, then captured and replayed), a third replay, then a new size (eager again, captured)
+    calls = batches([1024, 1024, 1024, 768, 768, 768])
+    eager = run(weights, calls, graphs=False)
+    graphed = run(weights, calls, graphs=True)
+    assert train_graphs.graphed_forward(weights[0]).replays == 4  # two of each size: captured once per size
+    counts = [e[4] for e in eager]
+    assert min(counts) > 0 and len(set(counts)) > 1, f"heavy-token counts {counts}: the inputs test too little"
+    for call, (e, g) in enumerate(zip(eager, graphed, strict=True)):
+        for name, a, b in zip(("y", "l1_sum", "l0", "fired"), e[:4], g[:4], strict=True):
+            assert torch.equal(a, b), f"call {call}: {name} differs from the eager op's"
+        assert e[4] == g[4], f"call {call}: heavy-token count {g[4]}, eager {e[4]}"
+        for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), e[5], g[5], strict=True):
+            # the weight-gradient kernel sums long columns with fp32 atomics: last bits vary run to run
+            error = ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+            assert error < 1e-2, f"call {call}: {name} off by {error:.2e} of its max"
+
+
+def test_backward_after_its_forward_was_replayed_over_raises():
+    weights = master_weights(bf16=False)
+    (x, dy), = batches([512])
+    x = x.requires_grad_()
+    with optimizer_step(graph_forwards=True), torch.autocast("cuda", dtype=torch.bfloat16):
+        twell_train_ffn(x, *weights, width=WIDTH)  # eager: the first call of this shape
+        first = twell_train_ffn(x, *weights, width=WIDTH)  # captured and replayed
+        twell_train_ffn(x, *weights, width=WIDTH)  # replayed over the first one's outputs
+        with pytest.raises(RuntimeError, match="replayed again before this forward's backward"):
+            (first.y_MK.float() * dy.float()).sum().backward()
