@@ -322,15 +322,15 @@ def sparse_training_hint(
     """A start-up hint where the sparse kernels may train on a GPU without the settings that keep the host off the
     step's critical path, else None (also under FSDP, which refuses trainer.compile). The training op is issued layer
     by layer from Python, and a step of several micro-batches gives the host no slack to catch up: the 2B step with 8
-    micro-batches ran 1.14x the dense step without CUDA graphs and 1.31x with them (H200, BENCHMARKS.md 2026-11-28 and
+    micro-batches ran 1.14x the dense step without CUDA graphs and 1.36x with them (H200, BENCHMARKS.md 2026-11-28 and
     2026-11-29)."""
     sparse = kernel == "twell" or (kernel == "auto" and train_kernels)
     if not sparse or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
         return None
     missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true trainer.cuda_graphs=true"
-    return (f"the sparse training kernels are issued from the host layer by layer; {missing} replays the rest of each "
-            "layer as CUDA graphs, which kept a 2B step of 8 micro-batches at the GPU's pace (1.31x the dense step, "
-            "against 1.14x without graphs)")
+    return (f"the sparse training kernels are issued from the host layer by layer; {missing} replays each layer's "
+            "compiled parts and the sparse op's forward as CUDA graphs, which kept a 2B step of 8 micro-batches at the "
+            "GPU's pace (1.36x the dense step, against 1.14x without graphs)")
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -69,7 +69,9 @@ backward comes first; a backward issued right after its forward; a gradient-chec
 read waits for the copy alone, after the light tokens' backward kernels are queued, so they run while the host
 waits. The host then has nothing queued ahead of them: in a step of several micro-batches its lead is lost once
 per micro-batch, and the step follows the host wherever the host's forward is slower than the device's
-(BENCHMARKS.md, 2026-11-28, on an H200).
+(BENCHMARKS.md, 2026-11-28, on an H200). Since the forward reads nothing back, graphed training steps capture it as
+one CUDA graph per layer (`train_graphs`, `step_scope.optimizer_step(graph_forwards=True)`): the host then issues a 2B
+forward in less time than the device runs it (BENCHMARKS.md, 2026-11-29 10:35).
 The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
 path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
 Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
