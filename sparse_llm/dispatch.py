@@ -168,8 +168,8 @@ class LayerDispatcher:
         # it until the next observation or `forget_trials`). A call of a kind seen before skips the cost models and the
         # trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an `auto` layer's
         # such calls took 24-39 us longer than a `torch` layer's on an H200's host, and 3-14 us longer with the choice
-        # kept (BENCHMARKS.md, 2026-11-29).
-        self._chosen: dict[tuple, str] = {}
+        # kept (BENCHMARKS.md, 2026-11-29). The backend object itself is kept: its lookup by name took 3 us of that host.
+        self._chosen: dict[tuple, FFNBackend] = {}
 
     @property
     def l0(self) -> tuple[float, float] | None:
@@ -210,15 +210,16 @@ class LayerDispatcher:
         device = x_MK.device
         kind = (x_MK.shape[0], device, x_MK.dtype, w_gate_NK.dtype, _autocast_dtype(device.type), training, compiled,
                 graphed, trial is not None, self.current)  # fmt: skip
-        choice = self._chosen.get(kind)
-        if choice is None:
+        backend = self._chosen.get(kind)
+        if backend is None:
             choice, settled = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)
+            backend = get_backend(choice)
             if settled:
                 if len(self._chosen) >= CHOICES_KEPT:
                     self._chosen.clear()
-                self._chosen[kind] = choice
-        self.current = choice
-        return get_backend(choice)
+                self._chosen[kind] = backend
+        self.current = backend.name
+        return backend
 
     def _cheapest(
         self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool,
