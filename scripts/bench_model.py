@@ -139,6 +139,7 @@ from sparse_llm.model import (
 )
 from sparse_llm.sparsity import l1_term
 from sparse_llm.step_scope import optimizer_step
+from sparse_llm.train_graphs import release_graphs
 from sparse_llm.tokenizer import load_tokenizer
 from sparse_llm.training import (
     FrozenHeap,
@@ -362,6 +363,7 @@ def free_memory(model: LlamaForCausalLM, device: torch.device) -> None:
     activations, which the next variant would otherwise start with."""
     for mlp in sparse_mlps(model):
         mlp.last_result = None
+    release_graphs()  # the training op's forward graphs and their buffers
     if device.type == "cuda":  # gc.collect() takes seconds in a big process: only where memory is measured
         gc.collect()
         torch.cuda.empty_cache()

@@ -145,3 +145,11 @@ def graphed_forward(w_gate_NK: Tensor) -> GraphedForward:
         graphed = _graphed[key] = GraphedForward()
         weakref.finalize(w_gate_NK, _graphed.pop, key, None)
     return graphed
+
+
+def release_graphs() -> None:
+    """Drop every layer's graph with its output and cast buffers, and the shared input and gate buffers: their memory
+    goes back to torch's cache (a benchmark measuring another path next, a process done with its model). A layer's next
+    graphed call runs eagerly and captures anew."""
+    _graphed.clear()
+    _shared_buffers.cache_clear()

@@ -4,6 +4,7 @@ is tests/gpu/test_step_scope_gpu.py): weight casts reused over one optimizer ste
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_llm import step_scope, twell_train
+from sparse_llm import step_scope, train_graphs, twell_train
 from sparse_llm.step_scope import held_grads, optimizer_step, reused_cast
 from sparse_llm.twell_train import STATE_NAMES, twell_train_ffn
 
@@ -228,3 +229,18 @@ def test_ddp_all_reduces_gradients_added_in_place():
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(re.findall(r"rank (\d): added in place", out.stdout)) == ["0", "1"], out.stdout[-2000:]
+
+
+def test_a_layers_forward_graph_is_kept_per_weight_until_released_or_the_weight_dies():
+    """The registry of `train_graphs` (no capture on the CPU): one GraphedForward per layer's gate weight, the same one
+    every call; `release_graphs` drops them all, and a weight's entry goes with the weight."""
+    w_gate = torch.zeros(N, K)
+    graphed = train_graphs.graphed_forward(w_gate)
+    assert train_graphs.graphed_forward(w_gate) is graphed
+    assert train_graphs.graphed_forward(torch.zeros(N, K)) is not graphed
+    train_graphs.release_graphs()
+    assert train_graphs.graphed_forward(w_gate) is not graphed
+    key = id(w_gate)
+    del w_gate
+    gc.collect()
+    assert key not in train_graphs._graphed
