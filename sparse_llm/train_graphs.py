@@ -35,14 +35,16 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class ReplayToken:
-    """Which replay of a layer's graph produced a forward's outputs; `check` in its backward."""
+    """Which replay of which of a layer's graphs produced a forward's outputs; `check` in its backward."""
 
     graphed: GraphedForward
+    graph: torch.cuda.CUDAGraph
     replay: int
 
     def check(self) -> None:
-        """Raise if the layer's graph has been replayed since, i.e. the saved outputs now hold a later call's."""
-        if self.graphed.replays != self.replay:
+        """Raise if that graph has been replayed since, i.e. the saved outputs now hold a later call's. A graph the
+        layer has dropped since (a new shape) never rewrites them again."""
+        if self.graphed.graph is self.graph and self.graphed.replays != self.replay:
             raise RuntimeError(
                 "The sparse training op's forward was replayed again before this forward's backward ran, so the "
                 "activations saved for it were overwritten. Graphed forwards (step_scope.optimizer_step("
@@ -98,7 +100,7 @@ class GraphedForward:
         counts_host.copy_(self.outputs[count], non_blocking=True)
         # Fresh tensor objects over the same buffers: autograd records each call's history on its outputs.
         outputs = tuple(counts_host if i == count else t.detach() for i, t in enumerate(self.outputs))
-        return outputs, ReplayToken(self, self.replays)
+        return outputs, ReplayToken(self, self.graph, self.replays)
 
     def _capture(
         self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor

@@ -244,3 +244,17 @@ def test_a_layers_forward_graph_is_kept_per_weight_until_released_or_the_weight_
     del w_gate
     gc.collect()
     assert key not in train_graphs._graphed
+
+
+def test_a_replay_token_fails_only_once_its_graph_replayed_again():
+    """The backward's check of a graphed forward (`train_graphs.ReplayToken`), on stand-ins for the graphs: a later
+    replay of the same graph has rewritten the saved outputs; a graph dropped for a new shape never will."""
+    graphed = train_graphs.GraphedForward()
+    graphed.graph, graphed.replays = object(), 3
+    token = train_graphs.ReplayToken(graphed, graphed.graph, 3)
+    token.check()
+    graphed.replays = 4
+    with pytest.raises(RuntimeError, match="replayed again before this forward's backward"):
+        token.check()
+    graphed.graph = object()  # the layer captured anew (its old graph and buffers are the token's alone)
+    token.check()
