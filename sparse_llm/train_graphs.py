@@ -80,7 +80,7 @@ class GraphedForward:
     ) -> tuple[tuple[Tensor, ...], ReplayToken | None]:
         """forward_kernels' outputs (the count as a pinned CPU int32 [1], as `_cuda_forward` returns it) and the token
         of the replay that made them (None: an eager call's, whose outputs are its own)."""
-        from sparse_llm.twell_train import STATE_NAMES, forward_kernels, new_counts_host
+        from sparse_llm.twell_train import COUNTS_OUTPUT, forward_kernels, new_counts_host
 
         key = (x_MK.shape, x_MK.dtype, x_MK.device, width, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
                w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
@@ -95,11 +95,10 @@ class GraphedForward:
             self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK)
         self.graph.replay()
         self.replays += 1
-        count = STATE_NAMES.index("heavy_counts") + 4  # its place among the outputs
         counts_host = new_counts_host()
-        counts_host.copy_(self.outputs[count], non_blocking=True)
+        counts_host.copy_(self.outputs[COUNTS_OUTPUT], non_blocking=True)
         # Fresh tensor objects over the same buffers: autograd records each call's history on its outputs.
-        outputs = tuple(counts_host if i == count else t.detach() for i, t in enumerate(self.outputs))
+        outputs = tuple(counts_host if i == COUNTS_OUTPUT else t.detach() for i, t in enumerate(self.outputs))
         return outputs, ReplayToken(self, self.graph, self.replays)
 
     def _capture(

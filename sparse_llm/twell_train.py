@@ -214,6 +214,7 @@ STATE_NAMES = (
     "heavy_counts",
     "w_compute_RK",
 )
+COUNTS_OUTPUT = 4 + STATE_NAMES.index("heavy_counts")  # the heavy-token count's place among the op's outputs
 _Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
@@ -1063,7 +1064,7 @@ def twell_train_ffn(
     dx_slices = dx_by_slices(m, k, n, width, l0_hint)
     op = twell_train_forward_op if torch.compiler.is_compiling() else _EagerTrainFFN.apply
     with torch.autocast(device_type, enabled=False):
-        y_MK, l1_sum, l0_M, fired_N, *state = op(*tensors, width, dx_slices)
-    heavy_counts = state[STATE_NAMES.index("heavy_counts")]
+        outputs = op(*tensors, width, dx_slices)
+    y_MK, l1_sum, l0_M, fired_N = outputs[:4]
     return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
-                     overflow_rows=heavy_counts[:1])  # fmt: skip
+                     overflow_rows=outputs[COUNTS_OUTPUT][:1])  # fmt: skip
