@@ -16,7 +16,12 @@
 // from call to call (last-bit differences after rounding to bf16).
 //
 // Rounding follows the dense bf16 block: g and u are rounded to bf16 as a bf16 GEMM stores them, h = g * u is
-// rounded to bf16, and y is summed in fp32 and rounded once (decode_finish).
+// rounded to bf16, and y is summed in fp32 and rounded once.
+//
+// One launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed, and the last block to
+// finish rounds them into y and zeroes them again (`finish_in_last_block`). An eager decoding step issued from Python
+// pays the host for every op it issues (~20 us each on an H200's host), so the call issues one kernel and allocates
+// only its outputs.
 #include "twell_common.cuh"
 
 [[maybe_unused]] constexpr int DECODE_MAX_M = 16;  // tokens per call (DECODE_MAX_M in sparse_llm/twell_backend.py)
@@ -106,10 +111,52 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
     __syncwarp();
 }
 
+// The decode workspace (fp32, DECODE_MAX_M * K + 2 * DECODE_MAX_M + 1 words; `decode_workspace` in
+// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K], then l1 (fp32 [DECODE_MAX_M]), l0 (int32
+// [DECODE_MAX_M]) and the count of blocks done (unsigned). All zero between calls.
+struct DecodeWorkspace {
+    float *y_sum, *l1;
+    int *l0;
+    unsigned *done;
+    __device__ DecodeWorkspace(float *base, int K)
+        : y_sum(base), l1(base + DECODE_MAX_M * K), l0(reinterpret_cast<int *>(l1 + DECODE_MAX_M)),
+          done(reinterpret_cast<unsigned *>(l0 + DECODE_MAX_M)) {}
+};
+
+// Called by every thread of every block once its sums are added: the last block to get here writes y (bf16 [M, K])
+// = the fp32 sums rounded to bf16, plus residual (bf16 [M, K], or null) added as the unfused path adds it
+// (add_residual8), and l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the workspace zeroed.
+__device__ __forceinline__ void finish_in_last_block(const DecodeWorkspace &ws, const __nv_bfloat16 *residual,
+                                                     __nv_bfloat16 *y, float *l1_out, int *l0_out, int M, int K) {
+    __shared__ bool last;
+    __threadfence();  // this thread's atomics reach the device before its block counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ws.done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // every other block's sums are visible: read them from L2 (__ldcg), past this SM's L1
+    float4 *sums4 = reinterpret_cast<float4 *>(ws.y_sum);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q = threadIdx.x; q < M * K / 8; q += blockDim.x) {
+        const float4 lo = __ldcg(sums4 + 2 * q), hi = __ldcg(sums4 + 2 * q + 1);
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual) + q));
+        __stcs(reinterpret_cast<uint4 *>(y) + q, pack_bf16x8(v));
+        sums4[2 * q] = zero, sums4[2 * q + 1] = zero;
+    }
+    if (threadIdx.x < M) {
+        if (l1_out != nullptr) l1_out[threadIdx.x] = __ldcg(ws.l1 + threadIdx.x);
+        if (l0_out != nullptr) l0_out[threadIdx.x] = __ldcg(ws.l0 + threadIdx.x);
+        ws.l1[threadIdx.x] = 0.0f, ws.l0[threadIdx.x] = 0;
+    }
+    if (threadIdx.x == 0) *ws.done = 0;
+}
+
 // One pass over the N neurons for M tokens. x, w_gate, w_up, w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t
-// is w_down transposed: row n = neuron n's output weights). y_sum: fp32 [M, K], zeroed, receives h w_down^T.
-// l1 (fp32 [M]) and l0 (int32 [M]), zeroed: sum |h| and the count of h != 0 per token; fired (int32 [N]): 1 where
-// neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
+// is w_down transposed: row n = neuron n's output weights). workspace: DecodeWorkspace's, zeroed; its y sums receive
+// h w_down^T, its l1 and l0 sum |h| and count h != 0 per token, and the last block writes y (plus residual, bf16
+// [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block). fired (int32 [N], or null): 1
+// where neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
 // takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else one
 // neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
 // number of blocks of DECODE_WARPS warps (they stride over the neurons); dynamic shared memory: M * KV * 512 bytes of
@@ -118,8 +165,12 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
 template <int KV, bool BLOCK_SUMS, bool MMA_GATE>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn(
     const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w_gate,
-    const __nv_bfloat16 *__restrict__ w_up, const __nv_bfloat16 *__restrict__ w_down_t, float *__restrict__ y_sum,
-    float *__restrict__ l1, int *__restrict__ l0, int *__restrict__ fired, int M, int K, int N) {
+    const __nv_bfloat16 *__restrict__ w_up, const __nv_bfloat16 *__restrict__ w_down_t, float *workspace,
+    const __nv_bfloat16 *__restrict__ residual, __nv_bfloat16 *__restrict__ y, float *__restrict__ l1_out,
+    int *__restrict__ l0_out, int *__restrict__ fired, int M, int K, int N) {
+    const DecodeWorkspace ws(workspace, K);
+    float *const y_sum = ws.y_sum, *const l1 = ws.l1;
+    int *const l0 = ws.l0;
     constexpr int TILE = MMA_GATE ? MMA_NEURONS : 1;  // neurons a warp takes at a time
     extern __shared__ uint4 smem[];
     uint4 *x_rows = smem;  // token t's row at [t * KV * 32], in stage_row's layout
@@ -201,41 +252,30 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             up_down(n, vals, live);
         }
     }
-    if constexpr (!BLOCK_SUMS) return;
-    if (lane == 0 && warp_live != 0) atomicOr(&block_live, warp_live);
-    __syncthreads();
-    const unsigned tokens = block_live;
-    if (threadIdx.x < M && (tokens >> threadIdx.x & 1u)) {
-        atomicAdd(l0 + threadIdx.x, block_l0[threadIdx.x]);
-        atomicAdd(l1 + threadIdx.x, block_l1[threadIdx.x]);
+    if constexpr (BLOCK_SUMS) {
+        if (lane == 0 && warp_live != 0) atomicOr(&block_live, warp_live);
+        __syncthreads();
+        const unsigned tokens = block_live;
+        if (threadIdx.x < M && (tokens >> threadIdx.x & 1u)) {
+            atomicAdd(l0 + threadIdx.x, block_l0[threadIdx.x]);
+            atomicAdd(l1 + threadIdx.x, block_l1[threadIdx.x]);
+        }
+        for (int q = threadIdx.x; q < M * KV * 32; q += blockDim.x) {  // the block's sums into y: 8 columns a thread
+            const int t = q / (KV * 32), v = q % (KV * 32) / 32, l = q % 32, col = v * 256 + l * 8;
+            if (!(tokens >> t & 1u) || col >= K) continue;
+            const float *piece = sums + t * KV * 256 + v * 256 + l;  // element i at piece[i * 32]
+            float *out = y_sum + static_cast<size_t>(t) * K + col;
+            atomicAdd(reinterpret_cast<float4 *>(out), make_float4(piece[0], piece[32], piece[64], piece[96]));
+            atomicAdd(reinterpret_cast<float4 *>(out + 4), make_float4(piece[128], piece[160], piece[192], piece[224]));
+        }
     }
-    for (int q = threadIdx.x; q < M * KV * 32; q += blockDim.x) {  // the block's sums into y: 8 columns a thread
-        const int t = q / (KV * 32), v = q % (KV * 32) / 32, l = q % 32, col = v * 256 + l * 8;
-        if (!(tokens >> t & 1u) || col >= K) continue;
-        const float *piece = sums + t * KV * 256 + v * 256 + l;  // element i at piece[i * 32]
-        float *out = y_sum + static_cast<size_t>(t) * K + col;
-        atomicAdd(reinterpret_cast<float4 *>(out), make_float4(piece[0], piece[32], piece[64], piece[96]));
-        atomicAdd(reinterpret_cast<float4 *>(out + 4), make_float4(piece[128], piece[160], piece[192], piece[224]));
-    }
-}
-
-// y (bf16 [M, K]) = y_sum (fp32 [M, K]) rounded to bf16, plus residual (bf16 [M, K], or null) added as the unfused
-// path adds it (add_residual8). `pieces` = M * K / 8; any grid.
-extern "C" __global__ void decode_finish(const float *__restrict__ y_sum, const __nv_bfloat16 *__restrict__ residual,
-                                         __nv_bfloat16 *__restrict__ y, int pieces) {
-    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < pieces; q += gridDim.x * blockDim.x) {
-        const float4 lo = __ldcs(reinterpret_cast<const float4 *>(y_sum) + 2 * q);
-        const float4 hi = __ldcs(reinterpret_cast<const float4 *>(y_sum) + 2 * q + 1);
-        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual) + q));
-        __stcs(reinterpret_cast<uint4 *>(y) + q, pack_bf16x8(v));
-    }
+    finish_in_last_block(ws, residual, y, l1_out, l0_out, M, K);
 }
 
 #define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE)                                                                  \
     template __global__ void decode_ffn<KV, BLOCK_SUMS, MMA_GATE>(                                                  \
-        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *, float *, \
-        int *, int *, int, int, int);
+        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *,           \
+        const __nv_bfloat16 *, __nv_bfloat16 *, float *, int *, int *, int, int, int);
 DECODE_FFN(1, false, false)
 DECODE_FFN(1, false, true)
 DECODE_FFN(1, true, false)

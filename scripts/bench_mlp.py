@@ -81,8 +81,8 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         row = {
             "M": m, "K": k, "N": n, "target_nnz": nnz, "sigma": sigma,
             "nnz_mean": l0_mean,
-            "nnz_p99": result.l0_M.float().quantile(0.99).item() if m > 1 else result.l0_M.float().max().item(),
-            "nnz_max": result.l0_M.max().item(),
+            "nnz_p99": first.l0_M.float().quantile(0.99).item() if m > 1 else first.l0_M.float().max().item(),
+            "nnz_max": first.l0_M.max().item(),
             "err_twell": relative_error(result.y_MK, ref),
             "err_dense": relative_error(run_dense(), ref),
             "path": result.path, "overflow_rows": result.dense_rows(),
@@ -190,7 +190,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     cases = [
-        (args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, args.nnz.split(","))
+        (args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, filter(None, args.nnz.split(",")))
     ]
     cases += [
         (m, nnz, 0.0)

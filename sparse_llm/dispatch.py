@@ -47,6 +47,11 @@ TRIAL_BAND = 1.5
 # In a trial the sparse path must beat the dense one by this factor: a smaller lead is within a trial's noise.
 TRIAL_MARGIN = 0.97
 TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
+# A host-bound trial times the host's pace, which its first calls (a new kernel's, a new token count's) and the host's
+# own jitter disturb more than device time: one on an H200's host timed a one-token decode call at 0.32 ms against
+# 0.22 for the dense block, then ran it at 69-124 us against 92-164 (2026-11-29). Such calls cost ~0.1 ms, so their
+# trial runs more of them, once per bucket.
+HOST_BOUND_TRIAL = {"warmup": 3, "reps": 10}
 # An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
 # either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
 # machines against 13-38 us of device time in CUDA graphs, and the decode kernel's calls took 1.05-1.7x the dense
@@ -87,12 +92,13 @@ def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
 
 
-def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key, float]:
-    """Each of `calls` timed on the current CUDA stream: one untimed run each (a first call may load its kernels), then
-    `reps` rounds of all of them in turn between CUDA events; each call's best time (the least disturbed) in ms.
-    Waits for the GPU once."""
-    for call in calls.values():
-        call()
+def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int, warmup: int = 1) -> dict[Key, float]:
+    """Each of `calls` timed on the current CUDA stream: `warmup` untimed rounds of all of them (a first call may load
+    its kernels), then `reps` rounds of all of them in turn between CUDA events; each call's best time (the least
+    disturbed) in ms. Waits for the GPU once."""
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
     events: dict[Key, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {key: [] for key in calls}
     for _ in range(reps):
         for key, call in calls.items():
@@ -272,8 +278,8 @@ class LayerDispatcher:
         if key not in self.trials:
             if not can_time(x_MK):
                 return None
-            ms = best_times_ms({name: lambda name=name: trial(get_backend(name)) for name in ("torch", sparse)},
-                               TRIAL_REPS)  # fmt: skip
+            calls = {name: lambda name=name: trial(get_backend(name)) for name in ("torch", sparse)}
+            ms = best_times_ms(calls, **HOST_BOUND_TRIAL) if host_bound else best_times_ms(calls, TRIAL_REPS)
             self.trials[key] = sparse if ms[sparse] <= TRIAL_MARGIN * ms["torch"] else "torch"
             log.debug("trial at %s: %s ms -> %s", key, ms, self.trials[key])
         return self.trials[key]

@@ -137,8 +137,9 @@ def timed(monkeypatch):
     """Trials on the CPU: `can_time` says yes and `best_times_ms` runs each call once and returns `timed.ms`."""
     record = SimpleNamespace(ms={}, trials=0)
 
-    def best_times_ms(calls, reps):
+    def best_times_ms(calls, reps, warmup=1):
         record.trials += 1
+        record.rounds = (warmup, reps)
         for call in calls.values():
             call()
         return {key: record.ms[key] for key in calls}
@@ -162,7 +163,7 @@ def test_close_prices_are_settled_by_a_trial_once_per_token_count_and_density(fa
     dispatcher, x, w = close_prices(fake, 1.2)  # priced dense...
     timed.ms = {"torch": 1.0, "fake": 0.8}  # ...measured sparse
     assert dispatcher.choose(x, w, False, trial=lambda backend: ran.append(backend.name)).name == "fake"
-    assert timed.trials == 1 and sorted(ran) == ["fake", "torch"]
+    assert timed.trials == 1 and sorted(ran) == ["fake", "torch"] and timed.rounds == (1, dispatch.TRIAL_REPS)
     assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1  # remembered
     dispatcher.observe(3.05, 9.0)  # the same density bucket
     assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1
@@ -199,6 +200,7 @@ def test_host_bound_calls_are_settled_by_a_trial_except_in_cuda_graphs(fake, tim
     fake.ms = 0.4 * dense_ms  # far outside the trial band: the price alone takes the sparse path
     timed.ms = {"torch": 0.07, "fake": 0.08}  # issued from Python, the dense path's host work is the smaller
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1
+    assert timed.rounds == (dispatch.HOST_BOUND_TRIAL["warmup"], dispatch.HOST_BOUND_TRIAL["reps"])  # the host's jitter
     assert dispatcher.choose(x, w, False, trial=lambda b: None, graphed=True).name == "fake" and timed.trials == 1
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1  # remembered
     timed.ms = {"torch": 0.07, "fake": 0.05}
