@@ -18,10 +18,11 @@
 // Rounding follows the dense bf16 block: g and u are rounded to bf16 as a bf16 GEMM stores them, h = g * u is
 // rounded to bf16, and y is summed in fp32 and rounded once.
 //
-// One launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed, and the last block to
-// finish rounds them into y and zeroes them again (`finish_in_last_block`). An eager decoding step issued from Python
-// pays the host for every op it issues (~20 us each on an H200's host), so the call issues one kernel and allocates
-// only its outputs.
+// Issued from Python, one launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed,
+// and the last block to finish rounds them into y and zeroes them again (`finish_in_last_block`). An eager decoding
+// step pays the host for every op it issues (~20 us each on an H200's host), so the call issues one kernel and
+// allocates only its outputs. In a CUDA graph, where no host time is paid per call, decode_finish rounds the sums
+// instead, spread over many blocks: the last block alone took 8-18 us longer for 8-16 tokens.
 #include "twell_common.cuh"
 
 [[maybe_unused]] constexpr int DECODE_MAX_M = 16;  // tokens per call (DECODE_MAX_M in sparse_llm/twell_backend.py)
@@ -123,27 +124,35 @@ struct DecodeWorkspace {
           done(reinterpret_cast<unsigned *>(l0 + DECODE_MAX_M)) {}
 };
 
-// Called by every thread of every block once its sums are added: the last block to get here writes y (bf16 [M, K])
-// = the fp32 sums rounded to bf16, plus residual (bf16 [M, K], or null) added as the unfused path adds it
-// (add_residual8), and l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the workspace zeroed.
+// y (bf16 [M, K]) = the fp32 sums y_sum [M, K] rounded to bf16, plus residual (bf16 [M, K], or null) added as the
+// unfused path adds it (add_residual8); with `zero`, the sums are zeroed as they are read. Piece q = columns 8q ..
+// 8q + 7 of the flattened rows, q from `first` in steps of `stride`.
+__device__ __forceinline__ void round_sums(float *y_sum, const __nv_bfloat16 *residual, __nv_bfloat16 *y, int pieces,
+                                           int first, int stride, bool zero) {
+    float4 *sums4 = reinterpret_cast<float4 *>(y_sum);
+    for (int q = first; q < pieces; q += stride) {
+        const float4 lo = __ldcg(sums4 + 2 * q), hi = __ldcg(sums4 + 2 * q + 1);  // from L2: other SMs' atomics
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual) + q));
+        __stcs(reinterpret_cast<uint4 *>(y) + q, pack_bf16x8(v));
+        if (zero) sums4[2 * q] = sums4[2 * q + 1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// Called by every thread of every block once its sums are added; does nothing without y (decode_finish rounds the
+// sums then). The last block to get here writes y from the sums (round_sums, residual added when not null) and
+// l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the workspace zeroed.
 __device__ __forceinline__ void finish_in_last_block(const DecodeWorkspace &ws, const __nv_bfloat16 *residual,
                                                      __nv_bfloat16 *y, float *l1_out, int *l0_out, int M, int K) {
+    if (y == nullptr) return;
     __shared__ bool last;
     __threadfence();  // this thread's atomics reach the device before its block counts itself done
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(ws.done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
-    __threadfence();  // every other block's sums are visible: read them from L2 (__ldcg), past this SM's L1
-    float4 *sums4 = reinterpret_cast<float4 *>(ws.y_sum);
-    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int q = threadIdx.x; q < M * K / 8; q += blockDim.x) {
-        const float4 lo = __ldcg(sums4 + 2 * q), hi = __ldcg(sums4 + 2 * q + 1);
-        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        if (residual != nullptr) add_residual8(v, __ldcs(reinterpret_cast<const uint4 *>(residual) + q));
-        __stcs(reinterpret_cast<uint4 *>(y) + q, pack_bf16x8(v));
-        sums4[2 * q] = zero, sums4[2 * q + 1] = zero;
-    }
+    __threadfence();  // every other block's sums are visible (round_sums reads them from L2)
+    round_sums(ws.y_sum, residual, y, M * K / 8, threadIdx.x, blockDim.x, true);
     if (threadIdx.x < M) {
         if (l1_out != nullptr) l1_out[threadIdx.x] = __ldcg(ws.l1 + threadIdx.x);
         if (l0_out != nullptr) l0_out[threadIdx.x] = __ldcg(ws.l0 + threadIdx.x);
@@ -154,8 +163,9 @@ __device__ __forceinline__ void finish_in_last_block(const DecodeWorkspace &ws, 
 
 // One pass over the N neurons for M tokens. x, w_gate, w_up, w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t
 // is w_down transposed: row n = neuron n's output weights). workspace: DecodeWorkspace's, zeroed; its y sums receive
-// h w_down^T, its l1 and l0 sum |h| and count h != 0 per token, and the last block writes y (plus residual, bf16
-// [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block). fired (int32 [N], or null): 1
+// h w_down^T, its l1 and l0 sum |h| and count h != 0 per token. With y, the last block writes y (plus residual, bf16
+// [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); with a null y, the sums stay
+// for decode_finish and l1 and l0 in the workspace. fired (int32 [N], or null): 1
 // where neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
 // takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else one
 // neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
@@ -270,6 +280,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
         }
     }
     finish_in_last_block(ws, residual, y, l1_out, l0_out, M, K);
+}
+
+// decode_ffn's second half where its y was null: y (bf16 [M, K]) from the workspace's sums (round_sums). `pieces` =
+// M * K / 8; any grid.
+extern "C" __global__ void decode_finish(float *__restrict__ workspace, const __nv_bfloat16 *__restrict__ residual,
+                                         __nv_bfloat16 *__restrict__ y, int pieces) {
+    round_sums(workspace, residual, y, pieces, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, false);
 }
 
 #define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE)                                                                  \

@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
@@ -47,11 +48,14 @@ TRIAL_BAND = 1.5
 # In a trial the sparse path must beat the dense one by this factor: a smaller lead is within a trial's noise.
 TRIAL_MARGIN = 0.97
 TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
-# A host-bound trial times the host's pace, which its first calls (a new kernel's, a new token count's) and the host's
-# own jitter disturb more than device time: one on an H200's host timed a one-token decode call at 0.32 ms against
-# 0.22 for the dense block, then ran it at 69-124 us against 92-164 (2026-11-29). Such calls cost ~0.1 ms, so their
-# trial runs more of them, once per bucket.
-HOST_BOUND_TRIAL = {"warmup": 3, "reps": 10}
+# A host-bound trial times each path's calls issued back to back by the host's clock, with a wait for the GPU around
+# each run of them (`loop_times_ms`): what a decoding loop pays per call, the host's time or the device's, whichever is
+# longer. CUDA events around single calls misread it: the dense block's events start late where the call before left
+# the GPU busy. On an H200 they put the decode kernel at 16 tokens at 0.089 ms against the dense block's 0.060, while
+# 64-call loops ran them at 71 and 94 us a call (2026-11-29). A call costs ~0.1 ms: the trial runs a few dozen, once
+# per bucket.
+HOST_BOUND_TRIAL_ROUNDS = 5
+HOST_BOUND_TRIAL_CALLS = 4  # calls per run
 # An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
 # either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
 # machines against 13-38 us of device time in CUDA graphs, and the decode kernel's calls took 1.05-1.7x the dense
@@ -92,13 +96,12 @@ def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
 
 
-def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int, warmup: int = 1) -> dict[Key, float]:
-    """Each of `calls` timed on the current CUDA stream: `warmup` untimed rounds of all of them (a first call may load
-    its kernels), then `reps` rounds of all of them in turn between CUDA events; each call's best time (the least
-    disturbed) in ms. Waits for the GPU once."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
+def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key, float]:
+    """Each of `calls` timed on the current CUDA stream: one untimed run each (a first call may load its kernels), then
+    `reps` rounds of all of them in turn between CUDA events; each call's best time (the least disturbed) in ms.
+    Waits for the GPU once."""
+    for call in calls.values():
+        call()
     events: dict[Key, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {key: [] for key in calls}
     for _ in range(reps):
         for key, call in calls.items():
@@ -109,6 +112,23 @@ def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int, warmup: int
             events[key].append((start, end))
     end.synchronize()  # the last event recorded: every timed call is done
     return {key: min(s.elapsed_time(e) for s, e in pairs) for key, pairs in events.items()}
+
+
+def loop_times_ms(calls: dict[Key, Callable[[], object]], rounds: int, per_run: int) -> dict[Key, float]:
+    """Each of `calls` run `per_run` times back to back between two waits for the GPU, timed by the host's clock,
+    `rounds` times in turn after one untimed run each: each call's best wall time per call in ms (what a loop of such
+    calls pays, the host's time or the device's)."""
+    best = dict.fromkeys(calls, math.inf)
+    for timed in (False,) + (True,) * rounds:
+        for key, call in calls.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(per_run):
+                call()
+            torch.cuda.synchronize()
+            if timed:
+                best[key] = min(best[key], (time.perf_counter() - start) * 1e3 / per_run)
+    return best
 
 
 def can_time(x: torch.Tensor) -> bool:
@@ -279,7 +299,10 @@ class LayerDispatcher:
             if not can_time(x_MK):
                 return None
             calls = {name: lambda name=name: trial(get_backend(name)) for name in ("torch", sparse)}
-            ms = best_times_ms(calls, **HOST_BOUND_TRIAL) if host_bound else best_times_ms(calls, TRIAL_REPS)
+            if host_bound:
+                ms = loop_times_ms(calls, HOST_BOUND_TRIAL_ROUNDS, HOST_BOUND_TRIAL_CALLS)
+            else:
+                ms = best_times_ms(calls, TRIAL_REPS)
             self.trials[key] = sparse if ms[sparse] <= TRIAL_MARGIN * ms["torch"] else "torch"
             log.debug("trial at %s: %s ms -> %s", key, ms, self.trials[key])
         return self.trials[key]

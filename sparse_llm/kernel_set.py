@@ -52,6 +52,7 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     kv = _pieces(k)
     return [
         *[("decode_ffn.cu", decode_kernel_name(kv, sums, mma)) for sums in (False, True) for mma in (False, True)],
+        ("decode_ffn.cu", "decode_finish"),  # for calls captured in CUDA graphs
         *[("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
         ("dense_rows.cu", "gather_dense_rows"),

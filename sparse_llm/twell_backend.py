@@ -24,9 +24,9 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   w_down column only if it fires for some token, adding h times that column into fp32 output rows with atomics
   (summed per block in shared memory first where a token may fire many neurons: `decode_block_sums`). Few tokens
   cannot share weight rows, so the block is bound by the weight bytes it reads: all of w_gate, and of w_up and
-  w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode". The call is one
-  launch into a workspace its last block leaves zeroed (`decode_workspace`), for an eager decoding step's sake: from
-  Python, each op a call issues costs the host more than this kernel costs the GPU.
+  w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode". Issued from
+  Python the call is one launch into a workspace its last block leaves zeroed (`decode_workspace`): there each op a
+  call issues costs the host more than this kernel costs the GPU.
 - "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
   by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
   memory; kernels/twell_gate_wgmma.cu: 2-CTA clusters fed by the bulk tensor copy engine, 640-735 TFLOP/s on the
@@ -88,6 +88,7 @@ MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = 
 DECODE_MAX_M = 16  # DECODE_MAX_M in decode_ffn.cu: the most tokens decode_ffn stages in shared memory
 DECODE_WARPS = 16  # DECODE_WARPS there: warps per block
 DECODE_BLOCKS_PER_SM = 2
+DECODE_FINISH_THREADS = 256  # threads per block of decode_finish (graphed calls)
 # decode_ffn's blocks sum their share of y in shared memory first (`decode_block_sums`) where M * ceil(K / 256) <=
 # DECODE_BLOCK_SUM_PIECES (97 KiB a block, two blocks an SM) and a token may fire more than DECODE_GLOBAL_MAX_NNZ
 # neurons (no hint: it may). One global atomic per firing neuron queues thousands on each output address for a dense
@@ -1063,11 +1064,11 @@ def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool) -> str:
 
 
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
-    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` for rows of K columns (DecodeWorkspace in kernels/decode_ffn.cu:
-    DECODE_MAX_M * K sums, then DECODE_MAX_M l1 and l0 words and a count of blocks done), which each call leaves
-    zeroed. One per device, stream and K, made on first use: calls on one stream run in turn, so they can share it.
-    While a CUDA graph is being captured a fresh one is zeroed in the graph instead: the graph then owns it, and may be
-    replayed on any stream."""
+    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` for rows of K columns
+    (DecodeWorkspace in kernels/decode_ffn.cu: DECODE_MAX_M * K sums, then DECODE_MAX_M l1 and l0 words and a count
+    of blocks done), which each call issued from Python leaves zeroed. One per device, stream and K, made on first use:
+    calls on one stream run in turn, so they can share it. While a CUDA graph is being captured a fresh one is zeroed in
+    the graph instead: the graph then owns it, and may be replayed on any stream."""
     size = DECODE_MAX_M * (k + 2) + 1
     if torch._C._cuda_isCurrentStreamCapturing():
         return torch.zeros(size, dtype=torch.float32, device=device)
@@ -1082,10 +1083,9 @@ _DECODE_WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
 
 
 @functools.cache
-def _decode_kernel(device_index: int, kv: int, block_sums: bool, mma_gate: bool) -> Any:
-    """decode_ffn's instantiation on a device, looked up once: a decoding step issued from Python pays for every
+def _decode_kernel(device_index: int, name: str) -> Any:
+    """A kernel of decode_ffn.cu on a device, looked up once: a decoding step issued from Python pays for every
     statement of the call."""
-    name = decode_kernel_name(kv, block_sums, mma_gate)
     return cuda.get_function("decode_ffn.cu", name, torch.device("cuda", device_index))
 
 
@@ -1093,31 +1093,45 @@ def decode_ffn(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     residual_MK: torch.Tensor | None = None, l0_max: float | None = None, statistics: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The block for M <= DECODE_MAX_M tokens in one launch (kernels/decode_ffn.cu): (y_MK bf16 [M, K], plus
-    residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M int32 [M]; fired_N int32 [N]), the last three
+    """The block for M <= DECODE_MAX_M tokens in one pass over the neurons (kernels/decode_ffn.cu): (y_MK bf16 [M, K],
+    plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M int32 [M]; fired_N int32 [N]), the last three
     None without `statistics`. w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight. l0_max: the most non-zeros
-    a token of the layer has had recently (None: unknown), which sets how the kernel sums y (`decode_block_sums`)."""
+    a token of the layer has had recently (None: unknown), which sets how the kernel sums y (`decode_block_sums`).
+
+    Issued from Python the call is one launch, whose last block writes y (see the kernel's header); captured in a CUDA
+    graph, decode_finish writes it."""
     (m, k), n, device = x_MK.shape, w_gate_NK.shape[0], x_MK.device
     if not 1 <= m <= DECODE_MAX_M:
         raise ValueError(f"decode_ffn takes 1 to {DECODE_MAX_M} tokens, got M={m}")
     workspace = decode_workspace(device, k)
+    graphed = torch._C._cuda_isCurrentStreamCapturing()
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = l0_M = fired_N = None
-    if statistics:  # one allocation for the three
+    if statistics and graphed:  # l1 and l0 stay in the graph's own workspace
+        fired_N = torch.empty(n, dtype=torch.int32, device=device)
+        l1_M = workspace[DECODE_MAX_M * k : DECODE_MAX_M * k + m]
+        l0_M = workspace[DECODE_MAX_M * (k + 1) : DECODE_MAX_M * (k + 1) + m].view(torch.int32)
+    elif statistics:  # one allocation for the three
         stats = torch.empty(2 * m + n, dtype=torch.int32, device=device)
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
     block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
-    kernel = _decode_kernel(device.index, kv, block_sums, mma_gate)
+    kernel = _decode_kernel(device.index, decode_kernel_name(kv, block_sums, mma_gate))
     # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
     values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
     smem = m * kv * 512 + values + (m * kv * 1024 if block_sums else 0)
     cuda.set_dynamic_smem(kernel, smem)
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
-    operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, workspace, residual_MK, y_MK, l1_M, l0_M, fired_N)
+    outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
+    operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, workspace, residual_MK, *outs, fired_N)
     args = (*map(cuda.ptr, operands), _i32(m), _i32(k), _i32(n))
     cuda.launch(kernel, (blocks,), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
+    if graphed:
+        pieces = m * k // 8
+        blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), cuda.sm_count(device))
+        args = (cuda.ptr(workspace), cuda.ptr(residual_MK), cuda.ptr(y_MK), _i32(pieces))
+        cuda.launch(_decode_kernel(device.index, "decode_finish"), (blocks,), (DECODE_FINISH_THREADS,), args, device)
     return y_MK, l1_M, l0_M, fired_N
 
 

@@ -1,5 +1,6 @@
 """The per-layer `auto` choice: cheapest available backend that accepts the inputs, with hysteresis."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -134,18 +135,20 @@ def test_sparse_mlp_hands_its_recent_density_to_the_backend(monkeypatch):
 
 @pytest.fixture
 def timed(monkeypatch):
-    """Trials on the CPU: `can_time` says yes and `best_times_ms` runs each call once and returns `timed.ms`."""
-    record = SimpleNamespace(ms={}, trials=0)
+    """Trials on the CPU: `can_time` says yes, and `best_times_ms` and `loop_times_ms` run each call once, return
+    `timed.ms` and note which of them ran."""
+    record = SimpleNamespace(ms={}, trials=0, how=None)
 
-    def best_times_ms(calls, reps, warmup=1):
+    def times_ms(how, calls, *counts):
         record.trials += 1
-        record.rounds = (warmup, reps)
+        record.how = how
         for call in calls.values():
             call()
         return {key: record.ms[key] for key in calls}
 
     monkeypatch.setattr(dispatch, "can_time", lambda x: True)
-    monkeypatch.setattr(dispatch, "best_times_ms", best_times_ms)
+    monkeypatch.setattr(dispatch, "best_times_ms", functools.partial(times_ms, "events"))
+    monkeypatch.setattr(dispatch, "loop_times_ms", functools.partial(times_ms, "loops"))
     return record
 
 
@@ -163,7 +166,7 @@ def test_close_prices_are_settled_by_a_trial_once_per_token_count_and_density(fa
     dispatcher, x, w = close_prices(fake, 1.2)  # priced dense...
     timed.ms = {"torch": 1.0, "fake": 0.8}  # ...measured sparse
     assert dispatcher.choose(x, w, False, trial=lambda backend: ran.append(backend.name)).name == "fake"
-    assert timed.trials == 1 and sorted(ran) == ["fake", "torch"] and timed.rounds == (1, dispatch.TRIAL_REPS)
+    assert timed.trials == 1 and sorted(ran) == ["fake", "torch"] and timed.how == "events"
     assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1  # remembered
     dispatcher.observe(3.05, 9.0)  # the same density bucket
     assert dispatcher.choose(x, w, False, trial=ran.append).name == "fake" and timed.trials == 1
@@ -200,7 +203,7 @@ def test_host_bound_calls_are_settled_by_a_trial_except_in_cuda_graphs(fake, tim
     fake.ms = 0.4 * dense_ms  # far outside the trial band: the price alone takes the sparse path
     timed.ms = {"torch": 0.07, "fake": 0.08}  # issued from Python, the dense path's host work is the smaller
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1
-    assert timed.rounds == (dispatch.HOST_BOUND_TRIAL["warmup"], dispatch.HOST_BOUND_TRIAL["reps"])  # the host's jitter
+    assert timed.how == "loops"  # timed by the host's clock
     assert dispatcher.choose(x, w, False, trial=lambda b: None, graphed=True).name == "fake" and timed.trials == 1
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "torch" and timed.trials == 1  # remembered
     timed.ms = {"torch": 0.07, "fake": 0.05}

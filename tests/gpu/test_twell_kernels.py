@@ -493,10 +493,13 @@ def test_decode_kernel_residual_statistics_and_graph_capture():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = twell_gated_mlp(*block, statistics=False)
+        with_stats = twell_gated_mlp(*block, residual_MK=residual_MK)
     x_MK.copy_(x_MK.flip(0))
     graph.replay()
     torch.cuda.synchronize()
     assert_close_to_ref(captured.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
+    check_stats(with_stats, x_MK, w_gate_NK, w_up_NK)
+    torch.testing.assert_close(with_stats.y_MK, residual_MK + captured.y_MK, rtol=2**-7, atol=1e-3)
     x_MK.copy_(x_MK.flip(0))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
