@@ -113,16 +113,10 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
 }
 
 // The decode workspace (fp32, DECODE_MAX_M * K + 2 * DECODE_MAX_M + 1 words; `decode_workspace` in
-// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K], then l1 (fp32 [DECODE_MAX_M]), l0 (int32
-// [DECODE_MAX_M]) and the count of blocks done (unsigned). All zero between calls.
-struct DecodeWorkspace {
-    float *y_sum, *l1;
-    int *l0;
-    unsigned *done;
-    __device__ DecodeWorkspace(float *base, int K)
-        : y_sum(base), l1(base + DECODE_MAX_M * K), l0(reinterpret_cast<int *>(l1 + DECODE_MAX_M)),
-          done(reinterpret_cast<unsigned *>(l0 + DECODE_MAX_M)) {}
-};
+// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32 [DECODE_MAX_M]), l0
+// (int32 [DECODE_MAX_M]) and the count of blocks done (unsigned), each passed to the kernel as a pointer of its own:
+// kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
+// loops. All zero between calls.
 
 // y (bf16 [M, K]) = the fp32 sums y_sum [M, K] rounded to bf16, plus residual (bf16 [M, K], or null) added as the
 // unfused path adds it (add_residual8); with `zero`, the sums are zeroed as they are read. Piece q = columns 8q ..
@@ -139,48 +133,47 @@ __device__ __forceinline__ void round_sums(float *y_sum, const __nv_bfloat16 *re
     }
 }
 
-// Called by every thread of every block once its sums are added; does nothing without y (decode_finish rounds the
-// sums then). The last block to get here writes y from the sums (round_sums, residual added when not null) and
-// l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the workspace zeroed.
-__device__ __forceinline__ void finish_in_last_block(const DecodeWorkspace &ws, const __nv_bfloat16 *residual,
-                                                     __nv_bfloat16 *y, float *l1_out, int *l0_out, int M, int K) {
-    if (y == nullptr) return;
+// Called by every thread of every block once its sums are added: the last block to get here writes y from the sums
+// (round_sums, residual added when not null) and l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the
+// workspace zeroed.
+__device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, int *l0, unsigned *done,
+                                                     const __nv_bfloat16 *residual, __nv_bfloat16 *y, float *l1_out,
+                                                     int *l0_out, int M, int K) {
     __shared__ bool last;
     __threadfence();  // this thread's atomics reach the device before its block counts itself done
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ws.done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block's sums are visible (round_sums reads them from L2)
-    round_sums(ws.y_sum, residual, y, M * K / 8, threadIdx.x, blockDim.x, true);
+    round_sums(y_sum, residual, y, M * K / 8, threadIdx.x, blockDim.x, true);
     if (threadIdx.x < M) {
-        if (l1_out != nullptr) l1_out[threadIdx.x] = __ldcg(ws.l1 + threadIdx.x);
-        if (l0_out != nullptr) l0_out[threadIdx.x] = __ldcg(ws.l0 + threadIdx.x);
-        ws.l1[threadIdx.x] = 0.0f, ws.l0[threadIdx.x] = 0;
+        if (l1_out != nullptr) l1_out[threadIdx.x] = __ldcg(l1 + threadIdx.x);
+        if (l0_out != nullptr) l0_out[threadIdx.x] = __ldcg(l0 + threadIdx.x);
+        l1[threadIdx.x] = 0.0f, l0[threadIdx.x] = 0;
     }
-    if (threadIdx.x == 0) *ws.done = 0;
+    if (threadIdx.x == 0) *done = 0;
 }
 
 // One pass over the N neurons for M tokens. x, w_gate, w_up, w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t
-// is w_down transposed: row n = neuron n's output weights). workspace: DecodeWorkspace's, zeroed; its y sums receive
-// h w_down^T, its l1 and l0 sum |h| and count h != 0 per token. With y, the last block writes y (plus residual, bf16
-// [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); with a null y, the sums stay
-// for decode_finish and l1 and l0 in the workspace. fired (int32 [N], or null): 1
+// is w_down transposed: row n = neuron n's output weights). y_sum, l1, l0, done: the workspace's, zeroed; y_sum
+// receives h w_down^T, l1 and l0 sum |h| and count h != 0 per token. FINISH: the last block writes y (plus residual,
+// bf16 [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); else the sums stay for
+// decode_finish, l1 and l0 in the workspace, and the kernel is compiled without that code (which took registers from
+// its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an H200). fired (int32 [N], or null): 1
 // where neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
 // takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else one
 // neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
 // number of blocks of DECODE_WARPS warps (they stride over the neurons); dynamic shared memory: M * KV * 512 bytes of
 // x, DECODE_WARPS * DECODE_MAX_M floats of gate values (8 times that with MMA_GATE) and, with BLOCK_SUMS,
 // M * KV * 1024 bytes of sums.
-template <int KV, bool BLOCK_SUMS, bool MMA_GATE>
+template <int KV, bool BLOCK_SUMS, bool MMA_GATE, bool FINISH>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn(
     const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w_gate,
-    const __nv_bfloat16 *__restrict__ w_up, const __nv_bfloat16 *__restrict__ w_down_t, float *workspace,
-    const __nv_bfloat16 *__restrict__ residual, __nv_bfloat16 *__restrict__ y, float *__restrict__ l1_out,
-    int *__restrict__ l0_out, int *__restrict__ fired, int M, int K, int N) {
-    const DecodeWorkspace ws(workspace, K);
-    float *const y_sum = ws.y_sum, *const l1 = ws.l1;
-    int *const l0 = ws.l0;
+    const __nv_bfloat16 *__restrict__ w_up, const __nv_bfloat16 *__restrict__ w_down_t, float *__restrict__ y_sum,
+    float *__restrict__ l1, int *__restrict__ l0, unsigned *__restrict__ done, const __nv_bfloat16 *__restrict__ residual,
+    __nv_bfloat16 *__restrict__ y, float *__restrict__ l1_out, int *__restrict__ l0_out, int *__restrict__ fired, int M,
+    int K, int N) {
     constexpr int TILE = MMA_GATE ? MMA_NEURONS : 1;  // neurons a warp takes at a time
     extern __shared__ uint4 smem[];
     uint4 *x_rows = smem;  // token t's row at [t * KV * 32], in stage_row's layout
@@ -279,81 +272,23 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             atomicAdd(reinterpret_cast<float4 *>(out + 4), make_float4(piece[128], piece[160], piece[192], piece[224]));
         }
     }
-    finish_in_last_block(ws, residual, y, l1_out, l0_out, M, K);
+    if constexpr (FINISH) finish_in_last_block(y_sum, l1, l0, done, residual, y, l1_out, l0_out, M, K);
 }
 
-// decode_ffn's second half where its y was null: y (bf16 [M, K]) from the workspace's sums (round_sums). `pieces` =
-// M * K / 8; any grid.
-extern "C" __global__ void decode_finish(float *__restrict__ workspace, const __nv_bfloat16 *__restrict__ residual,
+// decode_ffn's second half where its y was null: y (bf16 [M, K]) from the workspace's sums y_sum (round_sums).
+// `pieces` = M * K / 8; any grid.
+extern "C" __global__ void decode_finish(float *__restrict__ y_sum, const __nv_bfloat16 *__restrict__ residual,
                                          __nv_bfloat16 *__restrict__ y, int pieces) {
-    round_sums(workspace, residual, y, pieces, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, false);
+    round_sums(y_sum, residual, y, pieces, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, false);
 }
 
-#define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE)                                                                  \
-    template __global__ void decode_ffn<KV, BLOCK_SUMS, MMA_GATE>(                                                  \
-        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *,           \
-        const __nv_bfloat16 *, __nv_bfloat16 *, float *, int *, int *, int, int, int);
-DECODE_FFN(1, false, false)
-DECODE_FFN(1, false, true)
-DECODE_FFN(1, true, false)
-DECODE_FFN(1, true, true)
-DECODE_FFN(2, false, false)
-DECODE_FFN(2, false, true)
-DECODE_FFN(2, true, false)
-DECODE_FFN(2, true, true)
-DECODE_FFN(3, false, false)
-DECODE_FFN(3, false, true)
-DECODE_FFN(3, true, false)
-DECODE_FFN(3, true, true)
-DECODE_FFN(4, false, false)
-DECODE_FFN(4, false, true)
-DECODE_FFN(4, true, false)
-DECODE_FFN(4, true, true)
-DECODE_FFN(5, false, false)
-DECODE_FFN(5, false, true)
-DECODE_FFN(5, true, false)
-DECODE_FFN(5, true, true)
-DECODE_FFN(6, false, false)
-DECODE_FFN(6, false, true)
-DECODE_FFN(6, true, false)
-DECODE_FFN(6, true, true)
-DECODE_FFN(7, false, false)
-DECODE_FFN(7, false, true)
-DECODE_FFN(7, true, false)
-DECODE_FFN(7, true, true)
-DECODE_FFN(8, false, false)
-DECODE_FFN(8, false, true)
-DECODE_FFN(8, true, false)
-DECODE_FFN(8, true, true)
-DECODE_FFN(9, false, false)
-DECODE_FFN(9, false, true)
-DECODE_FFN(9, true, false)
-DECODE_FFN(9, true, true)
-DECODE_FFN(10, false, false)
-DECODE_FFN(10, false, true)
-DECODE_FFN(10, true, false)
-DECODE_FFN(10, true, true)
-DECODE_FFN(11, false, false)
-DECODE_FFN(11, false, true)
-DECODE_FFN(11, true, false)
-DECODE_FFN(11, true, true)
-DECODE_FFN(12, false, false)
-DECODE_FFN(12, false, true)
-DECODE_FFN(12, true, false)
-DECODE_FFN(12, true, true)
-DECODE_FFN(13, false, false)
-DECODE_FFN(13, false, true)
-DECODE_FFN(13, true, false)
-DECODE_FFN(13, true, true)
-DECODE_FFN(14, false, false)
-DECODE_FFN(14, false, true)
-DECODE_FFN(14, true, false)
-DECODE_FFN(14, true, true)
-DECODE_FFN(15, false, false)
-DECODE_FFN(15, false, true)
-DECODE_FFN(15, true, false)
-DECODE_FFN(15, true, true)
-DECODE_FFN(16, false, false)
-DECODE_FFN(16, false, true)
-DECODE_FFN(16, true, false)
-DECODE_FFN(16, true, true)
+// Explicit instantiations, for nvcc compile checks to see each flag; few, as NVRTC compiles them all with each name
+// expression.
+#define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE, FINISH)                                                                 \
+    template __global__ void decode_ffn<KV, BLOCK_SUMS, MMA_GATE, FINISH>(                                          \
+        const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *, float *, \
+        int *, unsigned *, const __nv_bfloat16 *, __nv_bfloat16 *, float *, int *, int *, int, int, int);
+DECODE_FFN(1, false, false, true)
+DECODE_FFN(1, true, true, false)
+DECODE_FFN(8, false, true, true)
+DECODE_FFN(8, true, false, false)

@@ -51,8 +51,11 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     walks, heavy tokens by dense rows or split over warps) for layers of width K and FFN width N."""
     kv = _pieces(k)
     return [
-        *[("decode_ffn.cu", decode_kernel_name(kv, sums, mma)) for sums in (False, True) for mma in (False, True)],
-        ("decode_ffn.cu", "decode_finish"),  # for calls captured in CUDA graphs
+        *[
+            ("decode_ffn.cu", decode_kernel_name(kv, sums, mma, finish))
+            for sums in (False, True) for mma in (False, True) for finish in (True, False)
+        ],  # fmt: skip
+        ("decode_ffn.cu", "decode_finish"),  # after the unfinished variants, in CUDA graphs
         *[("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
         ("dense_rows.cu", "gather_dense_rows"),

@@ -1057,16 +1057,17 @@ def split_token_up_down(
     cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
-def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool) -> str:
+def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) -> str:
     """decode_ffn's instantiation for rows of kv 256-column pieces, summing y per block or not, gates on the tensor
-    cores or not."""
-    return f"decode_ffn<{kv},{str(block_sums).lower()},{str(mma_gate).lower()}>"
+    cores or not, its last block writing y or not (decode_finish does then)."""
+    flags = ",".join(str(flag).lower() for flag in (block_sums, mma_gate, finish))
+    return f"decode_ffn<{kv},{flags}>"
 
 
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
-    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` for rows of K columns
-    (DecodeWorkspace in kernels/decode_ffn.cu: DECODE_MAX_M * K sums, then DECODE_MAX_M l1 and l0 words and a count
-    of blocks done), which each call issued from Python leaves zeroed. One per device, stream and K, made on first use:
+    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` for rows of K columns (kernels/
+    decode_ffn.cu: DECODE_MAX_M * K sums, then DECODE_MAX_M l1 and l0 words and a count of blocks done), which each
+    call issued from Python leaves zeroed. One per device, stream and K, made on first use:
     calls on one stream run in turn, so they can share it. While a CUDA graph is being captured a fresh one is zeroed in
     the graph instead: the graph then owns it, and may be replayed on any stream."""
     size = DECODE_MAX_M * (k + 2) + 1
@@ -1116,7 +1117,7 @@ def decode_ffn(
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
     block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
-    kernel = _decode_kernel(device.index, decode_kernel_name(kv, block_sums, mma_gate))
+    kernel = _decode_kernel(device.index, decode_kernel_name(kv, block_sums, mma_gate, not graphed))
     # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
     values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
@@ -1124,8 +1125,11 @@ def decode_ffn(
     cuda.set_dynamic_smem(kernel, smem)
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
-    operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK, workspace, residual_MK, *outs, fired_N)
-    args = (*map(cuda.ptr, operands), _i32(m), _i32(k), _i32(n))
+    y_sum = workspace.data_ptr()
+    l1, l0, done = (np.uint64(y_sum + 4 * (DECODE_MAX_M * (k + i))) for i in range(3))  # DecodeWorkspace's parts
+    operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
+    args = (*map(cuda.ptr, operands), np.uint64(y_sum), l1, l0, done, *map(cuda.ptr, (residual_MK, *outs, fired_N)),
+            _i32(m), _i32(k), _i32(n))  # fmt: skip
     cuda.launch(kernel, (blocks,), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
     if graphed:
         pieces = m * k // 8
