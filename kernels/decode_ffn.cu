@@ -282,13 +282,19 @@ extern "C" __global__ void decode_finish(float *__restrict__ y_sum, const __nv_b
     round_sums(y_sum, residual, y, pieces, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, false);
 }
 
-// Explicit instantiations, for nvcc compile checks to see each flag; few, as NVRTC compiles them all with each name
-// expression.
+// Explicit instantiations, for nvcc compile checks (the doctor's width, K = 2048: KV = 8); few, as NVRTC compiles
+// them all with each name expression.
 #define DECODE_FFN(KV, BLOCK_SUMS, MMA_GATE, FINISH)                                                                 \
     template __global__ void decode_ffn<KV, BLOCK_SUMS, MMA_GATE, FINISH>(                                          \
         const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, float *, float *, \
         int *, unsigned *, const __nv_bfloat16 *, __nv_bfloat16 *, float *, int *, int *, int, int, int);
+DECODE_FFN(1, false, false, false)
 DECODE_FFN(1, false, false, true)
-DECODE_FFN(1, true, true, false)
+DECODE_FFN(8, false, false, false)
+DECODE_FFN(8, false, false, true)
+DECODE_FFN(8, false, true, false)
 DECODE_FFN(8, false, true, true)
 DECODE_FFN(8, true, false, false)
+DECODE_FFN(8, true, false, true)
+DECODE_FFN(8, true, true, false)
+DECODE_FFN(8, true, true, true)
