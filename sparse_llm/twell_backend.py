@@ -1126,7 +1126,7 @@ def decode_ffn(
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
     y_sum = workspace.data_ptr()
-    l1, l0, done = (np.uint64(y_sum + 4 * (DECODE_MAX_M * (k + i))) for i in range(3))  # DecodeWorkspace's parts
+    l1, l0, done = (np.uint64(y_sum + 4 * (DECODE_MAX_M * (k + i))) for i in range(3))  # (decode_workspace's layout)
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
     args = (*map(cuda.ptr, operands), np.uint64(y_sum), l1, l0, done, *map(cuda.ptr, (residual_MK, *outs, fired_N)),
             _i32(m), _i32(k), _i32(n))  # fmt: skip
