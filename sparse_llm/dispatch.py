@@ -58,9 +58,9 @@ HOST_BOUND_TRIAL_ROUNDS = 5
 HOST_BOUND_TRIAL_CALLS = 4  # calls per run
 # An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
 # either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
-# machines against 13-38 us of device time in CUDA graphs, and the decode kernel's calls took 1.05-1.7x the dense
-# block's there (bench_mlp; BENCHMARKS.md 2026-11-27, 2026-11-28). The decode kernel's price (device time) would
-# take it every time.
+# machines against 13-38 us of device time in CUDA graphs. Which path's call costs the host less depends on the host
+# and on how many ops the call issues: the decode kernel's took 1.05-1.7x the dense block's with two launches
+# (BENCHMARKS.md 2026-11-27, 2026-11-28) and 0.76-0.79x in one (2026-11-29). Its price (device time) sees neither.
 HOST_BOUND_MS = 0.06
 # Choices a layer remembers between observations (per token count and call kind), before it forgets them all: lm-eval's
 # calls bring a new token count each, a decoding loop the same few again and again.

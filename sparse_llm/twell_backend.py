@@ -172,9 +172,9 @@ CPU_FLOOR_MS = 0.22
 # Priced (`decode_ms`): a fixed cost, w_gate and the rows of the neurons some token fires streamed at DECODE_GBPS,
 # and the per-token dot products at DECODE_MS_PER_MAC per weight: 0.93-1.22x the measurements at 2048 x 5632,
 # 1.3-1.45x at 4096 x 11008 (where its dot products run faster per weight); from DECODE_MMA_MIN_M tokens the gates
-# are priced at DECODE_MMA_GBPS instead. Its host time per call (a memset and two launches) was below the dense
-# block's on one machine (~62 against ~80 us) and above it on others (1.05-1.7x, isolated or back to back): calls
-# issued from Python are settled by a trial (`dispatch.HOST_BOUND_MS`), this price serves CUDA graphs.
+# are priced at DECODE_MMA_GBPS instead. Its host time per call was 1.05-1.7x the dense block's on most machines with
+# a memset and two launches, and 0.76-0.79x in one launch (H200, 2026-11-29): calls issued from Python are settled by
+# a trial (`dispatch.HOST_BOUND_MS`), this price serves CUDA graphs.
 DECODE_FIXED_MS = 0.005
 DECODE_GBPS = 2500.0
 DECODE_MS_PER_MAC = 1.6e-10
