@@ -114,18 +114,20 @@ def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key
     return {key: min(s.elapsed_time(e) for s, e in pairs) for key, pairs in events.items()}
 
 
-def loop_times_ms(calls: dict[Key, Callable[[], object]], rounds: int, per_run: int) -> dict[Key, float]:
-    """Each of `calls` run `per_run` times back to back between two waits for the GPU, timed by the host's clock,
+def loop_times_ms(
+    calls: dict[Key, Callable[[], object]], rounds: int, per_run: int, device: torch.device
+) -> dict[Key, float]:
+    """Each of `calls` run `per_run` times back to back between two waits for CUDA `device`, timed by the host's clock,
     `rounds` times in turn after one untimed run each: each call's best wall time per call in ms (what a loop of such
     calls pays, the host's time or the device's)."""
     best = dict.fromkeys(calls, math.inf)
     for timed in (False,) + (True,) * rounds:
         for key, call in calls.items():
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             start = time.perf_counter()
             for _ in range(per_run):
                 call()
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             if timed:
                 best[key] = min(best[key], (time.perf_counter() - start) * 1e3 / per_run)
     return best
@@ -300,7 +302,7 @@ class LayerDispatcher:
                 return None
             calls = {name: lambda name=name: trial(get_backend(name)) for name in ("torch", sparse)}
             if host_bound:
-                ms = loop_times_ms(calls, HOST_BOUND_TRIAL_ROUNDS, HOST_BOUND_TRIAL_CALLS)
+                ms = loop_times_ms(calls, HOST_BOUND_TRIAL_ROUNDS, HOST_BOUND_TRIAL_CALLS, x_MK.device)
             else:
                 ms = best_times_ms(calls, TRIAL_REPS)
             self.trials[key] = sparse if ms[sparse] <= TRIAL_MARGIN * ms["torch"] else "torch"
