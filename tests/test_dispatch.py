@@ -1,6 +1,7 @@
 """The per-layer `auto` choice: cheapest available backend that accepts the inputs, with hysteresis."""
 
 import functools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -314,3 +315,23 @@ def test_priced_auto_runs_no_trials_and_bad_choices_are_named(fake, timed, monke
     monkeypatch.setenv(dispatch.AUTO_CHOICE_ENV, "fast")
     with pytest.raises(ValueError, match="SPARSE_LLM_AUTO='fast' is not valid; use one of"):
         close_prices(fake, 1.2)[0].choose(x, w, False, trial=lambda b: None)
+
+
+def test_loop_times_ms_times_runs_of_calls_by_the_host_clock(monkeypatch):
+    """Each call runs per_run times a round, after one untimed round, and gets its best time per call: a call that
+    sleeps 2 ms is timed at 2 ms or a little more (not its run of four), one that returns at once far below it."""
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waits.append)
+    counts = {"slow": 0, "fast": 0}
+
+    def slow():
+        counts["slow"] += 1
+        time.sleep(0.002)
+
+    def fast():
+        counts["fast"] += 1
+
+    ms = dispatch.loop_times_ms({"slow": slow, "fast": fast}, rounds=3, per_run=4, device=torch.device("cuda", 1))
+    assert counts == {"slow": 16, "fast": 16}
+    assert 2.0 <= ms["slow"] < 6.0 and ms["fast"] < 0.5  # per call: a run of four took 8 ms or more
+    assert len(waits) == 16 and set(waits) == {torch.device("cuda", 1)}  # before and after each run, on that device
