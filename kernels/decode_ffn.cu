@@ -112,7 +112,7 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
     __syncwarp();
 }
 
-// The decode workspace (fp32, DECODE_MAX_M * K + 2 * DECODE_MAX_M + 1 words; `decode_workspace` in
+// The decode workspace (fp32, DECODE_MAX_M * K + 2 * DECODE_MAX_M + 1 words; `decode_workspace_words` in
 // sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32 [DECODE_MAX_M]), l0
 // (int32 [DECODE_MAX_M]) and the count of blocks done (unsigned), each passed to the kernel as a pointer of its own:
 // kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its

@@ -53,7 +53,6 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -1064,30 +1063,25 @@ def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) 
     return f"decode_ffn<{kv},{flags}>"
 
 
+def decode_workspace_words(k: int) -> tuple[int, int, int]:
+    """Where the decode workspace for rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and its count of blocks
+    done, in fp32 words from its start; its DECODE_MAX_M rows of y sums come first, the count last."""
+    return DECODE_MAX_M * k, DECODE_MAX_M * (k + 1), DECODE_MAX_M * (k + 2)
+
+
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
-    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` for rows of K columns (kernels/
-    decode_ffn.cu: DECODE_MAX_M * K sums, then DECODE_MAX_M l1 and l0 words and a count of blocks done), which each
-    call issued from Python leaves zeroed. One per device, stream and K, made on first use:
-    calls on one stream run in turn, so they can share it. While a CUDA graph is being captured a fresh one is zeroed in
-    the graph instead: the graph then owns it, and may be replayed on any stream."""
-    size = DECODE_MAX_M * (k + 2) + 1
-    if torch._C._cuda_isCurrentStreamCapturing():
-        return torch.zeros(size, dtype=torch.float32, device=device)
+    """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` calls issued from Python, for rows
+    of K columns (`decode_workspace_words`), which each such call leaves zeroed. One per device, stream and K, made on
+    first use: calls on one stream run in turn, so they can share it."""
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), k)
     workspace = _DECODE_WORKSPACES.get(key)
     if workspace is None:
+        size = decode_workspace_words(k)[-1] + 1
         workspace = _DECODE_WORKSPACES[key] = torch.zeros(size, dtype=torch.float32, device=device)
     return workspace
 
 
 _DECODE_WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
-
-
-@functools.cache
-def _decode_kernel(device_index: int, name: str) -> Any:
-    """A kernel of decode_ffn.cu on a device, looked up once: a decoding step issued from Python pays for every
-    statement of the call."""
-    return cuda.get_function("decode_ffn.cu", name, torch.device("cuda", device_index))
 
 
 def decode_ffn(
@@ -1104,20 +1098,21 @@ def decode_ffn(
     (m, k), n, device = x_MK.shape, w_gate_NK.shape[0], x_MK.device
     if not 1 <= m <= DECODE_MAX_M:
         raise ValueError(f"decode_ffn takes 1 to {DECODE_MAX_M} tokens, got M={m}")
-    workspace = decode_workspace(device, k)
+    l1_at, l0_at, done_at = decode_workspace_words(k)
     graphed = torch._C._cuda_isCurrentStreamCapturing()
+    # A graph being captured zeroes a workspace of its own: the graph owns it, and may be replayed on any stream.
+    workspace = torch.zeros(done_at + 1, dtype=torch.float32, device=device) if graphed else decode_workspace(device, k)
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     l1_M = l0_M = fired_N = None
     if statistics and graphed:  # l1 and l0 stay in the graph's own workspace
         fired_N = torch.empty(n, dtype=torch.int32, device=device)
-        l1_M = workspace[DECODE_MAX_M * k : DECODE_MAX_M * k + m]
-        l0_M = workspace[DECODE_MAX_M * (k + 1) : DECODE_MAX_M * (k + 1) + m].view(torch.int32)
+        l1_M, l0_M = workspace[l1_at : l1_at + m], workspace[l0_at : l0_at + m].view(torch.int32)
     elif statistics:  # one allocation for the three
         stats = torch.empty(2 * m + n, dtype=torch.int32, device=device)
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
     block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
-    kernel = _decode_kernel(device.index, decode_kernel_name(kv, block_sums, mma_gate, not graphed))
+    kernel = cuda.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate, not graphed), device)
     # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
     values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
@@ -1125,17 +1120,17 @@ def decode_ffn(
     cuda.set_dynamic_smem(kernel, smem)
     blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
-    y_sum = workspace.data_ptr()
-    l1, l0, done = (np.uint64(y_sum + 4 * (DECODE_MAX_M * (k + i))) for i in range(3))  # (decode_workspace's layout)
+    base = workspace.data_ptr()
+    parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, count
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
-    args = (*map(cuda.ptr, operands), np.uint64(y_sum), l1, l0, done, *map(cuda.ptr, (residual_MK, *outs, fired_N)),
-            _i32(m), _i32(k), _i32(n))  # fmt: skip
+    args = (*map(cuda.ptr, operands), *parts, *map(cuda.ptr, (residual_MK, *outs, fired_N)), _i32(m), _i32(k), _i32(n))
     cuda.launch(kernel, (blocks,), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
     if graphed:
         pieces = m * k // 8
         blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), cuda.sm_count(device))
         args = (cuda.ptr(workspace), cuda.ptr(residual_MK), cuda.ptr(y_MK), _i32(pieces))
-        cuda.launch(_decode_kernel(device.index, "decode_finish"), (blocks,), (DECODE_FINISH_THREADS,), args, device)
+        finish = cuda.get_function("decode_ffn.cu", "decode_finish", device)
+        cuda.launch(finish, (blocks,), (DECODE_FINISH_THREADS,), args, device)
     return y_MK, l1_M, l0_M, fired_N
 
 
