@@ -1,5 +1,6 @@
 // The gated FFN for a few tokens at a time (decode steps, small batches):
-//   y = (relu(x Wg^T) * (x Wu^T)) Wd^T   for M <= DECODE_MAX_M tokens, in one pass over the neurons.
+//   y = (relu(x Wg^T) * (x Wu^T)) Wd^T   for M <= DECODE_MAX_M tokens, in one pass over the neurons per group of
+//   up to DECODE_GROUP_M tokens.
 //
 // A few tokens cannot share weight rows the way a large batch does: every weight byte is read for a handful of
 // dot products, so the block is bound by how many weight bytes it reads. The dense block reads all three
@@ -25,7 +26,11 @@
 // instead, spread over many blocks: the last block alone took 8-18 us longer for 8-16 tokens.
 #include "twell_common.cuh"
 
-[[maybe_unused]] constexpr int DECODE_MAX_M = 16;  // tokens per call (DECODE_MAX_M in sparse_llm/twell_backend.py)
+// More tokens than a block stages make groups, one per blockIdx.y, whose blocks run side by side: one group of 16
+// tokens keeps only 704 warps busy at N = 5632 (8 neurons a warp), of the 4224 an H200 holds at two blocks an SM.
+// Each group reads w_gate for its own tokens.
+[[maybe_unused]] constexpr int DECODE_MAX_M = 64;    // tokens per call (DECODE_MAX_M in sparse_llm/twell_backend.py)
+[[maybe_unused]] constexpr int DECODE_GROUP_M = 16;  // tokens a block stages in shared memory (DECODE_GROUP_M there)
 [[maybe_unused]] constexpr int DECODE_WARPS = 16;  // warps per block (DECODE_WARPS there)
 
 // Adds h * w (this lane's KV pieces of a K-wide bf16 row) into a K-wide fp32 row in global memory, 16 bytes per
@@ -73,8 +78,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 constexpr int MMA_NEURONS = 8;     // neurons per tensor-core gate tile (the n of m16n8k16)
 constexpr int MMA_LOAD_BATCH = 8;  // 32-column chunks of the tile's gate rows loaded before their products
 
-// The gate values g (bf16-rounded) of neurons n0 .. n0 + 7 for all M tokens on the tensor cores, into
-// vals[j * DECODE_MAX_M + t] (neuron n0 + j, token t). Lane l loads 16 bytes of gate row n0 + l / 4 at columns
+// The gate values g (bf16-rounded) of neurons n0 .. n0 + 7 for M <= DECODE_GROUP_M tokens on the tensor cores,
+// into vals[j * DECODE_GROUP_M + t] (neuron n0 + j, token t). Lane l loads 16 bytes of gate row n0 + l / 4 at columns
 // 32c + 8 (l % 4) of each 32-column chunk c, and the same columns of token rows l / 4 and l / 4 + 8 from x_rows:
 // each 16 bytes then feed two m16n8k16 products as they are, because both operands take the same order of k within
 // the chunk (a dot product does not depend on the order of its terms).
@@ -105,16 +110,16 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
         }
     }
     // d[0], d[1]: token `group`, neurons 2 quad and 2 quad + 1; d[2], d[3]: token group + 8, the same neurons.
-    vals[(2 * quad) * DECODE_MAX_M + group] = bf16_round(d[0]);
-    vals[(2 * quad + 1) * DECODE_MAX_M + group] = bf16_round(d[1]);
-    vals[(2 * quad) * DECODE_MAX_M + group + 8] = bf16_round(d[2]);
-    vals[(2 * quad + 1) * DECODE_MAX_M + group + 8] = bf16_round(d[3]);
+    vals[(2 * quad) * DECODE_GROUP_M + group] = bf16_round(d[0]);
+    vals[(2 * quad + 1) * DECODE_GROUP_M + group] = bf16_round(d[1]);
+    vals[(2 * quad) * DECODE_GROUP_M + group + 8] = bf16_round(d[2]);
+    vals[(2 * quad + 1) * DECODE_GROUP_M + group + 8] = bf16_round(d[3]);
     __syncwarp();
 }
 
-// The decode workspace (fp32, DECODE_MAX_M * K + 2 * DECODE_MAX_M + 1 words; `decode_workspace_words` in
-// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32 [DECODE_MAX_M]), l0
-// (int32 [DECODE_MAX_M]) and the count of blocks done (unsigned), each passed to the kernel as a pointer of its own:
+// The decode workspace for up to T tokens (fp32, T * K + 2 * T + 1 words; `decode_workspace_words` in
+// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32 [T]), l0 (int32 [T]) and
+// the count of blocks done (unsigned), each passed to the kernel as a pointer of its own:
 // kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
 // loops. All zero between calls.
 
@@ -142,7 +147,7 @@ __device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, in
     __shared__ bool last;
     __threadfence();  // this thread's atomics reach the device before its block counts itself done
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block's sums are visible (round_sums reads them from L2)
@@ -155,18 +160,20 @@ __device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, in
     if (threadIdx.x == 0) *done = 0;
 }
 
-// One pass over the N neurons for M tokens. x, w_gate, w_up, w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t
-// is w_down transposed: row n = neuron n's output weights). y_sum, l1, l0, done: the workspace's, zeroed; y_sum
-// receives h w_down^T, l1 and l0 sum |h| and count h != 0 per token. FINISH: the last block writes y (plus residual,
-// bf16 [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); else the sums stay for
-// decode_finish, l1 and l0 in the workspace, and the kernel is compiled without that code (which took registers from
-// its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an H200). fired (int32 [N], or null): 1
-// where neuron n has some h != 0, else 0. BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp
-// takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else one
-// neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
-// number of blocks of DECODE_WARPS warps (they stride over the neurons); dynamic shared memory: M * KV * 512 bytes of
-// x, DECODE_WARPS * DECODE_MAX_M floats of gate values (8 times that with MMA_GATE) and, with BLOCK_SUMS,
-// M * KV * 1024 bytes of sums.
+// One pass over the N neurons for each group of up to DECODE_GROUP_M of M <= DECODE_MAX_M tokens. x, w_gate, w_up,
+// w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t is w_down transposed: row n = neuron n's output weights).
+// y_sum, l1, l0, done: the workspace's, zeroed; y_sum receives h w_down^T, l1 and l0 sum |h| and count h != 0 per
+// token. FINISH: the last block writes y (plus residual, bf16 [M, K] or null), l1_out and l0_out (each or null) from
+// them (finish_in_last_block); else the sums stay for decode_finish, l1 and l0 in the workspace, and the kernel is
+// compiled without that code (which took registers from its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an
+// H200). fired (int32 [N], or null): 1 where neuron n has some h != 0; else 0, written by the kernel for one group of
+// tokens and left as the caller zeroed it for more (another group's block may have found the neuron firing).
+// BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp takes 8 neurons at a time and computes
+// their gates for all tokens on the tensor cores (gate_tile_mma); else one neuron at a time, a warp-wide dot product
+// per token (fewer, cheaper steps for one or two tokens). Grid: any number of blocks of DECODE_WARPS warps in x (they
+// stride over the neurons) by ceil(M / DECODE_GROUP_M) groups in y (1 without MMA_GATE); dynamic shared memory, for G =
+// min(M, DECODE_GROUP_M) tokens: G * KV * 512 bytes of x, DECODE_WARPS * DECODE_GROUP_M floats of gate values (8 times
+// that with MMA_GATE) and, with BLOCK_SUMS, G * KV * 1024 bytes of sums.
 template <int KV, bool BLOCK_SUMS, bool MMA_GATE, bool FINISH>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn(
     const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w_gate,
@@ -175,23 +182,28 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
     __nv_bfloat16 *__restrict__ y, float *__restrict__ l1_out, int *__restrict__ l0_out, int *__restrict__ fired, int M,
     int K, int N) {
     constexpr int TILE = MMA_GATE ? MMA_NEURONS : 1;  // neurons a warp takes at a time
+    // This block's group: tokens `first` .. first + m - 1 of the call's M (its token t is the call's first + t), whose
+    // sums y_sum, l1 and l0 point to from here on. Only MMA_GATE takes groups: the moved pointers hold registers,
+    // which made the loops of the one-token variant (no use for groups) spill more.
+    const int first = MMA_GATE ? blockIdx.y * DECODE_GROUP_M : 0, m = min(DECODE_GROUP_M, M - first);
+    x += static_cast<size_t>(first) * K, y_sum += static_cast<size_t>(first) * K, l1 += first, l0 += first;
     extern __shared__ uint4 smem[];
     uint4 *x_rows = smem;  // token t's row at [t * KV * 32], in stage_row's layout
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // This warp's g, then h, of its TILE neurons: neuron j's token t at [j * DECODE_MAX_M + t].
-    float *vals = reinterpret_cast<float *>(smem + M * KV * 32) + warp * TILE * DECODE_MAX_M;
-    float *sums = reinterpret_cast<float *>(smem + M * KV * 32) + DECODE_WARPS * TILE * DECODE_MAX_M;  // t at t*KV*256
-    __shared__ float block_l1[DECODE_MAX_M];
-    __shared__ int block_l0[DECODE_MAX_M];
+    // This warp's g, then h, of its TILE neurons: neuron j's token t at [j * DECODE_GROUP_M + t].
+    float *vals = reinterpret_cast<float *>(smem + m * KV * 32) + warp * TILE * DECODE_GROUP_M;
+    float *sums = reinterpret_cast<float *>(smem + m * KV * 32) + DECODE_WARPS * TILE * DECODE_GROUP_M;  // t at t*KV*256
+    __shared__ float block_l1[DECODE_GROUP_M];
+    __shared__ int block_l0[DECODE_GROUP_M];
     __shared__ unsigned block_live;  // bit t: token t has some h != 0 in this block
-    for (int q = threadIdx.x; q < M * KV * 32; q += blockDim.x) {
+    for (int q = threadIdx.x; q < m * KV * 32; q += blockDim.x) {
         const int t = q / (KV * 32), p = q % (KV * 32);  // piece p of token t holds its columns 8p .. 8p + 7
         x_rows[q] = p * 8 < K ? __ldg(reinterpret_cast<const uint4 *>(x + static_cast<size_t>(t) * K + p * 8))
                               : make_uint4(0, 0, 0, 0);
     }
     if constexpr (BLOCK_SUMS) {
-        for (int q = threadIdx.x; q < M * KV * 256; q += blockDim.x) sums[q] = 0.0f;
-        if (threadIdx.x < DECODE_MAX_M) block_l1[threadIdx.x] = 0.0f, block_l0[threadIdx.x] = 0;
+        for (int q = threadIdx.x; q < m * KV * 256; q += blockDim.x) sums[q] = 0.0f;
+        if (threadIdx.x < DECODE_GROUP_M) block_l1[threadIdx.x] = 0.0f, block_l0[threadIdx.x] = 0;
         if (threadIdx.x == 0) block_live = 0;
     }
     __syncthreads();
@@ -214,7 +226,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             }
             __syncwarp();
         }
-        if (lane == 0 && fired != nullptr) fired[n] = live != 0;
+        if (lane == 0 && fired != nullptr && (live != 0 || gridDim.y == 1)) fired[n] = live != 0;
         if (live == 0) return;
         warp_live |= live;
         load_weight_row<KV>(w, w_down_t + static_cast<size_t>(n) * K, lane, K, once);
@@ -234,10 +246,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
     if constexpr (MMA_GATE) {
         // Tiles dealt to the blocks first: the grid has more warps than a layer has 8-neuron tiles.
         for (int tile = blockIdx.x + gridDim.x * warp; tile * TILE < N; tile += gridDim.x * DECODE_WARPS) {
-            gate_tile_mma<KV>(vals, x_rows, w_gate, tile * TILE, lane, M, K, N, once);
+            gate_tile_mma<KV>(vals, x_rows, w_gate, tile * TILE, lane, m, K, N, once);
             for (int j = 0; j < TILE && tile * TILE + j < N; ++j) {
-                const unsigned live = __ballot_sync(FULL_MASK, lane < M && vals[j * DECODE_MAX_M + lane] > 0.0f);
-                up_down(tile * TILE + j, vals + j * DECODE_MAX_M, live);
+                const unsigned live = __ballot_sync(FULL_MASK, lane < m && vals[j * DECODE_GROUP_M + lane] > 0.0f);
+                up_down(tile * TILE + j, vals + j * DECODE_GROUP_M, live);
             }
             __syncwarp();  // the next tile's gate values overwrite these
         }
@@ -246,7 +258,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             uint4 w[KV];
             load_weight_row<KV>(w, w_gate + static_cast<size_t>(n) * K, lane, K, once);
             unsigned live = 0;
-            for (int t = 0; t < M; ++t) {
+            for (int t = 0; t < m; ++t) {
                 const float g = bf16_round(warp_sum(lane_dot<KV>(x_rows + t * KV * 32, w, lane)));
                 if (lane == 0) vals[t] = g;
                 if (g > 0.0f) live |= 1u << t;
@@ -259,11 +271,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
         if (lane == 0 && warp_live != 0) atomicOr(&block_live, warp_live);
         __syncthreads();
         const unsigned tokens = block_live;
-        if (threadIdx.x < M && (tokens >> threadIdx.x & 1u)) {
+        if (threadIdx.x < m && (tokens >> threadIdx.x & 1u)) {
             atomicAdd(l0 + threadIdx.x, block_l0[threadIdx.x]);
             atomicAdd(l1 + threadIdx.x, block_l1[threadIdx.x]);
         }
-        for (int q = threadIdx.x; q < M * KV * 32; q += blockDim.x) {  // the block's sums into y: 8 columns a thread
+        for (int q = threadIdx.x; q < m * KV * 32; q += blockDim.x) {  // the block's sums into y: 8 columns a thread
             const int t = q / (KV * 32), v = q % (KV * 32) / 32, l = q % 32, col = v * 256 + l * 8;
             if (!(tokens >> t & 1u) || col >= K) continue;
             const float *piece = sums + t * KV * 256 + v * 256 + l;  // element i at piece[i * 32]
@@ -272,7 +284,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             atomicAdd(reinterpret_cast<float4 *>(out + 4), make_float4(piece[128], piece[160], piece[192], piece[224]));
         }
     }
-    if constexpr (FINISH) finish_in_last_block(y_sum, l1, l0, done, residual, y, l1_out, l0_out, M, K);
+    if constexpr (FINISH) {  // over all M tokens
+        const int group_start = MMA_GATE ? blockIdx.y * DECODE_GROUP_M : 0;
+        finish_in_last_block(y_sum - static_cast<size_t>(group_start) * K, l1 - group_start, l0 - group_start, done,
+                             residual, y, l1_out, l0_out, M, K);
+    }
 }
 
 // decode_ffn's second half where its y was null: y (bf16 [M, K]) from the workspace's sums y_sum (round_sums).

@@ -59,7 +59,7 @@ def main() -> None:
             # the fused gate GEMM writing its overflowed segments' values (the block op passes it a buffer from
             # WORDS_GATE_MIN_M tokens only, past these shapes)
             twell_gate(x, wg, "fused", overflow_gate_MN=torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
-            for tokens in (1, 7, 16):  # the decode kernel, with and without a residual, with and without block sums
+            for tokens in (1, 7, 16, 40):  # the decode kernel (40: groups), with and without a residual and block sums
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
                 gates = 1 if tokens < 4 else 1 << 30  # the gate path the default does not take here

@@ -22,7 +22,8 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons (8 at a time with their gates on the tensor
   cores from DECODE_MMA_MIN_M tokens), dots the neuron's gate row with every token and reads its up row and its
   w_down column only if it fires for some token, adding h times that column into fp32 output rows with atomics
-  (summed per block in shared memory first where a token may fire many neurons: `decode_block_sums`). Few tokens
+  (summed per block in shared memory first where a token may fire many neurons: `decode_block_sums`); more than
+  DECODE_GROUP_M tokens are taken in groups whose blocks run side by side, each group reading w_gate. Few tokens
   cannot share weight rows, so the block is bound by the weight bytes it reads: all of w_gate, and of w_up and
   w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode". Issued from
   Python the call is one launch into a workspace its last block leaves zeroed (`decode_workspace`): there each op a
@@ -84,7 +85,8 @@ TOKENS_PER_BLOCK = 1
 UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct", or decode_ffn for few tokens
-DECODE_MAX_M = 16  # DECODE_MAX_M in decode_ffn.cu: the most tokens decode_ffn stages in shared memory
+DECODE_MAX_M = 64  # DECODE_MAX_M in decode_ffn.cu: the most tokens of a decode_ffn call
+DECODE_GROUP_M = 16  # DECODE_GROUP_M there: the most tokens a block stages in shared memory (more make groups)
 DECODE_WARPS = 16  # DECODE_WARPS there: warps per block
 DECODE_BLOCKS_PER_SM = 2
 DECODE_FINISH_THREADS = 256  # threads per block of decode_finish (graphed calls)
@@ -302,7 +304,7 @@ def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[fl
 def decode_block_sums(m: int, k: int, l0_max: float | None) -> bool:
     """Whether decode_ffn's blocks sum in shared memory for M tokens of K columns whose busiest token fires l0_max
     neurons (None: unknown)."""
-    fits = m * math.ceil(k / 256) <= DECODE_BLOCK_SUM_PIECES
+    fits = min(m, DECODE_GROUP_M) * math.ceil(k / 256) <= DECODE_BLOCK_SUM_PIECES
     return fits and (l0_max is None or l0_max > DECODE_GLOBAL_MAX_NNZ)
 
 
@@ -317,19 +319,26 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, ta
 
 
 def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
-    """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: w_gate, plus the up
-    and down rows of the neurons some token fires (spread evenly; a dense token fires all), the tokens' gate dot
-    products, and the additions into y per (firing neuron, token) pair."""
+    """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: per group of up to
+    DECODE_GROUP_M tokens, w_gate, plus the up and down rows of the neurons some token of the group fires (spread
+    evenly; a dense token fires all), the tokens' gate dot products, and the additions into y per (firing neuron,
+    token) pair. Groups are priced one after another, though their blocks share the GPU."""
+    full, rest = divmod(m, DECODE_GROUP_M)
+    sizes = [DECODE_GROUP_M] * full + ([rest] if rest else [])
+    mma_gate = m >= DECODE_MMA_MIN_M or len(sizes) > 1
+    block_sums_ms = DECODE_BLOCK_SUMS_MS if decode_block_sums(m, k, l0_max) else 0.0
+    return DECODE_FIXED_MS + sum(_decode_group_ms(g, k, n, l0_mean, mma_gate) + block_sums_ms for g in sizes)
+
+
+def _decode_group_ms(m: int, k: int, n: int, l0_mean: float, mma_gate: bool) -> float:
+    """`decode_ms`'s price of one group of M tokens, without the fixed cost and the block sums."""
     fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
     rows_ms = 2 * fired * k * 2 / (DECODE_GBPS * 1e6)
-    if m >= DECODE_MMA_MIN_M:  # the gates on the tensor cores
+    if mma_gate:  # the gates on the tensor cores
         gate_ms = n * k * 2 / (DECODE_MMA_GBPS * 1e6)
     else:  # w_gate streamed, one warp-wide dot product per token and neuron
         gate_ms = n * k * 2 / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
-    sums_ms = m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
-    if decode_block_sums(m, k, l0_max):
-        sums_ms += DECODE_BLOCK_SUMS_MS
-    return DECODE_FIXED_MS + gate_ms + rows_ms + sums_ms
+    return gate_ms + rows_ms + m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
 
 
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
@@ -1063,10 +1072,10 @@ def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) 
     return f"decode_ffn<{kv},{flags}>"
 
 
-def decode_workspace_words(k: int) -> tuple[int, int, int]:
-    """Where the decode workspace for rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and its count of blocks
-    done, in fp32 words from its start; its DECODE_MAX_M rows of y sums come first, the count last."""
-    return DECODE_MAX_M * k, DECODE_MAX_M * (k + 1), DECODE_MAX_M * (k + 2)
+def decode_workspace_words(k: int, tokens: int = DECODE_MAX_M) -> tuple[int, int, int]:
+    """Where the decode workspace for up to `tokens` rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and its
+    count of blocks done, in fp32 words from its start; its rows of y sums come first, the count last."""
+    return tokens * k, tokens * (k + 1), tokens * (k + 2)
 
 
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
@@ -1088,43 +1097,51 @@ def decode_ffn(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
     residual_MK: torch.Tensor | None = None, l0_max: float | None = None, statistics: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The block for M <= DECODE_MAX_M tokens in one pass over the neurons (kernels/decode_ffn.cu): (y_MK bf16 [M, K],
-    plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M int32 [M]; fired_N int32 [N]), the last three
-    None without `statistics`. w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight. l0_max: the most non-zeros
-    a token of the layer has had recently (None: unknown), which sets how the kernel sums y (`decode_block_sums`).
+    """The block for M <= DECODE_MAX_M tokens in one pass over the neurons per group of up to DECODE_GROUP_M tokens
+    (kernels/decode_ffn.cu): (y_MK bf16 [M, K], plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M
+    int32 [M]; fired_N int32 [N]), the last three None without `statistics`. w_down_t_NK: bf16 [N, K], the transpose
+    of down_proj.weight. l0_max: the most non-zeros a token of the layer has had recently (None: unknown), which sets
+    how the kernel sums y (`decode_block_sums`).
 
     Issued from Python the call is one launch, whose last block writes y (see the kernel's header); captured in a CUDA
     graph, decode_finish writes it."""
     (m, k), n, device = x_MK.shape, w_gate_NK.shape[0], x_MK.device
     if not 1 <= m <= DECODE_MAX_M:
         raise ValueError(f"decode_ffn takes 1 to {DECODE_MAX_M} tokens, got M={m}")
-    l1_at, l0_at, done_at = decode_workspace_words(k)
+    groups = math.ceil(m / DECODE_GROUP_M)
     graphed = torch._C._cuda_isCurrentStreamCapturing()
-    # A graph being captured zeroes a workspace of its own: the graph owns it, and may be replayed on any stream.
+    # A graph being captured zeroes a workspace of its own, for its M tokens: the graph owns it, and may be replayed on
+    # any stream.
+    l1_at, l0_at, done_at = decode_workspace_words(k, m if graphed else DECODE_MAX_M)
     workspace = torch.zeros(done_at + 1, dtype=torch.float32, device=device) if graphed else decode_workspace(device, k)
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    # The kernel writes each neuron's flag for one group; for more, it sets the firing ones in flags zeroed here.
+    flags = torch.empty if groups == 1 else torch.zeros
     l1_M = l0_M = fired_N = None
     if statistics and graphed:  # l1 and l0 stay in the graph's own workspace
-        fired_N = torch.empty(n, dtype=torch.int32, device=device)
+        fired_N = flags(n, dtype=torch.int32, device=device)
         l1_M, l0_M = workspace[l1_at : l1_at + m], workspace[l0_at : l0_at + m].view(torch.int32)
     elif statistics:  # one allocation for the three
-        stats = torch.empty(2 * m + n, dtype=torch.int32, device=device)
+        stats = flags(2 * m + n, dtype=torch.int32, device=device)
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
-    block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M
+    # groups only with the tensor-core gate (the kernel's one-token variant keeps its pointers in kernel parameters)
+    block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M or groups > 1
     kernel = cuda.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate, not graphed), device)
-    # The tokens' x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
+    # A group's x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
-    values = DECODE_WARPS * DECODE_MAX_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
-    smem = m * kv * 512 + values + (m * kv * 1024 if block_sums else 0)
+    staged = min(m, DECODE_GROUP_M)
+    values = DECODE_WARPS * DECODE_GROUP_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
+    smem = staged * kv * 512 + values + (staged * kv * 1024 if block_sums else 0)
     cuda.set_dynamic_smem(kernel, smem)
-    blocks = min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device))
+    # the groups share the GPU's blocks: each still has more warps than a layer of 5632 neurons has 8-neuron tiles
+    blocks = max(1, min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device) // groups))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
     base = workspace.data_ptr()
     parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, count
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
     args = (*map(cuda.ptr, operands), *parts, *map(cuda.ptr, (residual_MK, *outs, fired_N)), _i32(m), _i32(k), _i32(n))
-    cuda.launch(kernel, (blocks,), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
+    cuda.launch(kernel, (blocks, groups), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
     if graphed:
         pieces = m * k // 8
         blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), cuda.sm_count(device))

@@ -421,12 +421,13 @@ def odd_rows(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> None:
     w_gate_NK[123, 0] = 10.0
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40, 64])
 @pytest.mark.parametrize("k, n, nnz, sigma", [
     (2048, 5632, 28, 0.0), (2048, 5632, 56, 1.0), (4096, 11008, 40, 0.5), (64, 256, 3, 0.3), (320, 768, 8, 0.0),
 ])  # fmt: skip
 def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
-    """Up to DECODE_MAX_M tokens "auto" takes the one-pass decode kernel: exact at any density, heavy tails too."""
+    """Up to DECODE_MAX_M tokens "auto" takes the one-pass decode kernel, in groups of DECODE_GROUP_M tokens from 17:
+    exact at any density, heavy tails too."""
     block = synthetic_block(m, k, n, nnz_mean=nnz, sigma=sigma, seed=m + k + nnz)
     poison(((2 * m + n,), torch.int32))  # l1, l0 and the flags: all written
     result = run_case(*block)
@@ -435,12 +436,12 @@ def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
 
 
 def test_decode_workspace_is_left_zeroed_across_sizes_and_streams():
-    """Calls of 16 tokens, then fewer, on the default stream and on a side stream (a workspace each), heavy tokens with
+    """Calls of 16 tokens, then fewer and more (groups), on the default stream and on a side stream (a workspace each), heavy tokens with
     block sums and without: every call matches the reference, so none saw an earlier call's sums, and both workspaces
     end zeroed."""
     side = torch.cuda.Stream()
     k, n = 2048, 5632
-    for seed, m in enumerate((16, 3, 16, 1, 9)):
+    for seed, m in enumerate((16, 3, 64, 1, 33, 9)):
         for stream in (torch.cuda.current_stream(), side):
             with torch.cuda.stream(stream):
                 x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, k, n, nnz_mean=60, sigma=1.0, seed=seed)
@@ -455,12 +456,12 @@ def test_decode_workspace_is_left_zeroed_across_sizes_and_streams():
             assert not decode_workspace(x_MK.device, k).any()
 
 
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m", [1, 7, 16, 40])
 @pytest.mark.parametrize("block_sums", [True, False])
 @pytest.mark.parametrize("mma_gate", [True, False])
 def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, mma_gate, monkeypatch):
     """Dense, all-zero and hot rows, each block's sums in shared memory (up to DECODE_BLOCK_SUM_PIECES) or not, the
-    gates on the tensor cores or not."""
+    gates on the tensor cores or not (always for groups of tokens, as at 40)."""
     monkeypatch.setattr(twell_backend, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
     monkeypatch.setattr(twell_backend, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
@@ -470,11 +471,11 @@ def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, mma_gate, monkeypa
     assert (result.l0_M[1::5] == 0).all() and result.l0_M[0] > 5000
 
 
-def test_decode_kernel_residual_statistics_and_graph_capture():
+@pytest.mark.parametrize("m", [9, 40])
+def test_decode_kernel_residual_statistics_and_graph_capture(m):
     """The residual is added as adding it after; without statistics y stays; no host sync; a CUDA graph replays it on
     new inputs, on another stream too. (Its fp32 sums are added by atomics, in an order that varies: compared within a
-    bf16 rounding.)"""
-    m = 9
+    bf16 rounding.) At 40 tokens, three groups of blocks."""
     x_MK, w_gate_NK, w_up_NK, w_down_KN = block = synthetic_block(m, 2048, 5632, nnz_mean=40, sigma=0.5, seed=2)
     residual_MK = torch.randn(m, 2048, device="cuda").bfloat16()
     plain = twell_gated_mlp(*block)
