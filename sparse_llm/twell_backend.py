@@ -108,6 +108,10 @@ DECODE_BLOCK_SUMS_MS = 0.004
 DECODE_MMA_MIN_M = 8
 DECODE_MMA_GBPS = 1100.0
 DECODE_MMA_NEURONS = 8  # MMA_NEURONS there
+# Each group of tokens past the first adds this share of the gate's priced time (besides its rows and pairs): in CUDA
+# graphs at K x N = 2048 x 5632 (H200, 2026-11-29) 16 / 32 / 48 / 64 tokens took 27.2 / 30.1 / 36.4 / 43.8 us at 28
+# non-zeros per token and 31.8 / 36.9 / 45.8 / 56.7 at 56, against the dense block's 32-35.
+DECODE_GROUP_GATE_SHARE = 0.15
 DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
@@ -319,26 +323,30 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, ta
 
 
 def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
-    """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: per group of up to
+    """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: for a group of up to
     DECODE_GROUP_M tokens, w_gate, plus the up and down rows of the neurons some token of the group fires (spread
     evenly; a dense token fires all), the tokens' gate dot products, and the additions into y per (firing neuron,
-    token) pair. Groups are priced one after another, though their blocks share the GPU."""
-    full, rest = divmod(m, DECODE_GROUP_M)
-    sizes = [DECODE_GROUP_M] * full + ([rest] if rest else [])
-    mma_gate = m >= DECODE_MMA_MIN_M or len(sizes) > 1
+    token) pair. Further groups run beside the first: each adds its rows and pairs and DECODE_GROUP_GATE_SHARE of the
+    gate's time."""
+    groups = math.ceil(m / DECODE_GROUP_M)
+    sizes = [DECODE_GROUP_M] * (groups - 1) + [m - DECODE_GROUP_M * (groups - 1)]  # tokens per group, the first full
+    mma_gate = m >= DECODE_MMA_MIN_M or groups > 1
+    gate_ms, rest_ms = _decode_group_ms(sizes[0], k, n, l0_mean, mma_gate)
+    for size in sizes[1:]:
+        rest_ms += DECODE_GROUP_GATE_SHARE * gate_ms + _decode_group_ms(size, k, n, l0_mean, mma_gate)[1]
     block_sums_ms = DECODE_BLOCK_SUMS_MS if decode_block_sums(m, k, l0_max) else 0.0
-    return DECODE_FIXED_MS + sum(_decode_group_ms(g, k, n, l0_mean, mma_gate) + block_sums_ms for g in sizes)
+    return DECODE_FIXED_MS + gate_ms + rest_ms + block_sums_ms
 
 
-def _decode_group_ms(m: int, k: int, n: int, l0_mean: float, mma_gate: bool) -> float:
-    """`decode_ms`'s price of one group of M tokens, without the fixed cost and the block sums."""
+def _decode_group_ms(m: int, k: int, n: int, l0_mean: float, mma_gate: bool) -> tuple[float, float]:
+    """`decode_ms`'s price of one group of M tokens alone: (its gates, its rows and pairs)."""
     fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
     rows_ms = 2 * fired * k * 2 / (DECODE_GBPS * 1e6)
     if mma_gate:  # the gates on the tensor cores
         gate_ms = n * k * 2 / (DECODE_MMA_GBPS * 1e6)
     else:  # w_gate streamed, one warp-wide dot product per token and neuron
         gate_ms = n * k * 2 / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
-    return gate_ms + rows_ms + m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
+    return gate_ms, rows_ms + m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
 
 
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:

@@ -292,6 +292,21 @@ def test_dispatch_picks_sparse_only_where_it_pays():
     assert sparse.estimated_ms(64, k, n, 28, 28, False) > dense.estimated_ms(64, k, n, 28, 28, False)
 
 
+# The decode kernel in CUDA graphs at K x N = 2048 x 5632 (H200, 2026-11-29): (tokens, non-zeros per token, us), the
+# tokens past 16 in groups of 16 whose blocks run side by side.
+MEASURED_DECODES = [
+    (16, 28, 27.2), (32, 28, 30.1), (48, 28, 36.4), (64, 28, 43.8),
+    (16, 56, 31.8), (32, 56, 36.9), (48, 56, 45.8), (64, 56, 56.7),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, l0, us", MEASURED_DECODES)
+def test_decode_price_follows_its_groups(m, l0, us):
+    """The decode kernel's price is 0.9-1.2x its measured time, from one group of tokens to four (priced one after
+    another, four groups would cost 2.3x the measured time at 64 tokens)."""
+    assert 0.9 * us <= 1e3 * twell_backend.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
+
+
 # The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives at that
 # density (one pass at 44 MiB of rows, two from 66 to 224, three from 128 at 56 non-zeros, which the price takes
 # for two): (M, K, N, non-zeros per token, ms).
