@@ -20,7 +20,8 @@
 // rounded to bf16, and y is summed in fp32 and rounded once.
 //
 // Issued from Python, one launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed,
-// and the last block to finish rounds them into y and zeroes them again (`finish_in_last_block`). An eager decoding
+// and the last block of each group of tokens to finish rounds the group's sums into y and zeroes them again
+// (`finish_in_last_block`). An eager decoding
 // step pays the host for every op it issues (~20 us each on an H200's host), so the call issues one kernel and
 // allocates only its outputs. In a CUDA graph, where no host time is paid per call, decode_finish rounds the sums
 // instead, spread over many blocks: the last block alone took 8-18 us longer for 8-16 tokens.
@@ -117,9 +118,10 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
     __syncwarp();
 }
 
-// The decode workspace for up to T tokens (fp32, T * K + 2 * T + 1 words; `decode_workspace_words` in
-// sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32 [T]), l0 (int32 [T]) and
-// the count of blocks done (unsigned), each passed to the kernel as a pointer of its own:
+// The decode workspace for up to T tokens (fp32, T * K + 2 * T + ceil(T / DECODE_GROUP_M) words;
+// `decode_workspace_words` in sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32
+// [T]), l0 (int32 [T]) and each group's count of blocks done (unsigned), each passed to the kernel as a pointer of its
+// own:
 // kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
 // loops. All zero between calls.
 
@@ -138,16 +140,17 @@ __device__ __forceinline__ void round_sums(float *y_sum, const __nv_bfloat16 *re
     }
 }
 
-// Called by every thread of every block once its sums are added: the last block to get here writes y from the sums
-// (round_sums, residual added when not null) and l1_out / l0_out (fp32 / int32 [M], each or null), and leaves the
-// workspace zeroed.
+// Called by every thread of every block of a group of M tokens once its sums are added: the group's last block to get
+// here writes the group's y from its sums (round_sums, residual added when not null) and l1_out / l0_out (fp32 / int32
+// [M], each or null), and leaves its part of the workspace zeroed. Spread over the groups, this last step at 64 tokens
+// costs what it costs at 16.
 __device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, int *l0, unsigned *done,
                                                      const __nv_bfloat16 *residual, __nv_bfloat16 *y, float *l1_out,
                                                      int *l0_out, int M, int K) {
     __shared__ bool last;
     __threadfence();  // this thread's atomics reach the device before its block counts itself done
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block's sums are visible (round_sums reads them from L2)
@@ -163,8 +166,8 @@ __device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, in
 // One pass over the N neurons for each group of up to DECODE_GROUP_M of M <= DECODE_MAX_M tokens. x, w_gate, w_up,
 // w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t is w_down transposed: row n = neuron n's output weights).
 // y_sum, l1, l0, done: the workspace's, zeroed; y_sum receives h w_down^T, l1 and l0 sum |h| and count h != 0 per
-// token. FINISH: the last block writes y (plus residual, bf16 [M, K] or null), l1_out and l0_out (each or null) from
-// them (finish_in_last_block); else the sums stay for decode_finish, l1 and l0 in the workspace, and the kernel is
+// token; `done` has a count per group. FINISH: each group's last block writes the group's rows of y (plus residual,
+// bf16 [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); else the sums stay for decode_finish, l1 and l0 in the workspace, and the kernel is
 // compiled without that code (which took registers from its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an
 // H200). fired (int32 [N], or null): 1 where neuron n has some h != 0; else 0, written by the kernel for one group of
 // tokens and left as the caller zeroed it for more (another group's block may have found the neuron firing).
@@ -284,10 +287,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
             atomicAdd(reinterpret_cast<float4 *>(out + 4), make_float4(piece[128], piece[160], piece[192], piece[224]));
         }
     }
-    if constexpr (FINISH) {  // over all M tokens
-        const int group_start = MMA_GATE ? blockIdx.y * DECODE_GROUP_M : 0;
-        finish_in_last_block(y_sum - static_cast<size_t>(group_start) * K, l1 - group_start, l0 - group_start, done,
-                             residual, y, l1_out, l0_out, M, K);
+    if constexpr (FINISH) {  // the group's tokens, by the group's last block
+        const size_t rows = static_cast<size_t>(first) * K;
+        finish_in_last_block(y_sum, l1, l0, done + blockIdx.y, residual == nullptr ? nullptr : residual + rows,
+                             y + rows, l1_out == nullptr ? nullptr : l1_out + first,
+                             l0_out == nullptr ? nullptr : l0_out + first, m, K);
     }
 }
 

@@ -1080,10 +1080,12 @@ def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) 
     return f"decode_ffn<{kv},{flags}>"
 
 
-def decode_workspace_words(k: int, tokens: int = DECODE_MAX_M) -> tuple[int, int, int]:
-    """Where the decode workspace for up to `tokens` rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and its
-    count of blocks done, in fp32 words from its start; its rows of y sums come first, the count last."""
-    return tokens * k, tokens * (k + 1), tokens * (k + 2)
+def decode_workspace_words(k: int, tokens: int = DECODE_MAX_M) -> tuple[int, int, int, int]:
+    """Where the decode workspace for up to `tokens` rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and the
+    counts of blocks done (one per group of tokens), in fp32 words from its start, and its size; its rows of y sums
+    come first, the counts last."""
+    done_at = tokens * (k + 2)
+    return tokens * k, tokens * (k + 1), done_at, done_at + math.ceil(tokens / DECODE_GROUP_M)
 
 
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
@@ -1093,7 +1095,7 @@ def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), k)
     workspace = _DECODE_WORKSPACES.get(key)
     if workspace is None:
-        size = decode_workspace_words(k)[-1] + 1
+        size = decode_workspace_words(k)[-1]
         workspace = _DECODE_WORKSPACES[key] = torch.zeros(size, dtype=torch.float32, device=device)
     return workspace
 
@@ -1120,8 +1122,8 @@ def decode_ffn(
     graphed = torch._C._cuda_isCurrentStreamCapturing()
     # A graph being captured zeroes a workspace of its own, for its M tokens: the graph owns it, and may be replayed on
     # any stream.
-    l1_at, l0_at, done_at = decode_workspace_words(k, m if graphed else DECODE_MAX_M)
-    workspace = torch.zeros(done_at + 1, dtype=torch.float32, device=device) if graphed else decode_workspace(device, k)
+    l1_at, l0_at, done_at, size = decode_workspace_words(k, m if graphed else DECODE_MAX_M)
+    workspace = torch.zeros(size, dtype=torch.float32, device=device) if graphed else decode_workspace(device, k)
     y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
     # The kernel writes each neuron's flag for one group; for more, it sets the firing ones in flags zeroed here.
     flags = torch.empty if groups == 1 else torch.zeros
@@ -1146,7 +1148,7 @@ def decode_ffn(
     blocks = max(1, min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device) // groups))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
     base = workspace.data_ptr()
-    parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, count
+    parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, counts
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
     args = (*map(cuda.ptr, operands), *parts, *map(cuda.ptr, (residual_MK, *outs, fired_N)), _i32(m), _i32(k), _i32(n))
     cuda.launch(kernel, (blocks, groups), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
