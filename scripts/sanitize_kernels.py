@@ -11,8 +11,8 @@ rows); a neuron that fires for every token (a transposed-view column cut into ch
 slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
 residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
 the fused gate GEMM writing its overflowed segments' gate values;
-the decode kernel at 1, 7 and 16 tokens, its blocks summing in shared memory and not, its gates on the tensor
-cores and not;
+the decode kernel at 1, 7 and 16 tokens and at 40 (groups of tokens), its blocks summing in shared memory and not,
+its gates on the tensor cores and not;
 the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
 dx through the slices walk; both transposes.
 """

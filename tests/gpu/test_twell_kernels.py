@@ -436,9 +436,9 @@ def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
 
 
 def test_decode_workspace_is_left_zeroed_across_sizes_and_streams():
-    """Calls of 16 tokens, then fewer and more (groups), on the default stream and on a side stream (a workspace each), heavy tokens with
-    block sums and without: every call matches the reference, so none saw an earlier call's sums, and both workspaces
-    end zeroed."""
+    """Calls of 16 tokens, then fewer and more (groups), on the default stream and on a side stream (a workspace each),
+    heavy tokens with block sums and without: every call matches the reference, so none saw an earlier call's sums, and
+    both workspaces end zeroed."""
     side = torch.cuda.Stream()
     k, n = 2048, 5632
     for seed, m in enumerate((16, 3, 64, 1, 33, 9)):
