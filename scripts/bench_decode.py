@@ -5,13 +5,15 @@ each step issued eagerly and replayed as a CUDA graph (sparse_llm.decoding, what
     python scripts/bench_decode.py --checkpoint outputs/<run>/final --batches 1,8
     python scripts/bench_decode.py --size tiny --batches 1,2 --prompt-len 16 --steps 4 --device cpu   # smoke run
 
-The model and its sparsity are built as scripts/bench_model.py builds them (--density-l0: a random-init model
-given ~T positive gate pre-activations per token, calibrated on random prompts). Per batch of B prompts of
---prompt-len random tokens: prefill, one eager step and one captured step, then --steps steps timed with CUDA
-events, each feeding the arg-max of the last logits (greedy decoding, its arg-max included); the median over
---reps such runs, as ms per step and new tokens per second. Kernels: `stock` (transformers' own modules: the
-plain dense model), `torch` (our modules, dense FFN) and `auto` (each layer's FFN path chosen by the cost model
-from the per-layer L0 that the `torch` pass measured on the prompts, which the report gives).
+The model and its sparsity are built as scripts/bench_model.py builds them (--density-l0: a random-init model given
+~T positive gate pre-activations per token, calibrated on random prompts). Per batch of B prompts of --prompt-len
+random tokens: prefill, one eager step and one captured step, then --steps steps timed with CUDA events, each
+feeding the arg-max of the last logits (greedy decoding, its arg-max included); the median over --reps such runs, as
+ms per step and new tokens per second. The kernels take turns run by run (the order rotating), so that a drift in
+the host's pace, which sets the eager steps' time, reaches every kernel alike; each eager step's speed against
+`torch` is also given as the median of the per-run ratios. Kernels: `stock` (transformers' own modules: the plain
+dense model), `torch` (our modules, dense FFN) and `auto` (each layer's FFN path chosen by the cost model from the
+per-layer L0 that the `torch` pass measured on the prompts, which the report gives).
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ KERNELS = (STOCK, "torch", "auto")
 
 @dataclass
 class StepTiming:
-    """ms per decoding step of one (kernel, batch), eager and replayed; `paths`: FFN path -> layers."""
+    """ms per decoding step of one (kernel, batch), eager and replayed (medians over the runs); `eager_vs_torch`: the
+    median over the runs of the `torch` run's eager ms / this kernel's, beside it in turn (None without `torch`);
+    `paths`: FFN path -> layers."""
 
     kernel: str
     batch: int
     eager_ms: float
     graph_ms: float | None  # None on a CPU
+    eager_vs_torch: float | None
     paths: dict[str, int]
 
     @property
@@ -77,13 +82,26 @@ def step_ms(model: torch.nn.Module, prompts_BS: torch.Tensor, steps: int, cuda_g
         return clock.elapsed_ms(start, clock.mark()) / steps
 
 
-def bench(model, prompts_BS, kernel: str, observed: list[LayerStats] | None, args) -> StepTiming:
-    set_kernel(model, kernel, observed)
-    median = {}
-    for graph in (False, True) if prompts_BS.is_cuda else (False,):
-        median[graph] = statistics.median(step_ms(model, prompts_BS, args.steps, graph) for _ in range(args.reps))
-    paths = Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))  # none on the stock modules
-    return StepTiming(kernel, prompts_BS.shape[0], median[False], median.get(True), dict(paths))
+def bench(model, prompts_BS, kernels: list[str], observed: list[LayerStats] | None, args) -> list[StepTiming]:
+    """One StepTiming per kernel for the prompts prompts_BS [B, S], from args.reps runs of each kernel in turn."""
+    modes = (False, True) if prompts_BS.is_cuda else (False,)  # eager, replayed
+    runs: dict[str, list[dict[bool, float]]] = {kernel: [] for kernel in kernels}
+    paths: dict[str, Counter] = {}
+    for rep in range(args.reps):
+        for kernel in kernels[rep % len(kernels) :] + kernels[: rep % len(kernels)]:
+            set_kernel(model, kernel, observed)
+            runs[kernel].append({graph: step_ms(model, prompts_BS, args.steps, graph) for graph in modes})
+            paths[kernel] = Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))  # none on stock modules
+    timings = []
+    for kernel in kernels:
+        median = {graph: statistics.median(run[graph] for run in runs[kernel]) for graph in modes}
+        vs_torch = None
+        if "torch" in runs:
+            vs_torch = statistics.median(base[False] / run[False] for base, run in zip(runs["torch"], runs[kernel]))
+        timings.append(
+            StepTiming(kernel, prompts_BS.shape[0], median[False], median.get(True), vs_torch, dict(paths[kernel]))
+        )
+    return timings
 
 
 def prompt_l0(model, prompts_BS: torch.Tensor) -> list[LayerStats]:
@@ -98,8 +116,8 @@ def table(rows: list[StepTiming]) -> list[str]:
     """Markdown rows: ms per step eager and replayed, tokens/s, and the replayed speed vs the dense paths."""
     dense = {(r.kernel, r.batch): r for r in rows if r.kernel in (STOCK, "torch")}
     lines = [
-        "| batch | FFN | eager ms/step | graph ms/step | tokens/s | vs torch | vs stock | FFN paths |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | FFN | eager ms/step | eager vs torch | graph ms/step | tokens/s | vs torch | vs stock | FFN paths |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratios = []
@@ -108,8 +126,9 @@ def table(rows: list[StepTiming]) -> list[str]:
             ratios.append("-" if other is None else f"{other.fastest_ms / r.fastest_ms:.2f}x")
         graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
         paths = ", ".join(f"{p} x{n}" for p, n in r.paths.items()) or "LlamaMLP"
-        lines.append(f"| {r.batch} | {r.kernel} | {r.eager_ms:.3f} | {graph} | {r.batch * 1000 / r.fastest_ms:.0f} | "
-                     f"{ratios[0]} | {ratios[1]} | {paths} |")
+        eager_vs = "-" if r.eager_vs_torch is None else f"{r.eager_vs_torch:.3f}x"
+        lines.append(f"| {r.batch} | {r.kernel} | {r.eager_ms:.3f} | {eager_vs} | {graph} | "
+                     f"{r.batch * 1000 / r.fastest_ms:.0f} | {ratios[0]} | {ratios[1]} | {paths} |")
     return lines
 
 
@@ -162,16 +181,15 @@ def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
     observed = prompt_l0(model, prompts_BS)
     rows = []
     for batch in args.batch_list:
-        for kernel in args.kernel_list:
-            rows.append(bench(model, prompts_BS[:batch], kernel, observed, args))
-            print(table(rows[-1:])[-1], flush=True)
+        rows += bench(model, prompts_BS[:batch], args.kernel_list, observed, args)
+        print("\n".join(table(rows[-len(args.kernel_list) :])[2:]), flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     report = "\n".join([
         f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
         "",
         f"Hardware: {hardware_summary(device)}. Settings: `python scripts/bench_decode.py "
         f"{' '.join(sys.argv[1:] if argv is None else argv)}` (prompts of {args.prompt_len} random tokens, "
-        f"{args.steps} timed steps, median of {args.reps} runs).",
+        f"{args.steps} timed steps, median of {args.reps} runs, the kernels in turn).",
         l0_line(observed),
         "",
         *table(rows),

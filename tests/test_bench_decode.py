@@ -12,16 +12,21 @@ def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
     out = tmp_path / "decode.json"
     markdown = tmp_path / "BENCH.md"
     command = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--size", "tiny", "--batches", "1,3",
-               "--prompt-len", "8", "--steps", "2", "--reps", "1", "--density-l0", "8", "--device", "cpu",
+               "--prompt-len", "8", "--steps", "2", "--reps", "2", "--density-l0", "8", "--device", "cpu",
                "--json", str(out), "--markdown", str(markdown)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["batch"], r["kernel"]) for r in rows] == [(b, k) for b in (1, 3) for k in ("stock", "torch", "auto")]
     assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in rows)  # no CUDA graphs on a CPU
+    assert all(r["eager_vs_torch"] > 0 for r in rows)
+    assert all(r["eager_vs_torch"] == 1.0 for r in rows if r["kernel"] == "torch")
+    # the stock run, taken in turn with the others, leaves no stock modules behind: the FFN kernels ran on our modules
+    layers = {sum(r["paths"].values()) for r in rows if r["kernel"] != "stock"}
+    assert len(layers) == 1 and layers.pop() > 0
     text = markdown.read_text()
-    assert "### Decoding steps, tiny" in text and "Prompt L0 per layer" in text
-    assert "| 3 | stock |" in text and "LlamaMLP |" in text
+    assert "### Decoding steps, tiny" in text and "Prompt L0 per layer" in text and "the kernels in turn" in text
+    assert "| 3 | stock |" in text and "LlamaMLP |" in text and "| eager vs torch |" in text
 
 
 def test_bad_kernel_is_named():
