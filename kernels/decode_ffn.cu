@@ -19,12 +19,12 @@
 // Rounding follows the dense bf16 block: g and u are rounded to bf16 as a bf16 GEMM stores them, h = g * u is
 // rounded to bf16, and y is summed in fp32 and rounded once.
 //
-// Issued from Python, one launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed,
-// and the last block of each group of tokens to finish rounds the group's sums into y and zeroes them again
-// (`finish_in_last_block`). An eager decoding
-// step pays the host for every op it issues (~20 us each on an H200's host), so the call issues one kernel and
-// allocates only its outputs. In a CUDA graph, where no host time is paid per call, decode_finish rounds the sums
-// instead, spread over many blocks: the last block alone took 8-18 us longer for 8-16 tokens.
+// Issued from Python, one launch does the whole call: the fp32 sums live in a workspace that the call finds zeroed, and
+// the last block of each group of tokens to finish rounds the group's sums into y and zeroes them again
+// (`finish_in_last_block`). An eager decoding step pays the host for every op it issues (~20 us each on an H200's
+// host), so the call issues one kernel and allocates only its outputs. In a CUDA graph, where no host time is paid per
+// call, decode_finish rounds the sums instead, spread over many blocks: the last block alone took 8-18 us longer for
+// 8-16 tokens.
 #include "twell_common.cuh"
 
 // More tokens than a block stages make groups, one per blockIdx.y, whose blocks run side by side: one group of 16
@@ -121,8 +121,7 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
 // The decode workspace for up to T tokens (fp32, T * K + 2 * T + ceil(T / DECODE_GROUP_M) words;
 // `decode_workspace_words` in sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32
 // [T]), l0 (int32 [T]) and each group's count of blocks done (unsigned), each passed to the kernel as a pointer of its
-// own:
-// kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
+// own: kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
 // loops. All zero between calls.
 
 // y (bf16 [M, K]) = the fp32 sums y_sum [M, K] rounded to bf16, plus residual (bf16 [M, K], or null) added as the
@@ -167,16 +166,17 @@ __device__ __forceinline__ void finish_in_last_block(float *y_sum, float *l1, in
 // w_down_t: bf16 [M, K], [N, K], [N, K], [N, K] (w_down_t is w_down transposed: row n = neuron n's output weights).
 // y_sum, l1, l0, done: the workspace's, zeroed; y_sum receives h w_down^T, l1 and l0 sum |h| and count h != 0 per
 // token; `done` has a count per group. FINISH: each group's last block writes the group's rows of y (plus residual,
-// bf16 [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); else the sums stay for decode_finish, l1 and l0 in the workspace, and the kernel is
-// compiled without that code (which took registers from its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an
-// H200). fired (int32 [N], or null): 1 where neuron n has some h != 0; else 0, written by the kernel for one group of
-// tokens and left as the caller zeroed it for more (another group's block may have found the neuron firing).
-// BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE: each warp takes 8 neurons at a time and computes
-// their gates for all tokens on the tensor cores (gate_tile_mma); else one neuron at a time, a warp-wide dot product
-// per token (fewer, cheaper steps for one or two tokens). Grid: any number of blocks of DECODE_WARPS warps in x (they
-// stride over the neurons) by ceil(M / DECODE_GROUP_M) groups in y (1 without MMA_GATE); dynamic shared memory, for G =
-// min(M, DECODE_GROUP_M) tokens: G * KV * 512 bytes of x, DECODE_WARPS * DECODE_GROUP_M floats of gate values (8 times
-// that with MMA_GATE) and, with BLOCK_SUMS, G * KV * 1024 bytes of sums.
+// bf16 [M, K] or null), l1_out and l0_out (each or null) from them (finish_in_last_block); else the sums stay for
+// decode_finish, l1 and l0 in the workspace, and the kernel is compiled without that code (which took registers from
+// its loops: 6-12 us more at 8-16 tokens in CUDA graphs on an H200). fired (int32 [N], or null): 1 where neuron n has
+// some h != 0; else 0, written by the kernel for one group of tokens and left as the caller zeroed it for more (another
+// group's block may have found the neuron firing). BLOCK_SUMS: sum each block's share in shared memory first. MMA_GATE:
+// each warp takes 8 neurons at a time and computes their gates for all tokens on the tensor cores (gate_tile_mma); else
+// one neuron at a time, a warp-wide dot product per token (fewer, cheaper steps for one or two tokens). Grid: any
+// number of blocks of DECODE_WARPS warps in x (they stride over the neurons) by ceil(M / DECODE_GROUP_M) groups in y (1
+// without MMA_GATE); dynamic shared memory, for G = min(M, DECODE_GROUP_M) tokens: G * KV * 512 bytes of x,
+// DECODE_WARPS * DECODE_GROUP_M floats of gate values (8 times that with MMA_GATE) and, with BLOCK_SUMS, G * KV * 1024
+// bytes of sums.
 template <int KV, bool BLOCK_SUMS, bool MMA_GATE, bool FINISH>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn(
     const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w_gate,
@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // This warp's g, then h, of its TILE neurons: neuron j's token t at [j * DECODE_GROUP_M + t].
     float *vals = reinterpret_cast<float *>(smem + m * KV * 32) + warp * TILE * DECODE_GROUP_M;
-    float *sums = reinterpret_cast<float *>(smem + m * KV * 32) + DECODE_WARPS * TILE * DECODE_GROUP_M;  // t at t*KV*256
+    // With BLOCK_SUMS, the block's fp32 sums of y: token t's row at [t * KV * 256].
+    float *sums = reinterpret_cast<float *>(smem + m * KV * 32) + DECODE_WARPS * TILE * DECODE_GROUP_M;
     __shared__ float block_l1[DECODE_GROUP_M];
     __shared__ int block_l0[DECODE_GROUP_M];
     __shared__ unsigned block_live;  // bit t: token t has some h != 0 in this block

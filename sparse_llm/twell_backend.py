@@ -312,6 +312,12 @@ def decode_block_sums(m: int, k: int, l0_max: float | None) -> bool:
     return fits and (l0_max is None or l0_max > DECODE_GLOBAL_MAX_NNZ)
 
 
+def decode_mma_gate(m: int) -> bool:
+    """Whether decode_ffn computes the gates of M tokens on the tensor cores: from DECODE_MMA_MIN_M tokens, and always
+    for more than one group of tokens (the kernel's other variant keeps its pointers in kernel parameters)."""
+    return m >= DECODE_MMA_MIN_M or m > DECODE_GROUP_M
+
+
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """Predicted time of one inference call of the twell backend: for up to DECODE_MAX_M tokens the decode kernel's
     (`decode_ms`), else the "direct" route's: the cuBLAS gate GEMM and the walk `direct_walk` takes (`rows_walk_ms`,
@@ -330,7 +336,7 @@ def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     gate's time."""
     groups = math.ceil(m / DECODE_GROUP_M)
     sizes = [DECODE_GROUP_M] * (groups - 1) + [m - DECODE_GROUP_M * (groups - 1)]  # tokens per group, the first full
-    mma_gate = m >= DECODE_MMA_MIN_M or groups > 1
+    mma_gate = decode_mma_gate(m)
     gate_ms, rest_ms = _decode_group_ms(sizes[0], k, n, l0_mean, mma_gate)
     for size in sizes[1:]:
         rest_ms += DECODE_GROUP_GATE_SHARE * gate_ms + _decode_group_ms(size, k, n, l0_mean, mma_gate)[1]
@@ -1135,8 +1141,7 @@ def decode_ffn(
         stats = flags(2 * m + n, dtype=torch.int32, device=device)
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
-    # groups only with the tensor-core gate (the kernel's one-token variant keeps its pointers in kernel parameters)
-    block_sums, mma_gate = decode_block_sums(m, k, l0_max), m >= DECODE_MMA_MIN_M or groups > 1
+    block_sums, mma_gate = decode_block_sums(m, k, l0_max), decode_mma_gate(m)
     kernel = cuda.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate, not graphed), device)
     # A group's x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
