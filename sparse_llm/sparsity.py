@@ -16,6 +16,7 @@ window's p99/max are exact; histograms and fired masks are summed/OR-ed over ran
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,10 @@ class SparsityConfig:
     reinit_dead: bool = False  # paper eq. 6, applied at the end of every dead window
     reinit_mix: float = 0.1  # Wg[j] <- (1 - mix) Wg[j] + mix * N(0, reinit_std^2)
     reinit_std: float = 0.02
+    # Per-layer weights of the L1 term, moved after every optimizer step by this rate toward equal L0 in all layers
+    # (LayerBalance); 0 keeps the plain mean over layers.
+    layer_balance: float = 0.0
+    layer_balance_max: float = 8.0  # bound on a layer's weight, and its inverse below
 
 
 def l1_coefficient(l1: float, step: int, warmup_steps: int) -> float:
@@ -48,10 +53,56 @@ def l1_coefficient(l1: float, step: int, warmup_steps: int) -> float:
     return l1 * min(1.0, (step + 1) / warmup_steps)
 
 
-def l1_term(results: list[FFNResult]) -> torch.Tensor:
-    """mean over layers of (sum over tokens and neurons |h|) / tokens."""
-    per_layer = [r.l1_sum / max(r.l0_M.numel(), 1) for r in results]
-    return torch.stack(per_layer).mean()
+def l1_term(results: list[FFNResult], weights_L: torch.Tensor | None = None) -> torch.Tensor:
+    """mean over layers of (sum over tokens and neurons |h|) / tokens, each layer's share times weights_L[layer]
+    when given (LayerBalance)."""
+    per_layer_L = torch.stack([r.l1_sum / max(r.l0_M.numel(), 1) for r in results])
+    if weights_L is not None:
+        per_layer_L = per_layer_L * weights_L
+    return per_layer_L.mean()
+
+
+class LayerBalance:
+    """Weights of the layers' shares in the L1 term that pull every layer toward the same L0.
+
+    Trained with one coefficient, the layers settle far apart: a 2B model's first and last layers kept 3-8x the
+    non-zeros per token of the median layer (BENCHMARKS.md), and such layers run the sparse kernels no faster
+    than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how far its log
+    L0 over that step lies above the layers' mean log L0, then the log-weights are centred and bounded by
+    +-log(bound). Their geometric mean stays 1, so the penalty's overall strength stays `l1`'s; denser layers
+    get more of it and sparser ones less.
+    """
+
+    def __init__(self, layers: int, rate: float, bound: float, device: torch.device, reduce: Reducer) -> None:
+        if rate < 0:
+            raise ValueError(f"sparsity.layer_balance={rate}: give a rate >= 0 (0 turns the balance off, ~0.02 "
+                             "moves a weight by a few percent a step).")
+        if bound < 1:
+            raise ValueError(f"sparsity.layer_balance_max={bound}: give a bound >= 1 on the layers' L1 weights.")
+        self.rate = rate
+        self.log_bound = math.log(bound)
+        self.reduce = reduce
+        self.log_weights_L = torch.zeros(layers, dtype=torch.float32, device=device)
+        self.weights_L = torch.ones(layers, dtype=torch.float32, device=device)
+        self.nonzeros_L = torch.zeros(layers, dtype=torch.float32, device=device)  # over this step's micro-batches
+
+    @torch.no_grad()
+    def accumulate(self, results: list[FFNResult]) -> None:
+        self.nonzeros_L += torch.stack([r.l0_M for r in results]).sum(dim=1, dtype=torch.float32)
+
+    @torch.no_grad()
+    def end_optimizer_step(self) -> None:
+        # Only the layers' L0 relative to each other matters, so summed non-zeros stand in for the mean; a layer
+        # with none at all counts one, which lowers its weight at the bounded rate.
+        log_l0_L = self.reduce(self.nonzeros_L, "sum").clamp_min(1.0).log()
+        self.nonzeros_L.zero_()
+        moved_L = self.log_weights_L + self.rate * (log_l0_L - log_l0_L.mean())
+        self.log_weights_L.copy_((moved_L - moved_L.mean()).clamp(-self.log_bound, self.log_bound))
+        torch.exp(self.log_weights_L, out=self.weights_L)
+
+    def load(self, log_weights_L: torch.Tensor) -> None:
+        self.log_weights_L.copy_(log_weights_L)
+        torch.exp(self.log_weights_L, out=self.weights_L)
 
 
 def _quantile_from_hist(hist: torch.Tensor, q: float) -> int:
@@ -99,6 +150,13 @@ class SparsityTracker:
         # still on their way from the GPU (layer, pinned CPU tensor), added once a read needs them.
         self.dense_rows_L = [0] * len(mlps)
         self.pending_rows: list[tuple[int, torch.Tensor]] = []
+        self.balance = (LayerBalance(len(mlps), cfg.layer_balance, cfg.layer_balance_max, device, self.reduce)
+                        if cfg.layer_balance else None)
+
+    @property
+    def l1_weights_L(self) -> torch.Tensor | None:
+        """The layers' weights in the L1 term (None: equal weights)."""
+        return None if self.balance is None else self.balance.weights_L
 
     def collect(self) -> list[FFNResult]:
         """The results of each layer's latest forward; call right after the model's forward."""
@@ -119,6 +177,8 @@ class SparsityTracker:
                 self.pending_rows.append((layer, r.overflow_rows))
             else:
                 self.dense_rows_L[layer] += r.overflow_rows
+        if self.balance is not None:
+            self.balance.accumulate(results)
 
     def _settle_pending_rows(self) -> None:
         for layer, count in self.pending_rows:
@@ -131,6 +191,8 @@ class SparsityTracker:
 
         Returns the number of re-initialised neurons (0 when the window is still open or reinit is off).
         """
+        if self.balance is not None:
+            self.balance.end_optimizer_step()
         self.steps_in_window += 1
         if self.steps_in_window < self.cfg.dead_window_steps:
             return 0
@@ -207,6 +269,9 @@ class SparsityTracker:
             for layer, frac in enumerate(dead_L.tolist()):
                 stats[f"dead/layer_{layer:02d}"] = frac
             stats["dead/mean"] = float(dead_L.mean())
+        if self.balance is not None:
+            for layer, weight in enumerate(self.balance.weights_L.tolist()):
+                stats[f"l1_weight/layer_{layer:02d}"] = weight
         return stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,6 +284,7 @@ class SparsityTracker:
             "steps_in_window": self.steps_in_window,
             "dense_rows_L": list(self.dense_rows_L),
             "observed": [_observation(m.dispatcher) for m in self.mlps],
+            "l1_log_weights_L": None if self.balance is None else self.balance.log_weights_L.cpu(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -233,6 +299,9 @@ class SparsityTracker:
         self.dead_LN = None if state["dead_LN"] is None else state["dead_LN"].to(device)
         self.steps_in_window = int(state["steps_in_window"])
         self.dense_rows_L = list(state.get("dense_rows_L", [0] * len(self.mlps)))  # absent in older checkpoints
+        log_weights_L = state.get("l1_log_weights_L")  # absent in older checkpoints
+        if self.balance is not None and log_weights_L is not None:
+            self.balance.load(log_weights_L.to(device))
         for mlp, (l0_mean, l0_max, *tail) in zip(self.mlps, state["observed"], strict=True):  # older: no tail
             if l0_mean is not None:
                 mlp.dispatcher.observe(l0_mean, l0_max, Tail(*tail[0]) if tail and tail[0] is not None else None)

@@ -11,7 +11,8 @@ Metric conventions the trainer follows (the console line relies on them):
     energy_j (joules over the logging window), mj_per_token, power_w,
     l0/mean (non-zeros of h per token), sparsity/mean and dead/mean (fractions in [0, 1]),
     per layer ``l0/layer_03``, ``l0_p99/layer_03``, ``l0_max/layer_03``, ``sparsity/layer_03``,
-    ``dead/layer_03``, ``backend/layer_03`` (a string), and val/ce, val/ppl.
+    ``dead/layer_03``, ``backend/layer_03`` (a string), ``l1_weight/layer_03`` (with sparsity.layer_balance),
+    and val/ce, val/ppl.
 String values go to the jsonl and to the W&B run summary (W&B charts only numbers).
 """
 

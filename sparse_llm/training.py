@@ -530,7 +530,7 @@ class Trainer:
         with no_sync, self.acc.autocast():
             out = self.model(input_ids=batch, labels=batch, use_cache=False)
             results = self.tracker.collect()
-            l1 = l1_term(results)
+            l1 = l1_term(results, self.tracker.l1_weights_L)
             loss = out.loss + coeff * l1
             self.acc.backward(loss / self.plan.accumulation)
         self.tracker.accumulate(results)

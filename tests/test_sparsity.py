@@ -1,11 +1,20 @@
 """L1 and L0 values against hand-computed ones; dead-neuron detection and re-initialisation."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from sparse_llm.backends import Tail
 from sparse_llm.mlp import SparseMLP
-from sparse_llm.sparsity import SparsityConfig, SparsityTracker, held_rows, l1_coefficient, l1_term
+from sparse_llm.sparsity import (
+    LayerBalance,
+    SparsityConfig,
+    SparsityTracker,
+    held_rows,
+    l1_coefficient,
+    l1_term,
+)
 
 
 def _mlp_with_known_activations() -> SparseMLP:
@@ -205,3 +214,59 @@ def test_held_rows_names_the_layouts_it_cannot_reinit(tmp_path):
             held_rows(replicated)
     finally:
         dist.destroy_process_group()
+
+
+def _l0_results(*l0_per_layer: list[int]) -> list[SimpleNamespace]:
+    """Stand-ins for one micro-batch's FFNResults: LayerBalance reads only their non-zeros per token."""
+    return [SimpleNamespace(l0_M=torch.tensor(l0, dtype=torch.int32)) for l0 in l0_per_layer]
+
+
+def test_layer_balance_weighs_denser_layers_more_and_keeps_the_geometric_mean():
+    balance = LayerBalance(3, rate=0.5, bound=8.0, device=torch.device("cpu"), reduce=lambda t, op: t)
+    balance.accumulate(_l0_results([8, 8], [2, 2], [4, 4]))
+    balance.accumulate(_l0_results([8, 8], [2, 2], [4, 4]))  # two micro-batches of one step
+    balance.end_optimizer_step()
+    # log L0 sits log 2 above the layers' mean in layer 0 and log 2 below it in layer 1: +-0.5 log 2 at rate 0.5
+    assert balance.weights_L.tolist() == pytest.approx([2**0.5, 2**-0.5, 1.0])
+    assert balance.nonzeros_L.tolist() == [0.0, 0.0, 0.0]  # the next step starts afresh
+    for _ in range(20):  # the same spread step after step: the weights stop at the bound
+        balance.accumulate(_l0_results([8, 8], [2, 2], [4, 4]))
+        balance.end_optimizer_step()
+    assert balance.weights_L.tolist() == pytest.approx([8.0, 1 / 8.0, 1.0])
+    balance.accumulate(_l0_results([0, 0], [3, 3], [3, 3]))  # a layer with no non-zero at all: its weight falls
+    balance.end_optimizer_step()
+    assert balance.weights_L[0] < 8.0
+
+
+def test_l1_term_weighs_each_layer_share():
+    r = SimpleNamespace(l1_sum=torch.tensor(6.0), l0_M=torch.zeros(3))
+    other = SimpleNamespace(l1_sum=torch.tensor(3.0), l0_M=torch.zeros(3))
+    assert float(l1_term([r, other], torch.tensor([0.5, 2.0]))) == pytest.approx((0.5 * 2.0 + 2.0 * 1.0) / 2)
+
+
+def test_layer_balance_through_the_tracker_logs_and_resumes():
+    mlps = [_mlp_with_known_activations(), _mlp_with_known_activations()]
+    with torch.no_grad():
+        mlps[1].gate_proj.weight.neg_()  # more non-zeros in layer 1 (4 against 3)
+    cfg = SparsityConfig(layer_balance=0.1)
+    tracker = SparsityTracker(mlps, cfg)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    for mlp in mlps:
+        mlp(x)
+    tracker.accumulate(tracker.collect())
+    tracker.end_optimizer_step(step=0, seed=0)
+    stats = tracker.read_window()
+    assert stats["l0/layer_01"] > stats["l0/layer_00"]
+    assert stats["l1_weight/layer_01"] > 1.0 > stats["l1_weight/layer_00"]
+    restored = SparsityTracker(mlps, cfg)
+    restored.load_state_dict(tracker.state_dict())
+    assert torch.equal(restored.l1_weights_L, tracker.l1_weights_L)
+    assert SparsityTracker(mlps, SparsityConfig()).l1_weights_L is None  # off by default: the plain mean
+
+
+@pytest.mark.parametrize(("key", "value", "names"), [("layer_balance", -0.1, "sparsity.layer_balance=-0.1"),
+                                                     ("layer_balance_max", 0.5, "sparsity.layer_balance_max=0.5")])
+def test_layer_balance_refuses_bad_settings_by_name(key, value, names):
+    cfg = SparsityConfig(**{"layer_balance": 0.1, key: value})
+    with pytest.raises(ValueError, match=names.replace(".", r"\.")):
+        SparsityTracker([_mlp_with_known_activations()], cfg)

@@ -264,9 +264,10 @@ def test_cosine_schedule_shape():
 
 @pytest.mark.slow
 def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
-    """The open dead-neuron window and the dispatchers' observations travel with the checkpoint."""
+    """The open dead-neuron window, the dispatchers' observations and the layers' L1 weights travel with the
+    checkpoint."""
     common = ["trainer.max_steps=8", "checkpoint.every=4", "sparsity.reinit_dead=true",
-              "sparsity.dead_window_steps=3", "logging.every=1"]
+              "sparsity.dead_window_steps=3", "logging.every=1", "sparsity.layer_balance=0.5"]
 
     def run(run_dir: Path, *overrides: str) -> None:
         trainer = Trainer(small_config(*common, *overrides), run_dir)
@@ -285,6 +286,9 @@ def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
         assert resumed[record["step"]]["loss"] == pytest.approx(record["loss"], rel=1e-5), record["step"]
         assert resumed[record["step"]]["reinit_neurons"] == record["reinit_neurons"], record["step"]
         assert resumed[record["step"]].get("dead/mean") == record.get("dead/mean"), record["step"]
+        weights = [record[f"l1_weight/layer_{layer:02d}"] for layer in (0, 1)]
+        assert [resumed[record["step"]][f"l1_weight/layer_{layer:02d}"] for layer in (0, 1)] == pytest.approx(weights)
+    assert full[-1]["l1_weight/layer_00"] != pytest.approx(1.0)  # the layers' L0 differ, so their weights moved
 
 
 def test_validation_runs_on_its_own_schedule(tmp_path):
