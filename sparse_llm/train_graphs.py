@@ -76,23 +76,26 @@ class GraphedForward:
         return self._compute_RK
 
     def forward(
-        self, x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
+        self, x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor, dense_rows: int = 0
     ) -> tuple[tuple[Tensor, ...], ReplayToken | None]:
         """forward_kernels' outputs (the count as a pinned CPU int32 [1], as `_cuda_forward` returns it) and the token
-        of the replay that made them (None: an eager call's, whose outputs are its own)."""
+        of the replay that made them (None: an eager call's, whose outputs are its own). A new dense_rows is captured
+        anew, as a new shape is: it changes with the layer's observed tail, once per statistics window at most."""
         from sparse_llm.twell_train import COUNTS_OUTPUT, forward_kernels, new_counts_host
 
-        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
+        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, dense_rows, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
                w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
         if key != self.key:  # a new shape or new weight storage: run eagerly once, capture at the next call
             self.key, self.graph, self.outputs, self.eager_calls = key, None, (), 0
         if self.graph is None and self.eager_calls == 0:
             self.eager_calls += 1
-            return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host()), None
+            outputs = forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
+                                      dense_rows=dense_rows)  # fmt: skip
+            return outputs, None
         x_in_MK, gate_MN = _shared_buffers(x_MK.device, *x_MK.shape, w_gate_NK.shape[0])
         x_in_MK.copy_(x_MK)
         if self.graph is None:
-            self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK)
+            self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK, dense_rows)
         self.graph.replay()
         self.replays += 1
         counts_host = new_counts_host()
@@ -102,8 +105,9 @@ class GraphedForward:
         return outputs, ReplayToken(self, self.graph, self.replays)
 
     def _capture(
-        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
-    ) -> None:
+        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
+        dense_rows: int,
+    ) -> None:  # fmt: skip
         from sparse_llm.twell_train import forward_kernels
 
         main = torch.cuda.current_stream()
@@ -114,7 +118,8 @@ class GraphedForward:
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN)
+                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN,
+                                          dense_rows=dense_rows)  # fmt: skip
             finally:
                 graph.capture_end()
         main.wait_stream(side)

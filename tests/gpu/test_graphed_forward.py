@@ -38,25 +38,29 @@ def batches(ms: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run(weights: list[torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor]], graphs: bool) -> list[tuple]:
+def run(
+    weights: list[torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor]], graphs: bool, dense_rows: int = 0
+) -> list[tuple]:
     """Per call: y, l1_sum, l0, fired, heavy count, and the gradients (dx and the weights', each call's own)."""
     results = []
     for x, dy in calls:
         x = x.clone().requires_grad_()
         with optimizer_step(reuse_casts=True, graph_forwards=graphs), torch.autocast("cuda", dtype=torch.bfloat16):
-            r = twell_train_ffn(x, *weights, width=WIDTH)
+            r = twell_train_ffn(x, *weights, width=WIDTH, dense_rows=dense_rows)
             grads = torch.autograd.grad((r.y_MK.float() * dy.float()).sum() + 0.3 * r.l1_sum, (x, *weights))
         results.append((r.y_MK.clone(), r.l1_sum.clone(), r.l0_M.clone(), r.fired_N.clone(), r.dense_rows(), grads))
     return results
 
 
+@pytest.mark.parametrize("dense_rows", [0, 8], ids=["heavy-split", "heavy-dense-rows"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-masters", "bf16-weights"])
-def test_graphed_forwards_equal_eager_calls_call_by_call(bf16):
+def test_graphed_forwards_equal_eager_calls_call_by_call(bf16, dense_rows):
+    """With dense_rows = 8 the first heavy tokens take the dense GEMMs inside the graph and the others the split walk."""
     weights = master_weights(bf16)
     # Two of one size (eager, then captured and replayed), a third replay, then a new size (eager again, captured)
     calls = batches([1024, 1024, 1024, 768, 768, 768])
-    eager = run(weights, calls, graphs=False)
-    graphed = run(weights, calls, graphs=True)
+    eager = run(weights, calls, graphs=False, dense_rows=dense_rows)
+    graphed = run(weights, calls, graphs=True, dense_rows=dense_rows)
     assert train_graphs.graphed_forward(weights[0]).replays == 4  # two of each size: captured once per size
     counts = [e[4] for e in eager]
     assert min(counts) > 0 and len(set(counts)) > 1, f"heavy-token counts {counts}: the inputs test too little"
