@@ -76,6 +76,18 @@ def test_two_ranks_match_one_process_and_resume(tmp_path):
     assert resumed[-2:] == pytest.approx(ddp[-2:], rel=1e-5)
 
 
+def test_two_ranks_weigh_the_layers_as_one_process_does(tmp_path):
+    """sparsity.layer_balance moves the layers' L1 weights from the non-zeros of all ranks' tokens, so two ranks keep
+    one process's weights and losses."""
+    balance = ("trainer.max_steps=4", "sparsity.layer_balance=0.5")
+    single = _run(tmp_path, "single", 1, *balance)
+    ddp = _run(tmp_path, "ddp", 2, *balance)
+    assert ddp == pytest.approx(single, rel=1e-5)
+    last = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1]) for name in ("single", "ddp")]
+    weights = [[record[f"l1_weight/layer_{layer:02d}"] for layer in (0, 1)] for record in last]
+    assert weights[0] == pytest.approx(weights[1], rel=1e-5) and weights[0][0] != pytest.approx(1.0)
+
+
 def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
     run_dir = tmp_path / "stopped"
     launcher = subprocess.Popen(_command(run_dir, 2, "trainer.max_steps=400", "checkpoint.every=0"), cwd=ROOT, env=ENV,
