@@ -65,9 +65,9 @@ def l1_term(results: list[FFNResult], weights_L: torch.Tensor | None = None) -> 
 class LayerBalance:
     """Weights of the layers' shares in the L1 term that pull every layer toward the same L0.
 
-    Trained with one coefficient, the layers settle far apart: a 2B model's first and last layers kept 3-8x the
-    non-zeros per token of the median layer (BENCHMARKS.md), and such layers run the sparse kernels no faster
-    than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how far its log
+    Trained with one coefficient, the layers settle far apart: a 2B model's first layer kept ~17x the non-zeros per
+    token of its median layer and its last three 5-7x (BENCHMARKS.md, 2026-11-29), and such layers run the sparse
+    kernels no faster than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how far its log
     L0 over that step lies above the layers' mean log L0, then the log-weights are centred and bounded by
     +-log(bound). Their geometric mean stays 1, so the penalty's overall strength stays `l1`'s; denser layers
     get more of it and sparser ones less.
@@ -97,10 +97,10 @@ class LayerBalance:
         log_l0_L = self.reduce(self.nonzeros_L, "sum").clamp_min(1.0).log()
         self.nonzeros_L.zero_()
         moved_L = self.log_weights_L + self.rate * (log_l0_L - log_l0_L.mean())
-        self.log_weights_L.copy_((moved_L - moved_L.mean()).clamp(-self.log_bound, self.log_bound))
-        torch.exp(self.log_weights_L, out=self.weights_L)
+        self.load((moved_L - moved_L.mean()).clamp(-self.log_bound, self.log_bound))
 
     def load(self, log_weights_L: torch.Tensor) -> None:
+        """Sets the layers' log-weights (fp32 [layers], on any device) and the weights the L1 term reads."""
         self.log_weights_L.copy_(log_weights_L)
         torch.exp(self.log_weights_L, out=self.weights_L)
 
