@@ -22,8 +22,10 @@ buffers shared by every layer of that shape, since replays run one after another
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +117,7 @@ class GraphedForward:
         side.wait_stream(main)  # x's copy and the weights' casts come first
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (a data loader's, a logger's) may use CUDA while this one captures
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), own_cublas_workspace():
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN,
@@ -124,6 +126,25 @@ class GraphedForward:
                 graph.capture_end()
         main.wait_stream(side)
         self.graph, self.outputs = graph, outputs
+
+
+@contextlib.contextmanager
+def own_cublas_workspace() -> Iterator[None]:
+    """Within the block, a captured GEMM's cuBLAS workspace is the graph's own.
+
+    cuBLAS keeps one workspace per stream, made at its first GEMM there. A GEMM captured into a graph keeps using
+    that address on every replay, but the workspace is not the graph's to keep: torch.compile's CUDA graphs free every
+    stream's workspace whenever they record (torch._inductor.cudagraph_trees.clear_cublass_cache), and a workspace
+    made during another layer's capture is that layer's pool, released when its graph is dropped. Replays then write
+    into memory the allocator has handed out again: in a 2B training step, a crash ("unspecified launch failure")
+    at the first replays after a validation pass, once the dense-row GEMMs (which take a workspace) were captured.
+    Dropping the workspaces before the capture makes its GEMMs allocate one in this graph's private pool, which
+    nothing else allocates from; dropping them after keeps any later GEMM on the stream off it."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 @functools.cache

@@ -1065,7 +1065,9 @@ def twell_train_ffn(
         tail: the layer's recent shares of heavy tokens (`backends.Tail`), or None.
         dense_rows: how many heavy tokens the forward takes through dense GEMMs over their gathered rows (the rest
             are split over blocks of warps), or None: as many as the inference route reserves from l0_hint and tail
-            (`dense_row_capacity`; 0 without a hint). The results do not depend on it beyond rounding.
+            (`dense_row_capacity`; 0 without a hint). The results do not depend on it beyond rounding. Which heavy
+            tokens take the rows follows the order the forward lists them in (atomics), so where they outnumber the
+            rows, y's last bits can differ from run to run; with rows for all of them, y is repeatable bit for bit.
 
     Returns:
         FFNResult with y_MK, l1_sum (fp32 sum |h|), l0_M (int32 non-zeros of h per token), fired_N (bool),

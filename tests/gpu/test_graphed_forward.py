@@ -52,10 +52,11 @@ def run(
     return results
 
 
-@pytest.mark.parametrize("dense_rows", [0, 8], ids=["heavy-split", "heavy-dense-rows"])
+@pytest.mark.parametrize("dense_rows", [0, 1024], ids=["heavy-split", "heavy-dense-rows"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-masters", "bf16-weights"])
 def test_graphed_forwards_equal_eager_calls_call_by_call(bf16, dense_rows):
-    """With dense_rows = 8 the first heavy tokens take the dense GEMMs inside the graph and the others the split walk."""
+    """With dense_rows = 1024 every heavy token takes the dense GEMMs inside the graph. (With fewer rows than heavy
+    tokens, which ones take them follows the list's atomic order, so bits may differ from call to call.)"""
     weights = master_weights(bf16)
     # Two of one size (eager, then captured and replayed), a third replay, then a new size (eager again, captured)
     calls = batches([1024, 1024, 1024, 768, 768, 768])
@@ -84,3 +85,32 @@ def test_backward_after_its_forward_was_replayed_over_raises():
         twell_train_ffn(x, *weights, width=WIDTH)  # replayed over the first one's outputs
         with pytest.raises(RuntimeError, match="replayed again before this forward's backward"):
             (first.y_MK.float() * dy.float()).sum().backward()
+
+
+def test_captured_gemms_keep_their_workspace_when_cublas_drops_its_workspaces():
+    """The graph's dense-row GEMMs write partial sums into a cuBLAS workspace on every replay. torch.compile's graphs
+    drop every stream's workspace whenever they record; had the layer's graph been captured with a workspace made
+    before it (here by a GEMM on the capture stream), that memory would be handed out again while replays still write
+    into it. Sentinel tensors allocated over it after the drop must come through a replay untouched."""
+    k, n, m, rows = 2048, 5632, 2048, 256  # 256 rows: the down GEMM is 2 x 16 tiles, split over K on an H100/H200
+    x, wg, wu, wd = synthetic_block(m, k, n, 21, sigma=1.0, seed=3)
+    side = train_graphs._capture_stream(x.device.index)
+    with torch.cuda.stream(side):
+        torch.mm(x[:rows], wg.t())  # the capture stream's workspace, made outside any graph
+
+    def call() -> tuple[torch.Tensor, int]:
+        with optimizer_step(graph_forwards=True):
+            result = twell_train_ffn(x, wg, wu, wd, dense_rows=rows)
+        return result.y_MK.clone(), result.dense_rows()
+
+    eager_y, heavy = call()
+    assert 0 < heavy <= rows, f"{heavy} heavy tokens: every one must take a dense row for y to be bitwise repeatable"
+    call()  # captured, then replayed
+    torch._C._cuda_clearCublasWorkspaces()  # as torch.compile's graphs do when they record
+    with torch.cuda.stream(side):
+        sentinels = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # 4 MiB each
+    replayed_y, _ = call()
+    torch.cuda.synchronize()
+    overwritten = [i for i, s in enumerate(sentinels) if not bool((s == 7.0).all())]
+    assert not overwritten, f"a replay wrote into sentinel tensors {overwritten}: its GEMMs used freed memory"
+    assert torch.equal(replayed_y, eager_y)
