@@ -2,6 +2,7 @@
 
     python scripts/profile_mlp.py                           # inference and training, 28 and 56 non-zeros
     python scripts/profile_mlp.py --mode train --nnz 28 --sigma 0.5
+    python scripts/profile_mlp.py --mode train --nnz 21 --sigma 1 --dense-rows 0,256   # heavy tokens split / GEMMs
     python scripts/profile_mlp.py --mode train --m 4096 --nnz 28 --host   # also the host's time, by function
 
 For each case the block runs `--iters` times under torch.profiler (after warm-up); every device kernel,
@@ -153,8 +154,8 @@ def dense_train_outputs(leaves):
     return y, l1_sum
 
 
-def sparse_train_outputs(leaves):
-    result = twell_train_ffn(*leaves)
+def sparse_train_outputs(leaves, dense_rows: int):
+    result = twell_train_ffn(*leaves, dense_rows=dense_rows)
     return result.y_MK, result.l1_sum
 
 
@@ -168,6 +169,8 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.0, help="log-normal token scale (heavy tails if > 0)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--host", action="store_true", help="also the host's time per call, by Python function")
+    parser.add_argument("--dense-rows", type=str, default="0",
+                        help="comma-separated: training's heavy tokens through dense GEMM rows, this many (a case each)")
     args = parser.parse_args()
     modes = ("infer", "train") if args.mode == "both" else (args.mode,)
     print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
@@ -184,14 +187,16 @@ def main() -> None:
             grad_outputs = (dy, torch.tensor(L1_COEFF / args.m, device=x.device))
             backward = functools.partial(torch.autograd.grad, inputs=leaves, grad_outputs=grad_outputs)
             cases.append(("train dense", lambda: dense_train_outputs(leaves), backward))
-            cases.append(("train twell", lambda: sparse_train_outputs(leaves), backward))
+            for rows in (int(v) for v in args.dense_rows.split(",")):
+                title = "train twell" + (f" ({rows} dense rows)" if rows else "")
+                cases.append((title, lambda r=rows: sparse_train_outputs(leaves, r), backward))
         for title, forward, backward in cases:
             step = forward if backward is None else lambda f=forward, b=backward: b(f())
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
                 print_table(f"{title}, nnz {nnz:g}", kernel_table(step, args.iters), wall_ms(step, args.iters))
                 if args.host:
                     print_host_profile(f"{title}, nnz {nnz:g}", forward, backward)
-                    if title == "train twell":
+                    if title.startswith("train twell"):
                         print_op_issue(x, wg, wu, wd, dy)
 
 

@@ -13,8 +13,8 @@ residual, in column parts, and with its heavy tokens through fewer dense rows th
 the fused gate GEMM writing its overflowed segments' gate values;
 the decode kernel at 1, 7 and 16 tokens and at 40 (groups of tokens), its blocks summing in shared memory and not,
 its gates on the tensor cores and not;
-the training op forward and backward with a narrow and the default ELL width, and in column parts, and its y and
-dx through the slices walk; both transposes.
+the training op forward and backward with a narrow and the default ELL width, its heavy tokens split over warps and
+partly through dense rows, in column parts, and its y and dx through the slices walk; both transposes.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def main() -> None:
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x),
                                parts=parts, dense_rows=16 if parts == 1 else 0, norm=norm)  # fmt: skip
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-        for width in (4, 128):
-            result = twell_train_ffn(*leaves, width=width)
+        for width, dense_rows in ((4, 0), (4, 8), (128, 0)):  # 8: some heavy tokens through dense rows, some split
+            result = twell_train_ffn(*leaves, width=width, dense_rows=dense_rows)
             (result.y_MK.float().sum() + result.l1_sum).backward()
         with training_walks_by_slices():
             result = twell_train_ffn(*leaves, width=128)

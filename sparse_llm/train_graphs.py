@@ -22,8 +22,10 @@ buffers shared by every layer of that shape, since replays run one after another
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,23 +78,26 @@ class GraphedForward:
         return self._compute_RK
 
     def forward(
-        self, x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
+        self, x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor, dense_rows: int = 0
     ) -> tuple[tuple[Tensor, ...], ReplayToken | None]:
         """forward_kernels' outputs (the count as a pinned CPU int32 [1], as `_cuda_forward` returns it) and the token
-        of the replay that made them (None: an eager call's, whose outputs are its own)."""
+        of the replay that made them (None: an eager call's, whose outputs are its own). A new dense_rows is captured
+        anew, as a new shape is: it changes with the layer's observed tail, once per statistics window at most."""
         from sparse_llm.twell_train import COUNTS_OUTPUT, forward_kernels, new_counts_host
 
-        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
+        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, dense_rows, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
                w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
         if key != self.key:  # a new shape or new weight storage: run eagerly once, capture at the next call
             self.key, self.graph, self.outputs, self.eager_calls = key, None, (), 0
         if self.graph is None and self.eager_calls == 0:
             self.eager_calls += 1
-            return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host()), None
+            outputs = forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
+                                      dense_rows=dense_rows)  # fmt: skip
+            return outputs, None
         x_in_MK, gate_MN = _shared_buffers(x_MK.device, *x_MK.shape, w_gate_NK.shape[0])
         x_in_MK.copy_(x_MK)
         if self.graph is None:
-            self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK)
+            self._capture(x_in_MK, gate_MN, w_gate_NK, w_up_NK, width, w_compute_RK, dense_rows)
         self.graph.replay()
         self.replays += 1
         counts_host = new_counts_host()
@@ -102,8 +107,9 @@ class GraphedForward:
         return outputs, ReplayToken(self, self.graph, self.replays)
 
     def _capture(
-        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor
-    ) -> None:
+        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
+        dense_rows: int,
+    ) -> None:  # fmt: skip
         from sparse_llm.twell_train import forward_kernels
 
         main = torch.cuda.current_stream()
@@ -111,14 +117,34 @@ class GraphedForward:
         side.wait_stream(main)  # x's copy and the weights' casts come first
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (a data loader's, a logger's) may use CUDA while this one captures
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), own_cublas_workspace():
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN)
+                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN,
+                                          dense_rows=dense_rows)  # fmt: skip
             finally:
                 graph.capture_end()
         main.wait_stream(side)
         self.graph, self.outputs = graph, outputs
+
+
+@contextlib.contextmanager
+def own_cublas_workspace() -> Iterator[None]:
+    """Within the block, a captured GEMM's cuBLAS workspace is the graph's own.
+
+    cuBLAS keeps one workspace per stream, made at its first GEMM there. A GEMM captured into a graph keeps using
+    that address on every replay, but the workspace is not the graph's to keep: torch.compile's CUDA graphs free every
+    stream's workspace whenever they record (torch._inductor.cudagraph_trees.clear_cublass_cache), and a workspace
+    made during another layer's capture is that layer's pool, released when its graph is dropped. Replays then write
+    into memory the allocator has handed out again: in a 2B training step, a crash ("unspecified launch failure")
+    at the first replays after a validation pass, once the dense-row GEMMs (which take a workspace) were captured.
+    Dropping the workspaces before the capture makes its GEMMs allocate one in this graph's private pool, which
+    nothing else allocates from; dropping them after keeps any later GEMM on the stream off it."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 @functools.cache

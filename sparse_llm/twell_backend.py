@@ -1437,7 +1437,8 @@ class TwellFFN(FFNBackend):
             # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
             from sparse_llm.twell_train import twell_train_ffn
 
-            return with_residual(twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN, l0_hint=l0), residual_MK)
+            result = twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN, l0_hint=l0, tail=tail)
+            return with_residual(result, residual_MK)
         reason = self.unavailable_reason(x_MK.device)
         if reason is not None:
             if reason not in self._warned:

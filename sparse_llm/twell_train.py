@@ -47,8 +47,9 @@ forward:  cuBLAS gate GEMM  ->  train_fwd_gate (each token's positives listed fr
           rows with their zero padding, heavy flags and list; u, h, L1, L0, fired for light tokens, and y by the
           rows walk where the slices walk does not fit)  ->  [slices walk: order_tokens, ell_to_slots (h's entries
           in slot order), entries_down (y from 16 columns of w_down's N rows in shared memory at a time)]  ->
-          gate_up_down_heavy (the inference direct route's split kernel: each heavy token's y, L1, L0, fired
-          straight from its gate row, the list's length read on the device).
+          heavy tokens: the first `dense_rows` of the list through the inference route's dense GEMMs over their
+          gathered rows (kernels/dense_rows.cu), the rest through gate_up_down_heavy (its split kernel: each heavy
+          token's y, L1, L0, fired straight from its gate row); the list's length is read on the device.
 backward: train_bwd_sddmm (dh at the support with the L1 term, du, dg, and the entries' sort keys; light
           tokens)  ->  train_bwd_dx (dx of light tokens; or, where `dx_by_slices`, two passes of the slices walk, w_up's
           then w_gate's) and beside it, on a high-priority stream, a stable
@@ -107,7 +108,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm import cuda
-from sparse_llm.backends import FFNResult, landed
+from sparse_llm.backends import FFNResult, Tail, landed
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -131,6 +132,8 @@ from sparse_llm.twell_backend import (
     Columns,
     check_inputs,
     column_parts,
+    dense_heavy_rows,
+    dense_row_capacity,
     dense_row_split,
     flagged_parts,
     heavy_share,
@@ -375,10 +378,11 @@ def split_compute_weights(w_RK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor) -> t
 
 def _reference_forward(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False,
-    w_compute_RK: Tensor | None = None,
+    dense_rows: int = 0, w_compute_RK: Tensor | None = None,
 ) -> _Outputs:  # fmt: skip
-    # dx_slices (part of the op's schema) is the CUDA backward's; the reference has one dx. w_compute_RK: the
-    # weights' `compute_weights` when the caller has them (reused over an optimizer step's micro-batches).
+    # dx_slices and dense_rows (part of the op's schema) are the CUDA route's: the reference has one dx and computes
+    # every heavy token densely. w_compute_RK: the weights' `compute_weights` when the caller has them (reused over an
+    # optimizer step's micro-batches).
     if w_compute_RK is None:
         w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, x_MK.dtype)
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
@@ -481,7 +485,7 @@ def _backup_gate_up(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, rows_R: Te
 
 def _cuda_forward(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False,
-    w_compute_RK: Tensor | None = None,
+    dense_rows: int = 0, w_compute_RK: Tensor | None = None,
 ) -> _Outputs:  # fmt: skip
     # dx_slices (part of the op's schema) reaches the backward through the autograd context; w_compute_RK as in
     # _reference_forward
@@ -490,7 +494,8 @@ def _cuda_forward(
     with cuda.on_device(device):
         if w_compute_RK is None:
             w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, torch.bfloat16)
-        return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host())
+        return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
+                               dense_rows=dense_rows)  # fmt: skip
 
 
 def new_counts_host() -> Tensor:
@@ -500,12 +505,13 @@ def new_counts_host() -> Tensor:
 
 def forward_kernels(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
-    counts_host: Tensor | None = None, gate_MN: Tensor | None = None,
+    counts_host: Tensor | None = None, gate_MN: Tensor | None = None, dense_rows: int = 0,
 ) -> _Outputs:  # fmt: skip
     """The CUDA forward on the current device and stream: `_cuda_forward`'s outputs, with the heavy-token count
     copied into counts_host (`new_counts_host`) as soon as it is known, or, where counts_host is None (a CUDA graph
     capture, `train_graphs`), left on the device in its place (int32 [1]). gate_MN: where the gate GEMM writes (bf16
-    [M, N]), else a new tensor. Issues no host sync."""
+    [M, N]), else a new tensor. dense_rows: how many heavy tokens take dense GEMMs over their gathered rows; the rest
+    are split over blocks of warps. Issues no host sync."""
     device = x_MK.device
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
@@ -545,9 +551,15 @@ def forward_kernels(
     if counts_host is not None:
         counts_host.copy_(heavy_count, non_blocking=True)
     if m:
-        # Heavy tokens straight from their gate rows, each split over a block of warps; how many there are is
-        # read on the device, so the host goes on without waiting.
-        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, heavy_list, heavy_count, (y_MK, l1_M, l0_M, fired_N))
+        # Heavy tokens straight from their gate rows: the first dense_rows of them through dense GEMMs, the others
+        # each split over a block of warps, which lasts as long as its token's walk (~0.3 ms for a near-dense one).
+        # How many there are is read on the device, so the host goes on without waiting.
+        outs = (y_MK, l1_M, l0_M, fired_N)
+        rows_M, count_1 = heavy_list, heavy_count
+        if dense_rows:
+            rows_M, count_1 = dense_heavy_rows(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, None,
+                                               min(dense_rows, m))  # fmt: skip
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs)
     return (
         y_MK, l1_M.sum(), l0_M, fired_N.bool(),
         ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_count if counts_host is None else counts_host,
@@ -909,11 +921,13 @@ def _backup_backward(
 
 @torch.library.custom_op("sparsellm::twell_train_forward", mutates_args=())
 def twell_train_forward_op(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False
+    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, width: int, dx_slices: bool = False,
+    dense_rows: int = 0,
 ) -> _Outputs:
     """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES
     (heavy_counts: a pinned CPU int32 [1]; w_compute_RK: `compute_weights`). `dx_slices` is for the backward:
-    whether its light dx takes the slices walk (`dx_by_slices`).
+    whether its light dx takes the slices walk (`dx_by_slices`). `dense_rows`: how many heavy tokens the CUDA forward
+    computes through dense GEMMs (`twell_train_ffn`).
 
     Inputs are validated by `twell_train_ffn`; call that instead. This default implementation is the
     torch reference (any device); CUDA tensors take the kernels.
@@ -940,7 +954,7 @@ twell_train_backward_op.register_kernel("cuda")(_cuda_backward)
 
 
 @twell_train_forward_op.register_fake
-def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False):
+def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False, dense_rows=0):
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
     i32 = torch.int32
@@ -959,7 +973,7 @@ def _backward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, *_):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, _, ctx.dx_slices = inputs
+    x_MK, w_gate_NK, w_up_NK, w_down_KN, _, ctx.dx_slices, _ = inputs
     ctx.save_for_backward(x_MK, w_gate_NK, w_up_NK, w_down_KN, *output[4:])
     ctx.mark_non_differentiable(*output[2:])
     # No zero gradients for the nine state and statistics outputs (a fill and an allocation each per call, up to
@@ -969,14 +983,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _gradients(
     ctx, dy_MK, dl1, backward_impl
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None, None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None, None, None]:
     """The op's input gradients through `backward_impl` (the backward custom op, or its implementation)."""
     saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows no second unpack
     x_MK = saved[0]
     dy_MK = torch.zeros_like(x_MK) if dy_MK is None else dy_MK
     dl1 = x_MK.new_zeros((), dtype=torch.float32) if dl1 is None else dl1
     dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = backward_impl(*saved, dy_MK, dl1, ctx.dx_slices)
-    return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None, None
+    return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None, None, None
 
 
 def _backward(ctx, dy_MK, dl1, *_):
@@ -996,7 +1010,7 @@ class _EagerTrainFFN(torch.autograd.Function):
     gradients into held `.grad` tensors (see there); the custom ops, whose schema is fixed, do neither."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices):
+    def forward(ctx, x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices, dense_rows):
         weights = (w_gate_NK, w_up_NK, w_down_KN)
         graphed = graphed_forward(w_gate_NK) if x_MK.is_cuda and graphing_forwards() else None
         cast_into = None if graphed is None else graphed.compute_buffer(w_gate_NK, x_MK.dtype)
@@ -1005,11 +1019,11 @@ class _EagerTrainFFN(torch.autograd.Function):
         if graphed is not None:
             _require_kernels(x_MK.device)
             with cuda.on_device(x_MK.device):
-                outputs, ctx.replay = graphed.forward(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK)
+                outputs, ctx.replay = graphed.forward(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, dense_rows)
         else:
             forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs
-            outputs = forward_impl(x_MK, *weights, width, dx_slices, w_compute_RK)
-        _setup_context(ctx, (x_MK, *weights, width, dx_slices), outputs)
+            outputs = forward_impl(x_MK, *weights, width, dx_slices, dense_rows, w_compute_RK)
+        _setup_context(ctx, (x_MK, *weights, width, dx_slices, dense_rows), outputs)
         ctx.add_into_grads = adding_into_grads()
         return outputs
 
@@ -1035,7 +1049,7 @@ class _EagerTrainFFN(torch.autograd.Function):
 
 def twell_train_ffn(
     x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor, *, width: int = DEFAULT_WIDTH,
-    l0_hint: tuple[float, float] | None = None,
+    l0_hint: tuple[float, float] | None = None, tail: Tail | None = None, dense_rows: int | None = None,
 ) -> FFNResult:
     """The gated FFN block for training on the hybrid sparse format, differentiable through y and l1_sum.
 
@@ -1048,6 +1062,12 @@ def twell_train_ffn(
             of warps, the backward computes their gradients with cuBLAS on their rows.
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: picks the backward's dx walk
             (`dx_by_slices`); the results do not depend on it beyond fp32 summation order.
+        tail: the layer's recent shares of heavy tokens (`backends.Tail`), or None.
+        dense_rows: how many heavy tokens the forward takes through dense GEMMs over their gathered rows (the rest
+            are split over blocks of warps), or None: as many as the inference route reserves from l0_hint and tail
+            (`dense_row_capacity`; 0 without a hint). The results do not depend on it beyond rounding. Which heavy
+            tokens take the rows follows the order the forward lists them in (atomics), so where they outnumber the
+            rows, y's last bits can differ from run to run; with rows for all of them, y is repeatable bit for bit.
 
     Returns:
         FFNResult with y_MK, l1_sum (fp32 sum |h|), l0_M (int32 non-zeros of h per token), fired_N (bool),
@@ -1062,9 +1082,13 @@ def twell_train_ffn(
     tensors = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors)
     m, k, n = check_train_inputs(*tensors, width)
     dx_slices = dx_by_slices(m, k, n, width, l0_hint)
+    if dense_rows is None:
+        dense_rows = dense_row_capacity(m, l0_hint, width, tail)
+    elif isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 0:
+        raise ValueError(f"dense_rows={dense_rows!r}: give a row count >= 0 (0: every heavy token split over warps)")
     op = twell_train_forward_op if torch.compiler.is_compiling() else _EagerTrainFFN.apply
     with torch.autocast(device_type, enabled=False):
-        outputs = op(*tensors, width, dx_slices)
+        outputs = op(*tensors, width, dx_slices, dense_rows)
     y_MK, l1_sum, l0_M, fired_N = outputs[:4]
     return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
                      overflow_rows=outputs[COUNTS_OUTPUT][:1])  # fmt: skip

@@ -266,6 +266,19 @@ def test_bad_width_is_rejected(width):
         check_train_inputs(*block(requires_grad=False), width)
 
 
+@pytest.mark.parametrize("dense_rows", [-1, 2.5, True])
+def test_bad_dense_row_count_is_rejected(dense_rows):
+    with pytest.raises(ValueError, match="dense_rows="):
+        twell_train_ffn(*block(requires_grad=False), dense_rows=dense_rows)
+
+
+def test_dense_rows_change_nothing_on_the_reference_path():
+    """The count only routes the CUDA forward's heavy tokens; the torch reference computes them all densely."""
+    x, wg, wu, wd = block(requires_grad=False)
+    plain, reserved = (twell_train_ffn(x, wg, wu, wd, width=4, dense_rows=rows) for rows in (0, 8))
+    assert torch.equal(plain.y_MK, reserved.y_MK) and reserved.dense_rows() == plain.dense_rows() > 0
+
+
 def test_transposed_down_weight_gets_a_hint():
     x, wg, wu, wd = block(requires_grad=False)
     with pytest.raises(ValueError, match="transposed"):

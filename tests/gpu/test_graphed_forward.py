@@ -38,25 +38,30 @@ def batches(ms: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run(weights: list[torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor]], graphs: bool) -> list[tuple]:
+def run(
+    weights: list[torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor]], graphs: bool, dense_rows: int = 0
+) -> list[tuple]:
     """Per call: y, l1_sum, l0, fired, heavy count, and the gradients (dx and the weights', each call's own)."""
     results = []
     for x, dy in calls:
         x = x.clone().requires_grad_()
         with optimizer_step(reuse_casts=True, graph_forwards=graphs), torch.autocast("cuda", dtype=torch.bfloat16):
-            r = twell_train_ffn(x, *weights, width=WIDTH)
+            r = twell_train_ffn(x, *weights, width=WIDTH, dense_rows=dense_rows)
             grads = torch.autograd.grad((r.y_MK.float() * dy.float()).sum() + 0.3 * r.l1_sum, (x, *weights))
         results.append((r.y_MK.clone(), r.l1_sum.clone(), r.l0_M.clone(), r.fired_N.clone(), r.dense_rows(), grads))
     return results
 
 
+@pytest.mark.parametrize("dense_rows", [0, 1024], ids=["heavy-split", "heavy-dense-rows"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-masters", "bf16-weights"])
-def test_graphed_forwards_equal_eager_calls_call_by_call(bf16):
+def test_graphed_forwards_equal_eager_calls_call_by_call(bf16, dense_rows):
+    """With dense_rows = 1024 every heavy token takes the dense GEMMs inside the graph. (With fewer rows than heavy
+    tokens, which ones take them follows the list's atomic order, so bits may differ from call to call.)"""
     weights = master_weights(bf16)
     # Two of one size (eager, then captured and replayed), a third replay, then a new size (eager again, captured)
     calls = batches([1024, 1024, 1024, 768, 768, 768])
-    eager = run(weights, calls, graphs=False)
-    graphed = run(weights, calls, graphs=True)
+    eager = run(weights, calls, graphs=False, dense_rows=dense_rows)
+    graphed = run(weights, calls, graphs=True, dense_rows=dense_rows)
     assert train_graphs.graphed_forward(weights[0]).replays == 4  # two of each size: captured once per size
     counts = [e[4] for e in eager]
     assert min(counts) > 0 and len(set(counts)) > 1, f"heavy-token counts {counts}: the inputs test too little"
@@ -80,3 +85,32 @@ def test_backward_after_its_forward_was_replayed_over_raises():
         twell_train_ffn(x, *weights, width=WIDTH)  # replayed over the first one's outputs
         with pytest.raises(RuntimeError, match="replayed again before this forward's backward"):
             (first.y_MK.float() * dy.float()).sum().backward()
+
+
+def test_captured_gemms_keep_their_workspace_when_cublas_drops_its_workspaces():
+    """The graph's dense-row GEMMs write partial sums into a cuBLAS workspace on every replay. torch.compile's graphs
+    drop every stream's workspace whenever they record; had the layer's graph been captured with a workspace made
+    before it (here by a GEMM on the capture stream), that memory would be handed out again while replays still write
+    into it. Sentinel tensors allocated over it after the drop must come through a replay untouched."""
+    k, n, m, rows = 2048, 5632, 2048, 256  # 256 rows: the down GEMM is 2 x 16 tiles, split over K on an H100/H200
+    x, wg, wu, wd = synthetic_block(m, k, n, 21, sigma=1.0, seed=3)
+    side = train_graphs._capture_stream(x.device.index)
+    with torch.cuda.stream(side):
+        torch.mm(x[:rows], wg.t())  # the capture stream's workspace, made outside any graph
+
+    def call() -> tuple[torch.Tensor, int]:
+        with optimizer_step(graph_forwards=True):
+            result = twell_train_ffn(x, wg, wu, wd, dense_rows=rows)
+        return result.y_MK.clone(), result.dense_rows()
+
+    eager_y, heavy = call()
+    assert 0 < heavy <= rows, f"{heavy} heavy tokens: every one must take a dense row for y to be bitwise repeatable"
+    call()  # captured, then replayed
+    torch._C._cuda_clearCublasWorkspaces()  # as torch.compile's graphs do when they record
+    with torch.cuda.stream(side):
+        sentinels = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # 4 MiB each
+    replayed_y, _ = call()
+    torch.cuda.synchronize()
+    overwritten = [i for i, s in enumerate(sentinels) if not bool((s == 7.0).all())]
+    assert not overwritten, f"a replay wrote into sentinel tensors {overwritten}: its GEMMs used freed memory"
+    assert torch.equal(replayed_y, eager_y)

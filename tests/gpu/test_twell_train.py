@@ -75,10 +75,10 @@ def dense_run(x, wg, wu, wd, dy, dl1, upcast: bool):
     return y.detach(), l1.detach(), h.detach(), [t.grad for t in leaves]
 
 
-def ours_run(x, wg, wu, wd, dy, dl1, width):
+def ours_run(x, wg, wu, wd, dy, dl1, width, dense_rows=None):
     leaves = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
     poison(x.shape[0], x.shape[1], wg.shape[0], width)
-    result = twell_train_ffn(*leaves, width=width)
+    result = twell_train_ffn(*leaves, width=width, dense_rows=dense_rows)
     ((result.y_MK.float() * dy).sum() + dl1 * result.l1_sum).backward()
     torch.cuda.synchronize()
     return result, [t.grad for t in leaves]
@@ -109,10 +109,10 @@ def assert_budget(name: str, got: torch.Tensor, ref: torch.Tensor, dense: torch.
         ), f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
 
 
-def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0):
+def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0, dense_rows: int | None = None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dy = torch.randn(x.shape, device="cuda", generator=gen).bfloat16().float()
-    result, grads = ours_run(x, wg, wu, wd, dy, dl1, width)
+    result, grads = ours_run(x, wg, wu, wd, dy, dl1, width, dense_rows)
     y_ref, l1_ref, h_ref, grads_ref = dense_run(x, wg, wu, wd, dy, dl1, upcast=True)
     y_dense, l1_dense, _, grads_dense = dense_run(x, wg, wu, wd, dy, dl1, upcast=False)
 
@@ -147,6 +147,14 @@ def test_heavy_tailed(sigma):
     result = check_case(*block)
     if sigma >= 0.5:
         assert result.dense_rows() > 0 and result.path == "twell-train"
+
+
+@pytest.mark.parametrize("dense_rows", [16, 4096])
+def test_heavy_tokens_through_dense_rows(dense_rows):
+    """The forward's first heavy tokens through dense GEMMs over their gathered rows, fewer rows than heavy tokens
+    (the rest split over warps) and more than enough: exact either way."""
+    result = check_case(*synthetic_block(4096, 2048, 5632, 60, sigma=1.0, seed=10), dense_rows=dense_rows)
+    assert result.dense_rows() > 16
 
 
 def test_dense_zero_and_hot_rows():
