@@ -59,7 +59,7 @@ class GraphedForward:
     """One layer's training forward (`twell_train.forward_kernels`) as a CUDA graph, captured at its second call."""
 
     def __init__(self) -> None:
-        self.key: tuple | None = None  # what the graph was made for: shapes, dtype, width, weight addresses
+        self.key: tuple | None = None  # what the graph was made for: shapes, dtype, width, dense rows, weight addresses
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[Tensor, ...] = ()  # the graph's output buffers (forward_kernels' outputs, count on device)
         self.replays = 0
