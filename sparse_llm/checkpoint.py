@@ -2,9 +2,9 @@
 
 Layout of `<run>/checkpoints/step_<N>/`:
     model/              HF layout (config.json + model.safetensors + tokenizer): loads with
-                        AutoModelForCausalLM.from_pretrained, no custom code
-    accelerator/        accelerate's save_state: model, optimizer, scheduler and RNG states of every rank
-                        (sharded under FSDP)
+                        AutoModelForCausalLM.from_pretrained, no custom code; a resume reads the weights from here
+    accelerator/        accelerate's save_state: optimizer, scheduler and RNG states of every rank; the model too
+                        under FSDP (sharded), and in checkpoints written before model/ was the only copy
     trainer_state.json  step, tokens seen, per-rank data-loader positions
     rank_<r>.pt         what else each rank needs to continue exactly (its open sparsity windows)
 A checkpoint is written under `step_<N>.partial/` and renamed once complete, so a crash mid-write never
@@ -14,6 +14,7 @@ leaves a directory that `resume=auto` would pick up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import shutil
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -75,14 +77,18 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process:
-        if keep_last > 0:  # room first: a 2B model's checkpoint with its optimizer state is ~25 GB
+        if keep_last > 0:  # room first: a 2B model's checkpoint with its AdamW state is ~25 GB
             for old in list_checkpoints(run_dir)[: -max(keep_last - 1, 1)]:
                 shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     with written_or_removed(partial, final, run_dir, keep_last):
-        accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
+        skip = accelerator.register_save_state_pre_hook(_skip_model_weights)
+        try:
+            accelerator.save_state(str(partial / "accelerator"), safe_serialization=True)
+        finally:
+            skip.remove()
         torch.save(rank_state, partial / f"rank_{accelerator.process_index}.pt")
         export_model(accelerator, model, tokenizer, partial / "model")
     if accelerator.is_main_process:
@@ -138,9 +144,54 @@ def export_model(accelerator: Accelerator, model: Any, tokenizer: Any, out_dir: 
     accelerator.wait_for_everyone()
 
 
+def _skip_model_weights(models: list[Any], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+    """save_state pre-hook: accelerate writes no model weights, as model/ holds the same tensors (a 2B model's
+    fp32 weights are 8.2 GB a checkpoint). Under FSDP accelerate writes its sharded model itself and passes no
+    weights here."""
+    weights.clear()
+
+
+def _weights_from_model_dir(accelerator: Accelerator, model_dir: Path, models: list[Any], input_dir: str) -> None:
+    """load_state pre-hook: the prepared model's weights come from `model_dir` (HF layout), and accelerate loads no
+    model. A checkpoint whose accelerator/ still holds the model (written before model/ was the only copy) is left to
+    accelerate, and so is FSDP's sharded model, which accelerate loads before it calls this hook with no models."""
+    if not models or any((Path(input_dir) / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
+        return
+    (model,) = models
+    load_hf_weights(accelerator.unwrap_model(model), model_dir)
+    models.clear()
+
+
+def load_hf_weights(module: torch.nn.Module, model_dir: Path) -> None:
+    """Copy the weights that `save_pretrained` wrote to `model_dir` (one safetensors file, or shards listed in its
+    index) into `module`. Every parameter and buffer of the module must come from there, except those tied to
+    one that does (the LM head tied to the embedding, which save_pretrained writes once)."""
+    index = model_dir / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        if not (model_dir / name).is_file():
+            raise FileNotFoundError(f"{model_dir / name} is missing: the checkpoint is incomplete; resume from "
+                                    "another one (checkpoint.resume=<run>/checkpoints/step_N).")
+        state.update(load_file(model_dir / name))
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    own = module.state_dict()
+    loaded = {own[key].data_ptr() for key in state if key in own}
+    missing = [key for key in missing if own[key].data_ptr() not in loaded]
+    if missing or unexpected:
+        raise RuntimeError(f"{model_dir} does not hold this model's weights (missing {missing[:4]}, unexpected "
+                           f"{unexpected[:4]}): resume with the model settings the checkpoint was trained with.")
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Restore model/optimizer/scheduler/RNG in place; returns (trainer state, this rank's state or None)."""
-    accelerator.load_state(str(path / "accelerator"))
+    hook = functools.partial(_weights_from_model_dir, accelerator, path / "model")
+    weights = accelerator.register_load_state_pre_hook(hook)
+    try:
+        accelerator.load_state(str(path / "accelerator"))
+    finally:
+        weights.remove()
     rank_file = path / f"rank_{accelerator.process_index}.pt"
     rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
     return json.loads((path / STATE_FILE).read_text()), rank_state

@@ -1,9 +1,11 @@
 """End-to-end training on CPU: loss falls, resume reproduces an uninterrupted run, bad losses stop the run."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import gc
 import os
+import shutil
 import signal
 import weakref
 
@@ -11,11 +13,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from sparse_llm import step_scope, training
-from sparse_llm.checkpoint import list_checkpoints
+from sparse_llm.checkpoint import list_checkpoints, load_hf_weights
 from sparse_llm.config import TrainConfig, TrainerConfig, register_configs
-from sparse_llm.model import sparse_mlps
+from sparse_llm.model import build_model, sparse_mlps
 from sparse_llm.telemetry import read_metrics
 from sparse_llm.preemption import TrainingStopped
 from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
@@ -231,6 +234,48 @@ def test_zero_steps_write_the_initial_model_and_negative_steps_are_named(tmp_pat
     assert (final / "model.safetensors").is_file() and not (tmp_path / "zero" / "training.png").exists()
     with pytest.raises(ValueError, match="trainer.max_steps=-1"):
         Trainer(small_config("trainer.max_steps=-1"), tmp_path / "negative")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_dir(tmp_path):
+    """accelerator/ keeps no second copy of the weights. A resume overwrites the fresh trainer's (zeroed) weights
+    with model/'s; a checkpoint that still holds them in accelerator/ (the layout before) resumes from those."""
+    common = ["trainer.max_steps=2", "checkpoint.every=2"]
+    train(small_config(*common), tmp_path / "run")
+    step_dir = tmp_path / "run" / "checkpoints" / "step_2"
+    assert not list((step_dir / "accelerator").glob("model*")) and (step_dir / "model" / "model.safetensors").is_file()
+    saved = load_file(step_dir / "model" / "model.safetensors")
+
+    def resumed_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+        trainer = Trainer(small_config(*common, "checkpoint.resume=auto"), run_dir)
+        with torch.no_grad():
+            for param in trainer.model.parameters():
+                param.zero_()
+        return load_file(trainer.run() / "model.safetensors")
+
+    shutil.copytree(tmp_path / "run", tmp_path / "before")
+    old_dir = tmp_path / "before" / "checkpoints" / "step_2"
+    (old_dir / "model" / "model.safetensors").rename(old_dir / "accelerator" / "model.safetensors")
+    save_file({key: torch.zeros_like(value) for key, value in saved.items()}, old_dir / "model" / "model.safetensors")
+    for resumed in (resumed_weights(tmp_path / "run"), resumed_weights(tmp_path / "before")):
+        assert resumed.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(resumed[key], value), key
+
+
+def test_hf_weights_load_from_shards_with_a_tied_head_and_another_model_is_named(tmp_path):
+    model_cfg = replace(small_config().model, vocab_size=128)
+    assert model_cfg.tie_embeddings
+    model = build_model(model_cfg)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # the shards' path
+    fresh = build_model(model_cfg)
+    load_hf_weights(fresh, tmp_path / "hf")
+    for (key, value), loaded in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(value, loaded), key
+    deeper = build_model(replace(model_cfg, num_layers=3))
+    with pytest.raises(RuntimeError, match=r"does not hold this model's weights \(missing \['model\.layers\.2"):
+        load_hf_weights(deeper, tmp_path / "hf")
 
 
 def test_resume_from_a_missing_path_names_it(tmp_path):
