@@ -9,8 +9,10 @@ checks the keys against this schema to name the one a misspelt key resembles: sp
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -38,7 +40,7 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # bound on the gradients' global norm (0: no clipping; the norm is still logged)
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer and the dense FFN block (model.compile_layers): fused norms, rotary, residual
     # adds and FFN statistics, less host time per layer; the first step compiles (about a minute on a GPU host).
@@ -80,6 +82,42 @@ class TrainConfig:
     train_kernels: bool = False
     seed: int = 0
     run_name: str = "${launch_stamp:}"  # run directory: outputs/<run_name>
+
+
+# What each numeric key must hold, checked before anything is built: a value outside it names itself, where it would
+# otherwise fail deep in the run (a zero micro-batch divides by zero) or train silently wrong (a negative L1 term).
+# Optional keys left at None are not checked.
+_RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("trainer.global_batch", lambda v: v >= 1, ">= 1"),
+    ("trainer.global_batch_tokens", lambda v: v >= 1, ">= 1, or null to use trainer.global_batch"),
+    ("trainer.micro_batch", lambda v: v >= 1, ">= 1"),
+    ("trainer.seq_len", lambda v: v >= 1, ">= 1, or null for the model's max_position_embeddings"),
+    ("trainer.lr", lambda v: v > 0, "> 0"),
+    ("trainer.min_lr_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"),
+    ("trainer.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("trainer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("trainer.beta1", lambda v: 0 <= v < 1, "within [0, 1)"),
+    ("trainer.beta2", lambda v: 0 <= v < 1, "within [0, 1)"),
+    ("trainer.eps", lambda v: v > 0, "> 0"),
+    ("trainer.grad_clip", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("trainer.val_every", lambda v: v >= 0, ">= 0 (0: no validation)"),
+    ("trainer.val_batches", lambda v: v >= 1, ">= 1"),
+    ("checkpoint.every", lambda v: v >= 0, ">= 0 (0: only the final model)"),
+    ("l1", lambda v: v >= 0, ">= 0 (0: a dense run)"),
+    ("sparsity.l1_warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("sparsity.dead_window_steps", lambda v: v >= 1, ">= 1"),
+)
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Raise a ValueError naming every numeric key of `cfg` outside its range (`_RANGES`)."""
+    bad = []
+    for key, holds, allowed in _RANGES:
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value is not None and not holds(value):
+            bad.append(f"{key}={value} (give a value {allowed})")
+    if bad:
+        raise ValueError("Out of range: " + "; ".join(bad) + ".")
 
 
 def launch_stamp() -> str:

@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from sparse_llm import checkpoint as ckpt
 from sparse_llm import kernel_set
 from sparse_llm.backends import get_backend
-from sparse_llm.config import TrainConfig, TrainerConfig
+from sparse_llm.config import TrainConfig, TrainerConfig, check_ranges
 from sparse_llm.data import build_token_data
 from sparse_llm.dispatch import validate_kernel
 from sparse_llm.energy import EnergyMeter
@@ -398,6 +398,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         validate_kernel(cfg.kernel)
+        check_ranges(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         self.acc = make_accelerator(cfg)
@@ -561,10 +562,11 @@ class Trainer:
                 l1_sum += l1
         optimizer = self.optimizer.optimizer  # the torch optimizer inside accelerate's wrapper
         grad_norm = None
+        max_norm = self.cfg.trainer.grad_clip or math.inf  # an infinite bound measures the norm and scales by 1
         if self.acc.distributed_type != DistributedType.FSDP:  # FSDP's norm is over shards: accelerate computes it
-            grad_norm = defer_clipping(optimizer, self.model.parameters(), self.cfg.trainer.grad_clip)
+            grad_norm = defer_clipping(optimizer, self.model.parameters(), max_norm)
         if grad_norm is None:
-            grad_norm = plain_tensor(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
+            grad_norm = plain_tensor(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
         # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes.
         world = self.acc.num_processes
         stop_vote = torch.tensor(float(stop.requested is not None), device=self.acc.device)

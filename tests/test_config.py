@@ -136,3 +136,28 @@ def test_several_machines_need_an_explicit_run_name(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ValueError, match="run_name"):
         launch_stamp()
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["trainer.micro_batch=0"], ["trainer.micro_batch=0 (give a value >= 1)"]),
+    (["trainer.seq_len=0"], ["trainer.seq_len=0 (give a value >= 1, or null"]),
+    (["trainer.lr=-1", "checkpoint.every=-2"], ["trainer.lr=-1.0 (give a value > 0)", "checkpoint.every=-2"]),
+    (["trainer.beta2=1.0", "l1=-1e-5"], ["trainer.beta2=1.0 (give a value within [0, 1))", "l1=-1e-05"]),
+    (["trainer.grad_clip=-1"], ["trainer.grad_clip=-1.0 (give a value >= 0 (0: no clipping))"]),
+])
+def test_values_out_of_range_are_named_together(overrides, named):
+    from sparse_llm.config import check_ranges
+
+    with pytest.raises(ValueError, match="^Out of range: ") as err:
+        check_ranges(_compose(*overrides))
+    for part in named:
+        assert part in str(err.value)
+    check_ranges(_compose())  # the defaults pass
+    check_ranges(_compose("model=2b", "trainer.grad_clip=0", "l1=0", "trainer.val_every=0"))
+
+
+def test_a_zero_micro_batch_exits_with_its_name_not_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "trainer.micro_batch=0", f"hydra.run.dir={tmp_path}/run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "trainer.micro_batch=0" in out.stderr + out.stdout and "Traceback" not in out.stderr

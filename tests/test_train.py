@@ -278,6 +278,19 @@ def test_hf_weights_load_from_shards_with_a_tied_head_and_another_model_is_named
         load_hf_weights(deeper, tmp_path / "hf")
 
 
+@pytest.mark.slow
+def test_grad_clip_zero_trains_unclipped_and_logs_the_norm(tmp_path):
+    common = ["trainer.max_steps=3", "checkpoint.every=0", "logging.every=1", "trainer.lr=5e-3"]
+    runs = {}
+    for clip in ("0", "1e9", "1e-3"):  # off; a bound no norm reaches; a bound every step's norm exceeds
+        train(small_config(*common, f"trainer.grad_clip={clip}"), tmp_path / clip)
+        runs[clip] = read_metrics(tmp_path / clip / "metrics.jsonl")
+    assert [r["loss"] for r in runs["0"]] == [r["loss"] for r in runs["1e9"]]
+    assert [r["grad_norm"] for r in runs["0"]] == [r["grad_norm"] for r in runs["1e9"]]
+    assert all(r["grad_norm"] > 1e-3 for r in runs["0"])
+    assert runs["1e-3"][-1]["loss"] != runs["0"][-1]["loss"]  # clipping does change the run
+
+
 def test_resume_from_a_missing_path_names_it(tmp_path):
     trainer = Trainer(small_config("checkpoint.resume=" + str(tmp_path / "nope")), tmp_path)
     with pytest.raises(FileNotFoundError, match="nope"):
