@@ -175,13 +175,18 @@ def load_hf_weights(module: torch.nn.Module, model_dir: Path) -> None:
             raise FileNotFoundError(f"{model_dir / name} is missing: the checkpoint is incomplete; resume from "
                                     "another one (checkpoint.resume=<run>/checkpoints/step_N).")
         state.update(load_file(model_dir / name))
-    missing, unexpected = module.load_state_dict(state, strict=False)
     own = module.state_dict()
+    reshaped = [f"{key} {tuple(value.shape)} for {tuple(own[key].shape)}" for key, value in state.items()
+                if key in own and value.shape != own[key].shape]
     loaded = {own[key].data_ptr() for key in state if key in own}
-    missing = [key for key in missing if own[key].data_ptr() not in loaded]
-    if missing or unexpected:
-        raise RuntimeError(f"{model_dir} does not hold this model's weights (missing {missing[:4]}, unexpected "
-                           f"{unexpected[:4]}): resume with the model settings the checkpoint was trained with.")
+    missing = [key for key in own if key not in state and own[key].data_ptr() not in loaded]
+    unexpected = [key for key in state if key not in own]
+    if reshaped or missing or unexpected:
+        found = ", ".join(f"{what} {names[:3]}" for what, names in (("shapes", reshaped), ("missing", missing),
+                                                                    ("unexpected", unexpected)) if names)
+        raise ValueError(f"{model_dir} does not hold this model's weights ({found}): resume with the model settings "
+                         "the checkpoint was trained with (its config.json has them).")
+    module.load_state_dict(state, strict=False)
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:

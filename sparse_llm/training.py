@@ -483,6 +483,12 @@ class Trainer:
                 f"{self.run_dir} already holds a run ({', '.join(leftovers)}). Continue it with "
                 "checkpoint.resume=auto, or start a new one with another run_name."
             )
+        if cfg.checkpoint.resume == "auto" and "final" in leftovers and not ckpt.list_checkpoints(self.run_dir):
+            raise FileExistsError(
+                f"{self.run_dir} holds a finished run (final/) but no step checkpoint to continue from: "
+                "checkpoint.resume=auto would train from scratch and overwrite its final model. Start a new run with "
+                "another run_name (checkpoint.every=N keeps step checkpoints that a run can continue from)."
+            )
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.acc.reduce(tensor, reduction=op) if self.acc.num_processes > 1 else tensor

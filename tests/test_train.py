@@ -263,7 +263,7 @@ def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_
             assert torch.equal(resumed[key], value), key
 
 
-def test_hf_weights_load_from_shards_with_a_tied_head_and_another_model_is_named(tmp_path):
+def test_hf_weights_load_from_shards_with_a_tied_head_and_another_models_are_named(tmp_path):
     model_cfg = replace(small_config().model, vocab_size=128)
     assert model_cfg.tie_embeddings
     model = build_model(model_cfg)
@@ -274,8 +274,12 @@ def test_hf_weights_load_from_shards_with_a_tied_head_and_another_model_is_named
     for (key, value), loaded in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(value, loaded), key
     deeper = build_model(replace(model_cfg, num_layers=3))
-    with pytest.raises(RuntimeError, match=r"does not hold this model's weights \(missing \['model\.layers\.2"):
+    with pytest.raises(ValueError, match=r"does not hold this model's weights \(missing \['model\.layers\.2"):
         load_hf_weights(deeper, tmp_path / "hf")
+    wider = build_model(replace(model_cfg, intermediate_size=512))
+    with pytest.raises(ValueError, match=r"\(shapes \['model\.layers\.0\.mlp\.gate_proj\.weight \(256, 64\) for "
+                                         r"\(512, 64\)'"):
+        load_hf_weights(wider, tmp_path / "hf")
 
 
 @pytest.mark.slow
@@ -289,6 +293,12 @@ def test_grad_clip_zero_trains_unclipped_and_logs_the_norm(tmp_path):
     assert [r["grad_norm"] for r in runs["0"]] == [r["grad_norm"] for r in runs["1e9"]]
     assert all(r["grad_norm"] > 1e-3 for r in runs["0"])
     assert runs["1e-3"][-1]["loss"] != runs["0"][-1]["loss"]  # clipping does change the run
+
+
+def test_resume_auto_refuses_to_retrain_a_finished_run_that_has_no_checkpoint(tmp_path):
+    train(small_config("trainer.max_steps=1", "checkpoint.every=0"), tmp_path)
+    with pytest.raises(FileExistsError, match=r"holds a finished run \(final/\) but no step checkpoint"):
+        Trainer(small_config("trainer.max_steps=2", "checkpoint.every=0", "checkpoint.resume=auto"), tmp_path)
 
 
 def test_resume_from_a_missing_path_names_it(tmp_path):
