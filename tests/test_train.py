@@ -301,6 +301,12 @@ def test_resume_auto_refuses_to_retrain_a_finished_run_that_has_no_checkpoint(tm
         Trainer(small_config("trainer.max_steps=2", "checkpoint.every=0", "checkpoint.resume=auto"), tmp_path)
 
 
+def test_a_value_out_of_range_stops_the_trainer_before_it_builds_anything(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer\.micro_batch=0 \(give a value >= 1\)"):
+        Trainer(small_config("trainer.micro_batch=0"), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_from_a_missing_path_names_it(tmp_path):
     trainer = Trainer(small_config("checkpoint.resume=" + str(tmp_path / "nope")), tmp_path)
     with pytest.raises(FileNotFoundError, match="nope"):
