@@ -167,10 +167,11 @@ def load_hf_weights(module: torch.nn.Module, model_dir: Path) -> None:
     index) into `module`. Every parameter and buffer of the module must come from there, except those tied to
     one that does (the LM head tied to the embedding, which save_pretrained writes once)."""
     index = model_dir / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-        "model.safetensors"]
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     state: dict[str, torch.Tensor] = {}
-    for name in names:
+    for name in files:
         if not (model_dir / name).is_file():
             raise FileNotFoundError(f"{model_dir / name} is missing: the checkpoint is incomplete; resume from "
                                     "another one (checkpoint.resume=<run>/checkpoints/step_N).")
@@ -182,8 +183,8 @@ def load_hf_weights(module: torch.nn.Module, model_dir: Path) -> None:
     missing = [key for key in own if key not in state and own[key].data_ptr() not in loaded]
     unexpected = [key for key in state if key not in own]
     if reshaped or missing or unexpected:
-        found = ", ".join(f"{what} {names[:3]}" for what, names in (("shapes", reshaped), ("missing", missing),
-                                                                    ("unexpected", unexpected)) if names)
+        found = ", ".join(f"{what} {keys[:3]}" for what, keys in (("shapes", reshaped), ("missing", missing),
+                                                                  ("unexpected", unexpected)) if keys)
         raise ValueError(f"{model_dir} does not hold this model's weights ({found}): resume with the model settings "
                          "the checkpoint was trained with (its config.json has them).")
     module.load_state_dict(state, strict=False)
