@@ -7,7 +7,7 @@
     python eval.py tasks=arc_easy task_data.arc_easy=arc_easy_test.jsonl # a benchmark from a local file
     python eval.py --cfg job                                  # print the resolved config
 
-Keys and their meaning: sparse_llm/evaluation.py (EvalConfig). Results land in <out>/results.json.
+Keys and their meaning: sparse_llm/evaluation/evaluate.py (EvalConfig). Results land in <out>/results.json.
 Input errors (missing checkpoint, unknown task, unreadable data) print one message and exit with code 2;
 HYDRA_FULL_ERROR=1 shows the full traceback instead.
 """
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from sparse_llm import env
+from sparse_llm.cli import env
 
 # Offline by default (benchmarks come from local files or the cache unless the user opts in to the hub);
 # set before transformers/datasets are imported, as they read it at import.
@@ -26,9 +26,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.evaluation import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
-from sparse_llm.mc_tasks import TaskDataError  # noqa: E402
-from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
+from sparse_llm.evaluation.tasks import TaskDataError  # noqa: E402
+from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 
 register_eval_configs()
 

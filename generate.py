@@ -5,7 +5,7 @@
     python generate.py prompts="[The kernel,A list is]" temperature=0   # two prompts, greedy
     python generate.py --cfg job                              # print the resolved config
 
-Keys and their meaning: sparse_llm/generation.py (GenerateConfig). Prints each prompt with its continuation,
+Keys and their meaning: sparse_llm/generation/generate.py (GenerateConfig). Prints each prompt with its continuation,
 then the decoding speed and the FFN path each layer took. Input errors (missing checkpoint, bad option, a
 prompt longer than the context) print one message and exit with code 2.
 """
@@ -13,15 +13,15 @@ prompt longer than the context) print one message and exit with code 2.
 import os
 import sys
 
-from sparse_llm import env
+from sparse_llm.cli import env
 
 env.apply_defaults(sys.argv[1:])  # before transformers is imported: it reads the offline setting at import
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.generation import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
-from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.generation.generate import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
+from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 
 register_generate_configs()
 

@@ -5,7 +5,7 @@
     accelerate launch --config_file configs/accelerate/ddp.yaml train.py model=1b l1=1e-5
     python train.py model=1b --cfg job                # print the resolved config
 
-Keys and their meaning: sparse_llm/config.py. Runs land in outputs/<run_name>/.
+Keys and their meaning: sparse_llm/training/config.py. Runs land in outputs/<run_name>/.
 """
 
 import logging
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from sparse_llm import env
+from sparse_llm.cli import env
 
 env.apply_defaults(sys.argv[1:])  # before transformers/datasets are imported: they read it at import
 
@@ -21,10 +21,10 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.config import TrainConfig, register_configs  # noqa: E402
-from sparse_llm.overrides import exit_on_unknown_key  # noqa: E402
-from sparse_llm.preemption import TrainingStopped  # noqa: E402
-from sparse_llm.training import train  # noqa: E402
+from sparse_llm.training.config import TrainConfig, register_configs  # noqa: E402
+from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
+from sparse_llm.training.trainer import train  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")

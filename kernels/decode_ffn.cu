@@ -30,7 +30,7 @@
 // More tokens than a block stages make groups, one per blockIdx.y, whose blocks run side by side: one group of 16
 // tokens keeps only 704 warps busy at N = 5632 (8 neurons a warp), of the 4224 an H200 holds at two blocks an SM.
 // Each group reads w_gate for its own tokens.
-[[maybe_unused]] constexpr int DECODE_MAX_M = 64;    // tokens per call (DECODE_MAX_M in sparse_llm/twell_backend.py)
+[[maybe_unused]] constexpr int DECODE_MAX_M = 64;    // tokens per call (DECODE_MAX_M in sparse_llm/ffn/twell/backend.py)
 [[maybe_unused]] constexpr int DECODE_GROUP_M = 16;  // tokens a block stages in shared memory (DECODE_GROUP_M there)
 [[maybe_unused]] constexpr int DECODE_WARPS = 16;  // warps per block (DECODE_WARPS there)
 
@@ -119,7 +119,7 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
 }
 
 // The decode workspace for up to T tokens (fp32, T * K + 2 * T + ceil(T / DECODE_GROUP_M) words;
-// `decode_workspace_words` in sparse_llm/twell_backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32
+// `decode_workspace_words` in sparse_llm/ffn/twell/backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32
 // [T]), l0 (int32 [T]) and each group's count of blocks done (unsigned), each passed to the kernel as a pointer of its
 // own: kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
 // loops. All zero between calls.

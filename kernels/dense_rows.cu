@@ -1,7 +1,7 @@
 // The direct route's heavy tokens through dense GEMMs (inference). gate_up_down_light lists the tokens with more
 // gate positives than split_nnz in heavy_rows (heavy_count[0] of them, a number only the device knows). Walking
 // such a token costs two weight rows per positive; a dense row of the block costs about as much as 70 of them
-// (sparse_llm/twell_backend.py prices both). The host reserves `capacity` rows from the layer's recent density, and
+// (sparse_llm/ffn/twell/backend.py prices both). The host reserves `capacity` rows from the layer's recent density, and
 // these kernels give the first min(count, capacity) heavy tokens the dense path's arithmetic around two cuBLAS GEMMs:
 //   gather_dense_rows : x_CK[i] = x[heavy_rows[i]]                     (zero rows past the taken ones)
 //   u_CN = x_CK w_up^T                                                 (cuBLAS)

@@ -15,7 +15,7 @@
 //   entries_down    : y[:, k0 : k0 + KS] = h w_down^T[:, k0 : k0 + KS], one slice of KS output columns at a time:
 //                     the slice of w_down_t (N x KS bf16) is staged in shared memory and each thread walks one
 //                     slot's entries, reading KS weights per entry from there.
-//   ell_to_slots    : the training op's way in (sparse_llm/twell_train.py): the slot-order entries of its ELL rows,
+//   ell_to_slots    : the training op's way in (sparse_llm/ffn/twell/train_op.py): the slot-order entries of its ELL rows,
 //                     h for y = h w_down^T, or du and dg for dx = du w_up + dg w_gate (entries_down twice, fp32 sums
 //                     carried between the two passes).
 // Why two kernels: the one-pass walk reads a K-wide w_down row from L2 per non-zero (4 KiB at K = 2048), at the

@@ -1,5 +1,5 @@
 // Training backward of the gated FFN on the hybrid format, light (ELL) tokens only; the dense backup rows
-// go through cuBLAS in sparse_llm/twell_train.py. Tested on an H100 (tests/gpu/test_twell_train.py).
+// go through cuBLAS in sparse_llm/ffn/twell/train_op.py. Tested on an H100 (tests/gpu/test_twell_train.py).
 //
 //   train_bwd_sddmm : per light token, at its ELL entries (n, g, u):
 //                       dh = bf16(bf16(dy[m] . w_down[:, n]) + dl1 * sign(h)),  h = bf16(g * u)
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(128, 4) train_bwd_sddmm(
 // Column starts of the transposed view from the E sort keys in ascending order (a column per light entry, N
 // for the rest): col_start[c] = the first e with key[e] >= c, for c = 0..N. Every e in [0, E] owns the
 // columns between the key before it and its own key, so each start is written once, by one thread, with no
-// search. torch reference: the searchsorted of csc_order in sparse_llm/twell_train.py.
+// search. torch reference: the searchsorted of csc_order in sparse_llm/ffn/twell/train_op.py.
 template <typename Key>
 __global__ void __launch_bounds__(256) train_csc_columns(
     const Key *__restrict__ sorted_key,    // [E] ascending, values in [0, N]
@@ -121,7 +121,7 @@ __device__ __forceinline__ long long column_chunks(long long entries, int chunk,
 // have more than one chunk (it picks a many-chunk column's scratch slot). Each thread takes a run of consecutive
 // columns; the block scans the runs' totals, both counts in one 64-bit value (chunks in the low RANK_SHIFT bits).
 // Launch with 1024 threads. torch reference: csc_chunk_starts, csc_chunk_columns and csc_shared_ranks in
-// sparse_llm/twell_train.py.
+// sparse_llm/ffn/twell/train_op.py.
 constexpr int RANK_SHIFT = 40;
 
 __device__ __forceinline__ long long chunks_and_rank(long long chunks) {

@@ -1,5 +1,5 @@
 // Shared helpers of the training kernels (hybrid format: ELL rows + dense backup rows; the torch
-// specification is sparse_llm/formats.py, the op is sparse_llm/twell_train.py). The warp-row convention and
+// specification is sparse_llm/formats.py, the op is sparse_llm/ffn/twell/train_op.py). The warp-row convention and
 // its helpers (stage_row, lane_dot, axpy, ...) are in twell_common.cuh.
 // Rounding points follow formats.py: every stored or multiplied value is rounded to bf16 where the torch
 // reference holds a bf16 tensor; sums are fp32.

@@ -7,7 +7,7 @@
 //                    (fp32 dot), h = bf16(g * u), y[m] += h * w_down_t[n], with the |h| and h != 0 statistics.
 //                    A token with more is heavy: flagged, its ELL row all padding, and appended to a list for
 //                    gate_up_down_heavy (gate_up_down.cu), which computes its y and statistics from the same
-//                    gate row; the backward recomputes its gradients densely (sparse_llm/twell_train.py).
+//                    gate row; the backward recomputes its gradients densely (sparse_llm/ffn/twell/train_op.py).
 //                    torch reference: formats.pack_hybrid(relu(gate), W), hybrid_sddmm, hybrid_mul,
 //                    hybrid_matmul, hybrid_abs_sum.
 //                    Column parts (a block whose w_up + w_down rows outgrow L2): one launch per range of columns

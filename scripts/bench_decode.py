@@ -1,5 +1,5 @@
 """Decoding-step benchmark: the whole model feeding one token per row, dense FFNs vs the sparse decode kernel,
-each step issued eagerly and replayed as a CUDA graph (sparse_llm.decoding, what generate.py runs).
+each step issued eagerly and replayed as a CUDA graph (sparse_llm.generation.decoding, what generate.py runs).
 
     python scripts/bench_decode.py --size 2b --density-l0 24 --batches 1,4,16
     python scripts/bench_decode.py --checkpoint outputs/<run>/final --batches 1,8
@@ -41,10 +41,10 @@ from bench_model import (
     set_kernel,
 )
 
-from sparse_llm.benchmark import Clock, hardware_summary
-from sparse_llm.decoding import SETUP_STEPS, DecodeSteps
-from sparse_llm.mlp import recording_statistics
-from sparse_llm.model import sparse_mlps
+from sparse_llm.bench.timing import Clock, hardware_summary
+from sparse_llm.generation.decoding import SETUP_STEPS, DecodeSteps
+from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.model.llama import sparse_mlps
 
 KERNELS = (STOCK, "torch", "auto")
 

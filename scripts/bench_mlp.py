@@ -29,12 +29,12 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.backends import TorchFFN, dense_block
-from sparse_llm.benchmark import energy_mj_per_call, graph_ms, relative_error, time_ms
-from sparse_llm.dispatch import SWITCH_MARGIN, density_of
-from sparse_llm.energy import EnergyMeter
+from sparse_llm.ffn.backend import TorchFFN, dense_block
+from sparse_llm.bench.timing import energy_mj_per_call, graph_ms, relative_error, time_ms
+from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
+from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
-from sparse_llm.twell_backend import (
+from sparse_llm.ffn.twell.backend import (
     TwellFFN,
     direct_up_down,
     synthetic_block,

@@ -109,8 +109,8 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from sparse_llm.backends import Tail, get_backend
-from sparse_llm.benchmark import (
+from sparse_llm.ffn.backend import Tail, get_backend
+from sparse_llm.bench.timing import (
     KERNEL_FAMILIES,
     Clock,
     PeakMemory,
@@ -123,12 +123,12 @@ from sparse_llm.benchmark import (
     time_ms,
     time_samples_ms,
 )
-from sparse_llm.config import TrainConfig
-from sparse_llm.data import read_token_file
-from sparse_llm.dispatch import density_of
-from sparse_llm.energy import EnergyMeter
-from sparse_llm.mlp import SparseMLP, recording_statistics
-from sparse_llm.model import (
+from sparse_llm.training.config import TrainConfig
+from sparse_llm.data.pipeline import read_token_file
+from sparse_llm.ffn.dispatch import density_of
+from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.ffn.mlp import SparseMLP, recording_statistics
+from sparse_llm.model.llama import (
     FUSED_CLASSES,
     ModelConfig,
     build_model,
@@ -137,11 +137,11 @@ from sparse_llm.model import (
     sparse_mlps,
     sparsify,
 )
-from sparse_llm.sparsity import l1_term
-from sparse_llm.step_scope import optimizer_step
-from sparse_llm.train_graphs import release_graphs
-from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import (
+from sparse_llm.training.sparsity import l1_term
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell.graphs import release_graphs
+from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.training.trainer import (
     FrozenHeap,
     HostCopy,
     defer_clipping,
@@ -333,7 +333,7 @@ def kernel_unavailable_reason(kernel: str, model: LlamaForCausalLM, device: torc
         return None
     reason = get_backend(kernel).unavailable_reason(device)
     if reason is None and kernel == "twell":
-        from sparse_llm.twell_backend import shape_unsupported_reason
+        from sparse_llm.ffn.twell.backend import shape_unsupported_reason
 
         reason = shape_unsupported_reason(model.config.hidden_size, model.config.intermediate_size)
     return reason

@@ -1,6 +1,6 @@
 """Benchmark one gated MLP block for training (forward + backward with the L1 term): dense torch autograd
 (eager, and compiled with inductor as `trainer.compile=true` runs it) vs the sparse training op
-(sparse_llm.twell_train), on one GPU.
+(sparse_llm.ffn.twell.train_op), on one GPU.
 
     python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
     python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
@@ -28,11 +28,11 @@ import json
 
 import torch
 
-from sparse_llm.backends import dense_block
-from sparse_llm.benchmark import relative_error, time_ms, wall_ms
-from sparse_llm.dispatch import LayerDispatcher
-from sparse_llm.twell_backend import synthetic_block
-from sparse_llm.twell_train import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
+from sparse_llm.ffn.backend import dense_block
+from sparse_llm.bench.timing import relative_error, time_ms, wall_ms
+from sparse_llm.ffn.dispatch import LayerDispatcher
+from sparse_llm.ffn.twell.backend import synthetic_block
+from sparse_llm.ffn.twell.train_op import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
 CASES = {

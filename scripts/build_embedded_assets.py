@@ -1,11 +1,11 @@
 """Regenerate the corpus and tokenizer that ship with the package.
 
 Writes, deterministically:
-- ``sparse_llm/assets/embedded_corpus.txt.gz``: English prose from the Python standard library
+- ``sparse_llm/data/assets/embedded_corpus.txt.gz``: English prose from the Python standard library
   (the ``pydoc_data.topics`` help pages plus module, class and function docstrings), one document per
   help topic, module or class, documents separated by ``DOCUMENT_SEPARATOR``. The gzip header carries no
   timestamp or file name, so the bytes depend only on the text.
-- ``sparse_llm/assets/tokenizer.json``: a byte-level BPE with ``VOCAB_SIZE`` entries trained on that text,
+- ``sparse_llm/data/assets/tokenizer.json``: a byte-level BPE with ``VOCAB_SIZE`` entries trained on that text,
   with the special tokens ``<|endoftext|>`` (id 0, end/begin of document) and ``<pad>`` (id 1).
 
 The text depends on the Python version that runs this script (docstrings change between releases);

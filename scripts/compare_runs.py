@@ -27,7 +27,7 @@ import re
 import statistics
 from pathlib import Path
 
-from sparse_llm.telemetry import read_metrics
+from sparse_llm.telemetry.metrics import read_metrics
 
 
 def summarize(run_dir: Path, baseline: dict[int, dict] | None) -> dict[str, float | str]:

@@ -19,11 +19,11 @@ import torch
 from accelerate import Accelerator
 from bench_model import SIZES, size_config
 
-from sparse_llm.benchmark import relative_error
-from sparse_llm.config import TrainConfig
-from sparse_llm.dispatch import KERNEL_CHOICES
-from sparse_llm.model import build_model
-from sparse_llm.training import make_accelerator, make_optimizer, plain_tensor
+from sparse_llm.bench.timing import relative_error
+from sparse_llm.training.config import TrainConfig
+from sparse_llm.ffn.dispatch import KERNEL_CHOICES
+from sparse_llm.model.llama import build_model
+from sparse_llm.training.trainer import make_accelerator, make_optimizer, plain_tensor
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids_BS: torch.Tensor, acc: Accelerator,

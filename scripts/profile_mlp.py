@@ -27,10 +27,10 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparse_llm.backends import dense_block
-from sparse_llm.benchmark import wall_ms
-from sparse_llm.twell_backend import synthetic_block, twell_gated_mlp
-from sparse_llm.twell_train import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.backend import dense_block
+from sparse_llm.bench.timing import wall_ms
+from sparse_llm.ffn.twell.backend import synthetic_block, twell_gated_mlp
+from sparse_llm.ffn.twell.train_op import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
 
 L1_COEFF = 2e-5
 

@@ -41,10 +41,10 @@ from bench_model import (  # scripts/, on the path when this file runs as a scri
     make_sparse,
     set_kernel,
 )
-from sparse_llm.backends import HostWaits
-from sparse_llm.benchmark import PeakMemory
-from sparse_llm.model import compile_layers
-from sparse_llm.training import FrozenHeap
+from sparse_llm.ffn.backend import HostWaits
+from sparse_llm.bench.timing import PeakMemory
+from sparse_llm.model.llama import compile_layers
+from sparse_llm.training.trainer import FrozenHeap
 
 KERNELS = ("torch", "twell")
 

@@ -26,8 +26,10 @@ import torch
 
 import torch.nn.functional as F
 
-from sparse_llm import twell_backend, twell_train
-from sparse_llm.twell_backend import (
+from sparse_llm.ffn.twell import backend
+
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.twell.backend import (
     OutputNorm,
     column_parts,
     direct_up_down,
@@ -36,14 +38,14 @@ from sparse_llm.twell_backend import (
     twell_gate,
     twell_gated_mlp,
 )
-from sparse_llm.twell_train import twell_train_ffn
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
 
 
 def training_walks_by_slices() -> AbstractContextManager:
     """The training op's y and dx through the slices walk at any token count."""
-    return mock.patch.multiple(twell_train, FWD_WALK="slices", DX_WALK="slices", SLICES_MIN_M=1)
+    return mock.patch.multiple(train_op, FWD_WALK="slices", DX_WALK="slices", SLICES_MIN_M=1)
 
 
 def main() -> None:
@@ -63,7 +65,7 @@ def main() -> None:
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
                 gates = 1 if tokens < 4 else 1 << 30  # the gate path the default does not take here
-                with mock.patch.multiple(twell_backend, DECODE_BLOCK_SUM_PIECES=0, DECODE_MMA_MIN_M=gates):
+                with mock.patch.multiple(backend, DECODE_BLOCK_SUM_PIECES=0, DECODE_MMA_MIN_M=gates):
                     twell_gated_mlp(few, wg, wu, wd, residual_MK=torch.randn_like(few))
             if n >= 512:  # the walks of blocks wider than L2, in column parts
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))
@@ -84,13 +86,13 @@ def main() -> None:
             result = twell_train_ffn(*leaves, width=128)
             (result.y_MK.float().sum() + result.l1_sum).backward()
         if n >= 512:  # the training walks in column parts, as a block wider than L2 takes them
-            one_pass = twell_train.walk_column_parts
-            twell_train.walk_column_parts = lambda k, n: tuple(column_parts(k, n, parts=p) for p in (2, 2, 2))
+            one_pass = train_op.walk_column_parts
+            train_op.walk_column_parts = lambda k, n: tuple(column_parts(k, n, parts=p) for p in (2, 2, 2))
             try:
                 result = twell_train_ffn(*leaves, width=128)
                 (result.y_MK.float().sum() + result.l1_sum).backward()
             finally:
-                twell_train.walk_column_parts = one_pass
+                train_op.walk_column_parts = one_pass
         masters = [x.clone().requires_grad_(), *(w.float().requires_grad_() for w in (wg, wu, wd))]
         with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 master weights: casts and fp32 gradients
             result = twell_train_ffn(*masters, width=4)

@@ -5,7 +5,7 @@ validation documents, each followed by eos) and ``<out>.json`` (dtype, vocab siz
 document counts, ``val_start``: the token index where validation begins). Training with ``data=tokens``
 then needs neither ``datasets`` nor network, and skips tokenization.
 
-The options are ``DataConfig`` fields (sparse_llm/data.py) given as ``key=value``:
+The options are ``DataConfig`` fields (sparse_llm/data/pipeline.py) given as ``key=value``:
 
     python scripts/tokenize_corpus.py --out data/embedded                       # the shipped corpus
     python scripts/tokenize_corpus.py --out data/mine name=local 'paths=[corpus/*.jsonl]' tokenizer=embedded
@@ -22,7 +22,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from sparse_llm.data import DataConfig, write_token_file
+from sparse_llm.data.pipeline import DataConfig, write_token_file
 
 
 def main() -> None:

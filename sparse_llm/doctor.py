@@ -14,8 +14,10 @@ import traceback
 
 import torch
 
-from sparse_llm import cuda, kernel_set
-from sparse_llm.dispatch import SWITCH_MARGIN
+from sparse_llm.cuda import runtime
+
+from sparse_llm.ffn import kernel_set
+from sparse_llm.ffn.dispatch import SWITCH_MARGIN
 
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
 CHECK_N = 5632  # and its FFN width
@@ -33,7 +35,7 @@ def _versions() -> list[tuple[str, str]]:
         ("torch", torch.__version__),
         ("torch CUDA", str(torch.version.cuda)),
     ]
-    cupy = cuda._import_cupy()
+    cupy = runtime._import_cupy()
     rows.append(("cupy", getattr(cupy, "__version__", "not installed")))
     if cupy is not None:
         try:
@@ -56,7 +58,7 @@ def _sources() -> list[tuple[str, str]]:
     rows = []
     for filename in dict.fromkeys(filename for filename, _ in KERNELS):
         try:
-            rows.append((filename, str(cuda.kernel_path(filename))))
+            rows.append((filename, str(runtime.kernel_path(filename))))
         except FileNotFoundError as error:
             rows.append((filename, f"MISSING: {error}"))
     return rows
@@ -68,7 +70,7 @@ def _numerical_check(route: str) -> str:
     import torch.nn.functional as F
 
     from sparse_llm.formats import gated_mlp_ref
-    from sparse_llm.twell_backend import direct_up_down, synthetic_block, twell_gated_mlp
+    from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
 
     x, wg, wu, wd = synthetic_block(300, CHECK_K, CHECK_N, nnz_mean=56, sigma=0.5, seed=1)
     if route == "slices":
@@ -89,7 +91,7 @@ def main() -> int:
     print("sparse-llm doctor")
     for key, value in _versions() + _sources():
         print(f"  {key:<22} {value}")
-    reason = cuda.unavailable_reason()
+    reason = runtime.unavailable_reason()
     if reason is not None:
         print(f"  twell kernels          skipped: {reason}")
         print("  kernel=auto picks      torch (no usable sparse kernel here)")
@@ -101,13 +103,13 @@ def main() -> int:
         reported.add((filename, name))
         print(f"  compile {name:<22} " + ("ok" if error is None else f"FAILED: {error}"), flush=True)
 
-    failed = cuda.precompile(KERNELS, done=report)
+    failed = runtime.precompile(KERNELS, done=report)
     failures += len(failed)
     for filename, name in KERNELS:
         if (filename, name) in failed:
             continue
         try:
-            cuda.get_function(filename, name)  # from the cache the children filled, or compiled here
+            runtime.get_function(filename, name)  # from the cache the children filled, or compiled here
             if (filename, name) not in reported:
                 print(f"  compile {name:<22} ok")
         except Exception as error:
@@ -122,8 +124,8 @@ def main() -> int:
         label = "walk=slices" if route == "slices" else f"gate={route}"
         print(f"  check {label:<16} {line}")
 
-    from sparse_llm.backends import TorchFFN
-    from sparse_llm.twell_backend import TwellFFN
+    from sparse_llm.ffn.backend import TorchFFN
+    from sparse_llm.ffn.twell.backend import TwellFFN
 
     m, k, n = 16384, CHECK_K, CHECK_N
     for l0 in (28, 112, 560):

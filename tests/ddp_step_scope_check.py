@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparse_llm import twell_train
-from sparse_llm.step_scope import optimizer_step
-from sparse_llm.twell_backend import synthetic_block
-from sparse_llm.twell_train import twell_train_ffn
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell.backend import synthetic_block
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 MICRO_BATCHES = 3
 # (M, K, N, width, tolerance) per device: the CUDA kernels need K % 64 == 0 and N % 256 == 0; their fp32 atomics and
@@ -71,20 +71,20 @@ def main(device: str) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     added = []
     backward_name = "_cuda_backward" if device == "cuda" else "_reference_backward"
-    backward = getattr(twell_train, backward_name)
+    backward = getattr(train_op, backward_name)
 
     def counting(*args, grads_into=None):
         added.append(grads_into is not None)
         return backward(*args, grads_into=grads_into)
 
-    setattr(twell_train, backward_name, counting)
+    setattr(train_op, backward_name, counting)
     model = nn.parallel.DistributedDataParallel(Layer(device))
     with optimizer_step(add_into_grads=True):
         for micro in range(MICRO_BATCHES):
             last = micro == MICRO_BATCHES - 1
             with model.no_sync() if not last else nullcontext():
                 model(tokens(device, rank, micro)).backward()
-    setattr(twell_train, backward_name, backward)
+    setattr(train_op, backward_name, backward)
     single = Layer(device)
     for r in range(world):
         for micro in range(MICRO_BATCHES):

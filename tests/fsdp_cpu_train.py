@@ -15,10 +15,10 @@ import yaml
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-from sparse_llm import training
+from sparse_llm.training import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-make_accelerator = training.make_accelerator
+make_accelerator = trainer.make_accelerator
 
 
 def fsdp_accelerator(cfg):
@@ -35,6 +35,6 @@ def fsdp_accelerator(cfg):
 
 
 if __name__ == "__main__":
-    training.make_accelerator = fsdp_accelerator
+    trainer.make_accelerator = fsdp_accelerator
     sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -1,4 +1,4 @@
-"""CPU tests of the model-level benchmark (scripts/bench_model.py) and its helpers (sparse_llm/benchmark.py)."""
+"""CPU tests of the model-level benchmark (scripts/bench_model.py) and its helpers (sparse_llm/bench/timing.py)."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparse_llm.benchmark import (
+from sparse_llm.bench.timing import (
     PeakMemory,
     SectionTimer,
     device_ms_by_family,
@@ -21,9 +21,9 @@ from sparse_llm.benchmark import (
     time_ms,
     wall_ms,
 )
-from sparse_llm.energy import EnergyMeter
-from sparse_llm.mlp import recording_statistics
-from sparse_llm.model import ModelConfig, build_model, sparse_mlps
+from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.model.llama import ModelConfig, build_model, sparse_mlps
 
 from script_modules import load_script
 

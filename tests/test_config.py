@@ -11,11 +11,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from sparse_llm.config import TrainConfig, register_configs
-from sparse_llm.evaluation import EvalConfig
-from sparse_llm.generation import GenerateConfig
-from sparse_llm.model import build_model, count_parameters
-from sparse_llm.overrides import unknown_key_message
+from sparse_llm.training.config import TrainConfig, register_configs
+from sparse_llm.evaluation.evaluate import EvalConfig
+from sparse_llm.generation.generate import GenerateConfig
+from sparse_llm.model.llama import build_model, count_parameters
+from sparse_llm.cli.overrides import unknown_key_message
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -111,7 +111,7 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
 
     import psutil
 
-    from sparse_llm.config import launch_stamp
+    from sparse_llm.training.config import launch_stamp
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -130,7 +130,7 @@ def test_cli_input_error_is_a_message_not_a_traceback(tmp_path):
 
 
 def test_several_machines_need_an_explicit_run_name(monkeypatch):
-    from sparse_llm.config import launch_stamp
+    from sparse_llm.training.config import launch_stamp
 
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -146,7 +146,7 @@ def test_several_machines_need_an_explicit_run_name(monkeypatch):
     (["trainer.grad_clip=-1"], ["trainer.grad_clip=-1.0 (give a value >= 0 (0: no clipping))"]),
 ])
 def test_values_out_of_range_are_named_together(overrides, named):
-    from sparse_llm.config import check_ranges
+    from sparse_llm.training.config import check_ranges
 
     with pytest.raises(ValueError, match="^Out of range: ") as err:
         check_ranges(_compose(*overrides))

@@ -14,8 +14,8 @@ import pytest
 import torch
 from huggingface_hub import constants
 
-import sparse_llm.data as data_module
-from sparse_llm.data import (
+import sparse_llm.data.pipeline as data_module
+from sparse_llm.data.pipeline import (
     DataConfig,
     TokenArray,
     build_token_data,
@@ -23,8 +23,8 @@ from sparse_llm.data import (
     read_token_file,
     write_token_file,
 )
-from sparse_llm.loader import TrainLoader, val_batches
-from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.data.loader import TrainLoader, val_batches
+from sparse_llm.data.tokenizer import load_tokenizer
 
 SEQ = 64
 
@@ -271,7 +271,7 @@ def test_token_file_round_trip(tmp_path, embedded):
 
 
 def test_token_file_uses_uint32_for_large_vocabularies(tmp_path, monkeypatch):
-    import sparse_llm.data as data_module
+    import sparse_llm.data.pipeline as data_module
 
     class BigVocab:  # the embedded tokenizer, pretending to have 70 000 entries
         def __init__(self):
@@ -302,7 +302,7 @@ def test_token_file_tokenizer_mismatch_is_an_error(tmp_path):
 def test_embedded_and_token_paths_do_not_import_datasets(tmp_path):
     code = (
         "import sys\n"
-        "from sparse_llm.data import DataConfig, build_token_data, write_token_file\n"
+        "from sparse_llm.data.pipeline import DataConfig, build_token_data, write_token_file\n"
         "build_token_data(DataConfig(), 64)\n"
         f"write_token_file(DataConfig(max_documents=40), {str(tmp_path / 't')!r})\n"
         f"build_token_data(DataConfig(name='tokens', tokenizer='from_file', paths=[{str(tmp_path / 't')!r}]), 64)\n"

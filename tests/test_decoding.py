@@ -1,10 +1,10 @@
-"""sparse_llm.decoding: static-cache decoding gives transformers' greedy continuations; top-p sampling keeps
+"""sparse_llm.generation.decoding: static-cache decoding gives transformers' greedy continuations; top-p sampling keeps
 the right tokens."""
 
 import torch
 
-from sparse_llm.decoding import END_CHECK_EVERY, decode, next_tokens
-from sparse_llm.model import ModelConfig, build_model
+from sparse_llm.generation.decoding import END_CHECK_EVERY, decode, next_tokens
+from sparse_llm.model.llama import ModelConfig, build_model
 
 TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, max_position_embeddings=64)
 VOCAB, END, PAD = 97, 1, 0

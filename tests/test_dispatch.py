@@ -7,11 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparse_llm import backends, dispatch
-from sparse_llm.backends import FFNBackend, TorchFFN
-from sparse_llm.backends import HEAVY_TOKEN_NNZ, Tail
-from sparse_llm.dispatch import LayerDispatcher, density_of
-from sparse_llm.mlp import SparseMLP, cuda_graphed
+from sparse_llm.ffn import backend
+
+from sparse_llm.ffn import dispatch
+from sparse_llm.ffn.backend import FFNBackend, TorchFFN
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, Tail
+from sparse_llm.ffn.dispatch import LayerDispatcher, density_of
+from sparse_llm.ffn.mlp import SparseMLP, cuda_graphed
 
 
 class FakeSparse(FFNBackend):
@@ -37,10 +39,10 @@ class FakeSparse(FFNBackend):
 
 @pytest.fixture
 def fake(monkeypatch):
-    registry = dict(backends._BACKENDS)
-    monkeypatch.setattr(backends, "_BACKENDS", registry)
+    registry = dict(backend._BACKENDS)
+    monkeypatch.setattr(backend, "_BACKENDS", registry)
     backend = FakeSparse(ms=0.0)
-    backends.register_backend(backend)
+    backend.register_backend(backend)
     return backend
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparse_llm import env
+from sparse_llm.cli import env
 
 
 @pytest.fixture

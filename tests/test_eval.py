@@ -14,15 +14,17 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparse_llm import evaluation, mc_tasks
-from sparse_llm.data import DataConfig
-from sparse_llm.config import TrainConfig, register_configs
-from sparse_llm.evaluation import EvalConfig, evaluate, register_eval_configs
-from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
-from sparse_llm.model import build_model
-from sparse_llm.telemetry import LoggingConfig
-from sparse_llm.tokenizer import load_tokenizer
-from sparse_llm.training import train
+from sparse_llm.evaluation import evaluate
+
+from sparse_llm.evaluation import tasks
+from sparse_llm.data.pipeline import DataConfig
+from sparse_llm.training.config import TrainConfig, register_configs
+from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs
+from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
+from sparse_llm.model.llama import build_model
+from sparse_llm.telemetry.metrics import LoggingConfig
+from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -231,7 +233,7 @@ def test_data_overrides_are_recognised(override, expected):
 def test_unset_data_defaults_to_the_runs_data(tmp_path, caplog):
     run = _run_with_data(tmp_path / "run", {"name": "local", "paths": ["docs.jsonl"], "val_documents": 3})
     for model_dir in (run / "final", run / "checkpoints" / "step_5" / "model"):
-        with caplog.at_level("INFO", logger="sparse_llm.evaluation"):
+        with caplog.at_level("INFO", logger="sparse_llm.evaluation.evaluate"):
             chosen = evaluation.choose_data(DataConfig(), data_set_by_user=False, model_dirs=[model_dir])
         assert (chosen.name, chosen.paths, chosen.val_documents) == ("local", ["docs.jsonl"], 3)
         assert "Held-out text: data=local" in caplog.text
@@ -241,12 +243,12 @@ def test_unset_data_defaults_to_the_runs_data(tmp_path, caplog):
 
 def test_user_data_that_differs_from_the_runs_is_kept_with_a_warning(tmp_path, caplog):
     run = _run_with_data(tmp_path / "run", {"name": "local", "paths": ["docs.jsonl"]})
-    with caplog.at_level("WARNING", logger="sparse_llm.evaluation"):
+    with caplog.at_level("WARNING", logger="sparse_llm.evaluation.evaluate"):
         chosen = evaluation.choose_data(DataConfig(name="embedded"), True, [run / "final"])
     assert chosen.name == "embedded"
     assert "was trained on data=local" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="sparse_llm.evaluation"):  # a different cache_dir is the same data
+    with caplog.at_level("WARNING", logger="sparse_llm.evaluation.evaluate"):  # a different cache_dir is the same data
         evaluation.choose_data(DataConfig(name="local", paths=["docs.jsonl"], cache_dir="c"), True, [run / "final"])
     assert "was trained on" not in caplog.text
 

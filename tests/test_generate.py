@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_llm.generation import GenerateConfig, generate, report
-from sparse_llm.model import ModelConfig, build_model
-from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.generation.generate import GenerateConfig, generate, report
+from sparse_llm.model.llama import ModelConfig, build_model
+from sparse_llm.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, max_position_embeddings=64)

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from sparse_llm import backends
-from sparse_llm.backends import TorchFFN, get_backend
-from sparse_llm.mlp import SparseMLP
-from sparse_llm.model import (
+from sparse_llm.ffn import backend
+from sparse_llm.ffn.backend import TorchFFN, get_backend
+from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.model.llama import (
     CausalLlamaModel,
     ModelConfig,
     build_model,
@@ -32,7 +32,7 @@ def test_sparse_mlp_matches_llama_mlp_relu():
     x = torch.randn(3, 5, TINY.hidden_size)
     reference = stock.model.layers[0].mlp(x)
     stock_logits = stock(torch.arange(20).view(2, 10)).logits
-    from sparse_llm.model import sparsify
+    from sparse_llm.model.llama import sparsify
 
     sparse = sparsify(stock, kernel="torch")
     assert isinstance(sparse.model.layers[0].mlp, SparseMLP)
@@ -78,7 +78,7 @@ def test_load_pretrained_names_a_bad_path(tmp_path):
 def test_silu_model_is_rejected():
     cfg = llama_config(TINY)
     cfg.hidden_act = "silu"
-    from sparse_llm.model import sparsify
+    from sparse_llm.model.llama import sparsify
 
     with pytest.raises(ValueError, match="ReLU"):
         sparsify(LlamaForCausalLM(cfg))
@@ -101,7 +101,7 @@ def test_auto_uses_torch_on_cpu_and_reports_the_path():
 
 
 def test_inference_calls_skip_statistics_unless_recorded_or_refreshing_the_dispatcher():
-    from sparse_llm.mlp import SELF_OBSERVE_EVERY, recording_statistics
+    from sparse_llm.ffn.mlp import SELF_OBSERVE_EVERY, recording_statistics
 
     model = nn.Sequential(SparseMLP(64, 256, kernel="auto"))
     mlp, x = model[0], torch.randn(4, 64)
@@ -125,7 +125,7 @@ def test_inference_calls_skip_statistics_unless_recorded_or_refreshing_the_dispa
 
 def test_l1_gradients_survive_gradient_checkpointing():
     """The L1 term is read from each layer's last forward; recomputation in backward must not change grads."""
-    from sparse_llm.sparsity import l1_term
+    from sparse_llm.training.sparsity import l1_term
 
     def grads(checkpointing: bool) -> list[torch.Tensor]:
         torch.manual_seed(3)
@@ -183,7 +183,7 @@ def test_fused_decoder_layer_matches_transformers_and_keeps_mlp_hooks(autocast):
     every call."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from sparse_llm.model import FusedDecoderLayer
+    from sparse_llm.model.llama import FusedDecoderLayer
 
     torch.manual_seed(4)
     model = build_model(TINY, kernel="torch").train()
@@ -211,7 +211,7 @@ def test_fused_decoder_layer_matches_transformers_and_keeps_mlp_hooks(autocast):
 def test_compiled_layers_give_the_eager_loss_and_gradients(checkpointing):
     """compile_layers traces each decoder layer around its SparseMLP (run eagerly): same loss, L1 term, gradients
     and state-dict keys. aot_eager traces as inductor does without generating kernels (seconds on a CPU)."""
-    from sparse_llm.sparsity import l1_term
+    from sparse_llm.training.sparsity import l1_term
 
     def run(compiled: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
         torch.manual_seed(5)
@@ -241,7 +241,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(checkpointing):
 def test_fused_rms_norm_matches_stock_forward_and_backward(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from sparse_llm.model import FusedRMSNorm
+    from sparse_llm.model.llama import FusedRMSNorm
 
     torch.manual_seed(0)
     stock = LlamaRMSNorm(48, eps=1e-5).to(dtype)
@@ -269,7 +269,7 @@ def test_fused_rms_norm_keeps_the_stock_cast_order_on_mixed_dtypes():
     """A bf16 input with an fp32 weight (no autocast) goes through the stock forward: same dtype, same values."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from sparse_llm.model import FusedRMSNorm
+    from sparse_llm.model.llama import FusedRMSNorm
 
     stock = LlamaRMSNorm(32)
     fused = LlamaRMSNorm(32)
@@ -281,7 +281,7 @@ def test_fused_rms_norm_keeps_the_stock_cast_order_on_mixed_dtypes():
 def test_sparsify_swaps_norms_and_attention_and_keeps_the_state_dict():
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
 
-    from sparse_llm.model import FusedRMSNorm, FusedRopeAttention, sparsify
+    from sparse_llm.model.llama import FusedRMSNorm, FusedRopeAttention, sparsify
 
     stock = LlamaForCausalLM(llama_config(TINY))
     keys = list(stock.state_dict())
@@ -295,7 +295,7 @@ def test_sparsify_swaps_norms_and_attention_and_keeps_the_state_dict():
 
 
 def test_rope_kernel_is_not_used_off_the_gpu():
-    from sparse_llm.rope import kernel_applies
+    from sparse_llm.model.rope import kernel_applies
 
     assert not kernel_applies(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 8))
 
@@ -305,7 +305,7 @@ def test_fused_attention_matches_stock_with_padding_and_a_kv_cache():
     exactly, through a left-padded prefill and a cached decode step."""
     import copy
 
-    from sparse_llm.model import sparsify
+    from sparse_llm.model.llama import sparsify
 
     torch.manual_seed(0)
     stock = LlamaForCausalLM(llama_config(TINY)).eval()
@@ -324,7 +324,7 @@ def test_fused_attention_matches_stock_with_padding_and_a_kv_cache():
 
 
 def test_rope_op_names_mismatched_shapes():
-    from sparse_llm.rope import rotate_half_qk
+    from sparse_llm.model.rope import rotate_half_qk
 
     q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
     with pytest.raises(ValueError, match=r"must be \[1 or 2, 5, 8\]"):
@@ -349,7 +349,7 @@ def test_sparse_mlp_adds_the_residual_it_is_given():
 def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
     """add_linear_ returns acc + F.linear(a, w, bias) in acc's own memory (on a GPU by one GEMM where dtypes agree),
     also with a bias or a bf16 product into an fp32 accumulator. On the CPU it has the product-then-add's bits."""
-    from sparse_llm.backends import add_linear_
+    from sparse_llm.ffn.backend import add_linear_
 
     torch.manual_seed(7)
     a, w, bias = torch.randn(6, 16), torch.randn(8, 16), torch.randn(8)
@@ -417,8 +417,8 @@ def test_inference_takes_each_layers_input_norm_from_the_ffn_before_it(monkeypat
     norm). Where its backend writes that norm's rows, the next layer skips its own norm and the model its final one;
     where it writes none, every norm runs. The logits are the same either way, and with gradients on nothing is
     handed."""
-    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
-    backends.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
+    monkeypatch.setattr(backend, "_BACKENDS", dict(backend._BACKENDS))
+    backend.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
     torch.manual_seed(9)
     model = build_model(TINY, kernel="torch").eval()
     ids = torch.randint(0, TINY.vocab_size, (2, 16))
@@ -472,8 +472,8 @@ def test_fsdp_wraps_the_fused_decoder_layers_and_names_the_class_on_a_stale_conf
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
-    from sparse_llm.model import FusedDecoderLayer
-    from sparse_llm.training import check_fsdp_wrap
+    from sparse_llm.model.llama import FusedDecoderLayer
+    from sparse_llm.training.trainer import check_fsdp_wrap
 
     def plugin(names: list[str] | None) -> FullyShardedDataParallelPlugin:
         return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",

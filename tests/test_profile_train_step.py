@@ -3,7 +3,7 @@
 
 import pytest
 
-from sparse_llm import backends
+from sparse_llm.ffn import backend
 
 from script_modules import load_script
 
@@ -30,9 +30,9 @@ def test_count_waits_are_measured_around_each_phase(monkeypatch):
     """A phase's count waits are what `landed` added to HostWaits while it ran."""
 
     def waits_a_while():
-        backends.HostWaits.seconds += 0.25
+        backend.HostWaits.seconds += 0.25
 
-    monkeypatch.setattr(backends.HostWaits, "seconds", 1.0)
+    monkeypatch.setattr(backend.HostWaits, "seconds", 1.0)
     _, phase = profile_train_step.timed_phase(waits_a_while, cuda=False)
     assert phase.wait_ms == pytest.approx(250.0) and phase.device_ms() is None
 

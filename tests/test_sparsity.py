@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparse_llm.backends import Tail
-from sparse_llm.mlp import SparseMLP
-from sparse_llm.sparsity import (
+from sparse_llm.ffn.backend import Tail
+from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.training.sparsity import (
     LayerBalance,
     SparsityConfig,
     SparsityTracker,

@@ -1,4 +1,4 @@
-"""CPU tests of sparse_llm.step_scope and of the training op's use of it (the torch reference path; the kernels' side
+"""CPU tests of sparse_llm.ffn.step_scope and of the training op's use of it (the torch reference path; the kernels' side
 is tests/gpu/test_step_scope_gpu.py): weight casts reused over one optimizer step, weight gradients added into held
 `.grad` tensors, and the cases where either must not happen."""
 
@@ -15,9 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_llm import step_scope, train_graphs, twell_train
-from sparse_llm.step_scope import held_grads, optimizer_step, reused_cast
-from sparse_llm.twell_train import STATE_NAMES, twell_train_ffn
+from sparse_llm.ffn import step_scope
+
+from sparse_llm.ffn.twell import graphs
+
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast
+from sparse_llm.ffn.twell.train_op import STATE_NAMES, twell_train_ffn
 
 M, K, N, WIDTH = 24, 16, 64, 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +54,13 @@ def accumulate(weights: list[torch.Tensor], micro_batches: int, **scope) -> list
 def into_calls(monkeypatch) -> list[bool]:
     """For each backward of the op: whether it was handed gradients to add into."""
     calls = []
-    reference = twell_train._reference_backward
+    reference = train_op._reference_backward
 
     def spy(*args, grads_into=None):
         calls.append(grads_into is not None)
         return reference(*args, grads_into=grads_into)
 
-    monkeypatch.setattr(twell_train, "_reference_backward", spy)
+    monkeypatch.setattr(train_op, "_reference_backward", spy)
     return calls
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_llm import energy as energy_mod
-from sparse_llm.energy import EnergyMeter
-from sparse_llm.plots import main as plots_main
-from sparse_llm.plots import plot_run
-from sparse_llm.telemetry import (
+from sparse_llm.telemetry import energy as energy_mod
+from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.telemetry.plots import main as plots_main
+from sparse_llm.telemetry.plots import plot_run
+from sparse_llm.telemetry.metrics import (
     LoggingConfig,
     Telemetry,
     format_console_line,
@@ -102,7 +102,7 @@ def test_wandb_disabled_or_missing_is_skipped(
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     cfg = LoggingConfig(wandb_mode="offline", progress_bar=False, console=False)
-    with caplog.at_level(logging.WARNING, logger="sparse_llm.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="sparse_llm.telemetry.metrics"):
         with Telemetry(cfg, tmp_path / "missing", {}, True, 1) as t:
             t.log(1, {"loss": 1.0})
     assert "wandb is not installed" in caplog.text

@@ -15,13 +15,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from sparse_llm import step_scope, training
-from sparse_llm.checkpoint import list_checkpoints, load_hf_weights
-from sparse_llm.config import TrainConfig, TrainerConfig, register_configs
-from sparse_llm.model import build_model, sparse_mlps
-from sparse_llm.telemetry import read_metrics
-from sparse_llm.preemption import TrainingStopped
-from sparse_llm.training import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
+from sparse_llm.ffn import step_scope
+
+from sparse_llm.training import trainer
+from sparse_llm.training.checkpoint import list_checkpoints, load_hf_weights
+from sparse_llm.training.config import TrainConfig, TrainerConfig, register_configs
+from sparse_llm.model.llama import build_model, sparse_mlps
+from sparse_llm.telemetry.metrics import read_metrics
+from sparse_llm.training.preemption import TrainingStopped
+from sparse_llm.training.trainer import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
                                  plain_tensor, plan_batches, skip_update_if_non_finite, sparse_training_hint, train)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +143,8 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
     micro-batch, and the gradients exist from the start and are zeroed in place, never freed, so no backward graph's
     output buffer becomes a .grad. The loss matches a run without the setting."""
     marks = []
-    monkeypatch.setattr(training, "check_cuda_graphs_setup", lambda t, device: None)
-    monkeypatch.setattr(training, "compile_layers", lambda model, backend, cuda_graphs: model)
+    monkeypatch.setattr(trainer, "check_cuda_graphs_setup", lambda t, device: None)
+    monkeypatch.setattr(trainer, "compile_layers", lambda model, backend, cuda_graphs: model)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     steps = ("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2")  # 4 micro-batches a step
     trainer = Trainer(small_config(*steps, "trainer.compile=true", "trainer.cuda_graphs=true"), tmp_path / "graphs")
@@ -161,8 +163,8 @@ def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, 
     reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither); its forwards are CUDA
     graphs only with trainer.cuda_graphs=true."""
     scopes, inside = [], []
-    real_scope, real_micro = training.optimizer_step, Trainer._micro_step
-    monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
+    real_scope, real_micro = trainer.optimizer_step, Trainer._micro_step
+    monkeypatch.setattr(trainer, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
     monkeypatch.setattr(Trainer, "_micro_step", lambda self, *a, **kw: inside.append(step_scope.adding_into_grads())
                         or real_micro(self, *a, **kw))  # fmt: skip
     train(small_config("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2"), tmp_path)
@@ -423,13 +425,13 @@ def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
 
 
 def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, caplog):
-    with caplog.at_level("INFO", logger="sparse_llm.training"):
+    with caplog.at_level("INFO", logger="sparse_llm.training.trainer"):
         train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
     saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Checkpoint: ")]
     assert [Path(m.split(": ", 1)[1]).name for m in saved] == ["step_2", "step_4", "step_6"]  # the run's log says so
     (tmp_path / "checkpoints" / "step_8.partial").mkdir()  # a write that crashed half-way
-    from sparse_llm.checkpoint import resolve_resume
+    from sparse_llm.training.checkpoint import resolve_resume
 
     assert resolve_resume("auto", tmp_path).name == "step_6"
     assert not (tmp_path / "final.partial").exists() and (tmp_path / "final" / "config.json").is_file()
@@ -438,7 +440,7 @@ def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, caplog):
 def test_checkpoints_make_room_before_a_write(tmp_path, monkeypatch):
     """With keep_last=2 the oldest checkpoint goes before the next is written, so the disk never holds three (one
     complete checkpoint stays while the new one is written)."""
-    from sparse_llm import checkpoint
+    from sparse_llm.training import checkpoint
 
     on_disk = []
     real_export = checkpoint.export_model
@@ -457,7 +459,7 @@ def test_checkpoints_make_room_before_a_write(tmp_path, monkeypatch):
 def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp_path, monkeypatch):
     """A full disk at the step-4 checkpoint: an error naming the failure, the free space, the complete checkpoint to
     resume from and the settings to change; the partial directory is gone and step 2's checkpoint resumes."""
-    from sparse_llm import checkpoint
+    from sparse_llm.training import checkpoint
 
     real_export = checkpoint.export_model
 
@@ -483,7 +485,7 @@ def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp
 def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_resume(tmp_path, monkeypatch):
     """A full disk when final/ is written: no final.partial is left, the error names the step-4 checkpoint, and a
     resume from it writes final/."""
-    from sparse_llm import checkpoint
+    from sparse_llm.training import checkpoint
 
     real_export = checkpoint.export_model
 
@@ -504,7 +506,7 @@ def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_res
 
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped, and left alone
 def test_deferred_clipping_in_fused_adamw_matches_clip_grad_norm(max_norm):
-    from sparse_llm.training import defer_clipping
+    from sparse_llm.training.trainer import defer_clipping
 
     torch.manual_seed(0)
     start = [torch.randn(7, 5), torch.randn(5)]
@@ -533,7 +535,7 @@ def test_deferred_clipping_in_fused_adamw_matches_clip_grad_norm(max_norm):
 
 
 def test_optimizers_without_a_gradient_scale_are_clipped_before_the_step():
-    from sparse_llm.training import defer_clipping
+    from sparse_llm.training.trainer import defer_clipping
 
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)

@@ -1,4 +1,4 @@
-"""Decoding steps replayed as a CUDA graph (sparse_llm.decoding) give the logits of the same steps run eagerly,
+"""Decoding steps replayed as a CUDA graph (sparse_llm.generation.decoding) give the logits of the same steps run eagerly,
 with the FFN on the dense path and on the sparse decode kernel."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm import cuda
-from sparse_llm.decoding import DecodeSteps, decode
-from sparse_llm.model import ModelConfig, build_model, sparse_mlps
+from sparse_llm.cuda import runtime
+from sparse_llm.generation.decoding import DecodeSteps, decode
+from sparse_llm.model.llama import ModelConfig, build_model, sparse_mlps
 
-REASON = cuda.unavailable_reason()
+REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"CUDA kernels unavailable: {REASON}")]
 SMALL = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4, max_position_embeddings=128)
 VOCAB = 301

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from sparse_llm.model import FusedRMSNorm
+from sparse_llm.model.llama import FusedRMSNorm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,4 +1,4 @@
-"""The kernel lists of sparse_llm.kernel_set against what the launchers ask for: a run that compiles them ahead
+"""The kernel lists of sparse_llm.ffn.kernel_set against what the launchers ask for: a run that compiles them ahead
 (`kernel_set.warm`) leaves no kernel to compile on first use. Needs an sm_90 GPU and cupy."""
 
 from __future__ import annotations
@@ -6,29 +6,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm import cuda, kernel_set
+from sparse_llm.cuda import runtime
 
-REASON = cuda.unavailable_reason()
+
+from sparse_llm.ffn import kernel_set
+
+REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm import twell_train
-    from sparse_llm.model import ModelConfig, build_model
-    from sparse_llm.twell_backend import direct_up_down, synthetic_block, twell_gated_mlp
-    from sparse_llm.twell_train import twell_train_ffn
+    from sparse_llm.ffn.twell import train_op
+    from sparse_llm.model.llama import ModelConfig, build_model
+    from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
+    from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 
 @pytest.fixture
 def requested(monkeypatch):
     """The (source file, kernel name) pairs the launchers ask `cuda.get_function` for during the test."""
     asked: set[tuple[str, str]] = set()
-    real = cuda.get_function
+    real = runtime.get_function
 
     def recording(filename, name, device=None):
         asked.add((filename, name))
         return real(filename, name, device)
 
-    monkeypatch.setattr(cuda, "get_function", recording)
+    monkeypatch.setattr(runtime, "get_function", recording)
     return asked
 
 
@@ -48,8 +51,8 @@ def test_every_route_of_a_block_asks_for_listed_kernels(k, n, requested, monkeyp
         direct_up_down(x, torch.nn.functional.linear(x, wg), wu, wd.t().contiguous(), walk=walk)
     for slices in (False, True):
         if slices:
-            monkeypatch.setattr(twell_train, "FWD_WALK", "slices")
-            monkeypatch.setattr(twell_train, "DX_WALK", "slices")
+            monkeypatch.setattr(train_op, "FWD_WALK", "slices")
+            monkeypatch.setattr(train_op, "DX_WALK", "slices")
         for master in (False, True):
             leaves = [t.float() if master else t.clone() for t in (x, wg, wu, wd)]
             leaves = [t.requires_grad_() for t in leaves]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.model import ModelConfig, build_model
+from sparse_llm.model.llama import ModelConfig, build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

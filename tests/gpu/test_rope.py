@@ -1,4 +1,4 @@
-"""The rotary-embedding kernel (sparse_llm.rope) and FusedRopeAttention against transformers on the GPU.
+"""The rotary-embedding kernel (sparse_llm.model.rope) and FusedRopeAttention against transformers on the GPU.
 
 Reference: transformers' `apply_rotary_pos_emb` in fp32. Budget, as for the FFN kernels: twice the error
 of transformers' own rotation in the tested dtype, plus a small atol. Shapes cover grouped-query attention
@@ -14,11 +14,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from sparse_llm import cuda
-from sparse_llm.model import FusedRopeAttention
-from sparse_llm.rope import kernel_applies, rotate_half_qk
+from sparse_llm.cuda import runtime
+from sparse_llm.model.llama import FusedRopeAttention
+from sparse_llm.model.rope import kernel_applies, rotate_half_qk
 
-REASON = cuda.unavailable_reason()
+REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"CUDA kernels unavailable: {REASON}")]
 ATOL = 1e-3
 
@@ -115,7 +115,7 @@ def test_cached_decoding_with_the_kernel_matches_stock():
 
     from transformers import LlamaForCausalLM
 
-    from sparse_llm.model import ModelConfig, llama_config, sparsify
+    from sparse_llm.model.llama import ModelConfig, llama_config, sparsify
 
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, vocab_size=101,

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_llm import cuda
+from sparse_llm.cuda import runtime
 
-REASON = cuda.unavailable_reason()
+REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm import twell_train
+    from sparse_llm.ffn.twell import train_op
     from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
-    from sparse_llm.step_scope import optimizer_step
-    from sparse_llm.twell_backend import synthetic_block, transposed_copy
-    from sparse_llm.twell_train import _csc_wgrad, csc_index, csc_keys, twell_train_ffn, wgrad_scratch
+    from sparse_llm.ffn.step_scope import optimizer_step
+    from sparse_llm.ffn.twell.backend import synthetic_block, transposed_copy
+    from sparse_llm.ffn.twell.train_op import _csc_wgrad, csc_index, csc_keys, twell_train_ffn, wgrad_scratch
 
 M, K, N = 2048, 1024, 2816
 MICRO_BATCHES = 3
@@ -66,13 +66,13 @@ def accumulated(add_into_grads: bool, held: bool) -> list[torch.Tensor]:
 @pytest.fixture
 def into_calls(monkeypatch) -> list[bool]:
     calls = []
-    backward = twell_train._cuda_backward
+    backward = train_op._cuda_backward
 
     def spy(*args, grads_into=None):
         calls.append(grads_into is not None)
         return backward(*args, grads_into=grads_into)
 
-    monkeypatch.setattr(twell_train, "_cuda_backward", spy)
+    monkeypatch.setattr(train_op, "_cuda_backward", spy)
     return calls
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda
-from sparse_llm.dispatch import density_of
+from sparse_llm.cuda import runtime
+from sparse_llm.ffn.dispatch import density_of
 from sparse_llm.formats import (
     TwellPacked,
     canonicalize_twell,
@@ -25,16 +25,16 @@ from sparse_llm.formats import (
     validate_twell,
 )
 
-REASON = cuda.unavailable_reason()
+REASON = runtime.unavailable_reason()
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}"),
 ]
 
 if REASON is None:
-    from sparse_llm import twell_backend
-    from sparse_llm.backends import FFNResult
-    from sparse_llm.twell_backend import (
+    from sparse_llm.ffn.twell import backend
+    from sparse_llm.ffn.backend import FFNResult
+    from sparse_llm.ffn.twell.backend import (
         TransposeCache,
         decode_workspace,
         direct_up_down,
@@ -178,7 +178,7 @@ def test_direct_route_never_syncs_and_replays_in_a_cuda_graph(observed):
     first = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")  # compiles the kernels
     l0_mean, l0_max, tail = density_of(first.l0_M)
     hints = {"l0_hint": (l0_mean, l0_max), "tail": tail} if observed else {}
-    assert not observed or twell_backend.dense_row_capacity(4096, (l0_mean, l0_max), tail=tail) > 0
+    assert not observed or backend.dense_row_capacity(4096, (l0_mean, l0_max), tail=tail) > 0
 
     def call():
         return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct", **hints)
@@ -359,7 +359,7 @@ def test_rows_walk_writes_the_rms_norm_of_its_rows(m, k, sigma, capacity, parts,
         assert heavy_token_count(gate_MN) > capacity / 4, "this case is meant to have heavy tokens"
     residual_MK = torch.randn(m, k, device="cuda").bfloat16() if residual else None
     weight_K = (1 + 0.2 * torch.randn(k, device="cuda")).bfloat16()
-    norm = twell_backend.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
+    norm = backend.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
     w_t = w_down_KN.t().contiguous()
     y_MK, *_ = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts, dense_rows=capacity,
                               norm=norm)  # fmt: skip
@@ -402,7 +402,7 @@ def test_block_op_reserves_dense_rows_from_the_density_hint():
     plain = twell_gated_mlp(*block)
     l0_mean, l0_max, tail = density_of(plain.l0_M)
     heavy = int((plain.l0_M > 128).sum())
-    assert heavy > 0 and twell_backend.dense_row_capacity(m, (l0_mean, l0_max), tail=tail) >= heavy
+    assert heavy > 0 and backend.dense_row_capacity(m, (l0_mean, l0_max), tail=tail) >= heavy
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -462,8 +462,8 @@ def test_decode_workspace_is_left_zeroed_across_sizes_and_streams():
 def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, mma_gate, monkeypatch):
     """Dense, all-zero and hot rows, each block's sums in shared memory (up to DECODE_BLOCK_SUM_PIECES) or not, the
     gates on the tensor cores or not (always for groups of tokens, as at 40)."""
-    monkeypatch.setattr(twell_backend, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
-    monkeypatch.setattr(twell_backend, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
+    monkeypatch.setattr(backend, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
+    monkeypatch.setattr(backend, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
     odd_rows(x_MK, w_gate_NK)  # a fully dense token fires almost every neuron: every row pair is read
     result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN)
@@ -565,9 +565,9 @@ def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None
     gate_MN = torch.full((m, n), float("nan"), device="cuda").bfloat16()
     packed_MS = twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
     poison(((m, k), torch.bfloat16))
-    columns = None if parts is None else twell_backend.column_parts(k, n, parts)
-    outs = twell_backend._direct_up_down(
-        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), twell_backend.DENSE_ROW_NNZ, residual_MK, columns,
+    columns = None if parts is None else backend.column_parts(k, n, parts)
+    outs = backend._direct_up_down(
+        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), backend.DENSE_ROW_NNZ, residual_MK, columns,
         walk=walk, dense_rows=dense_rows, packed_MS=packed_MS,
     )  # fmt: skip
     torch.cuda.synchronize()
@@ -616,7 +616,7 @@ def test_walks_from_the_fused_gate_words_dense_zero_and_hot_rows(walk, m):
 def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
     """twell_gated_mlp with the layer's (mean, max) non-zeros, the price trusted: slices for an even spread at many
     tokens (exact), rows without a hint or with a heavy tail; every walk gives the same l0 and fired."""
-    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "priced")
+    monkeypatch.setenv(backend.WALK_CHOICE_ENV, "priced")
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=31)
     m, k, n = 8192, 2048, 5632
     plain = twell_gated_mlp(*block)
@@ -644,7 +644,7 @@ def test_block_op_without_statistics_gives_the_same_output_and_l0(route):
 def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
     """A trial times both walks on the device and keeps the faster for its key; later calls with that key run
     nothing; a walk made slow by extra GPU work loses."""
-    monkeypatch.setattr(twell_backend, "_measured_walks", {})
+    monkeypatch.setattr(backend, "_measured_walks", {})
     a = torch.randn(4096, 4096, device="cuda")
     calls = []
 
@@ -655,7 +655,7 @@ def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
 
     fast = "slices" if slow == "rows" else "rows"
     assert measured_walk((1, 2, 3, 4), walk_through) == fast
-    assert calls.count("rows") == calls.count("slices") == 1 + twell_backend.WALK_TRIAL_REPS
+    assert calls.count("rows") == calls.count("slices") == 1 + backend.WALK_TRIAL_REPS
     calls.clear()
     assert measured_walk((1, 2, 3, 4), walk_through) == fast and calls == []
 
@@ -663,13 +663,13 @@ def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
 def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
     """With a hint that prices slices ahead, the block op runs the walk its trial found faster (here made rows by
     slowing the slices walk), exactly, and remembers it for the shape and density."""
-    monkeypatch.delenv(twell_backend.WALK_CHOICE_ENV, raising=False)  # the default: measured
-    monkeypatch.setattr(twell_backend, "_measured_walks", {})
+    monkeypatch.delenv(backend.WALK_CHOICE_ENV, raising=False)  # the default: measured
+    monkeypatch.setattr(backend, "_measured_walks", {})
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=32)
     plain = twell_gated_mlp(*block)
     l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
     assert direct_walk(8192, 2048, 5632, l0) == "slices"
-    direct = twell_backend._direct_up_down
+    direct = backend._direct_up_down
     spin = torch.randn(4096, 4096, device="cuda")
 
     def slow_slices(*args, **kwargs):
@@ -678,9 +678,9 @@ def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
                 spin @ spin
         return direct(*args, **kwargs)
 
-    monkeypatch.setattr(twell_backend, "_direct_up_down", slow_slices)
+    monkeypatch.setattr(backend, "_direct_up_down", slow_slices)
     hinted = twell_gated_mlp(*block, l0_hint=l0)
-    assert hinted.path == "twell-direct" and list(twell_backend._measured_walks.values()) == ["rows"]
+    assert hinted.path == "twell-direct" and list(backend._measured_walks.values()) == ["rows"]
     assert torch.equal(hinted.y_MK, plain.y_MK) and torch.equal(hinted.l0_M, plain.l0_M)
 
 
@@ -747,8 +747,8 @@ def test_runs_on_current_stream():
 def test_auto_layer_settles_close_prices_by_a_trial(monkeypatch):
     """Where the prices are close (here: any prices), an `auto` layer times both paths once on its call and keeps the
     faster for that token count and density; its output is the block's either way."""
-    from sparse_llm import dispatch
-    from sparse_llm.mlp import SparseMLP
+    from sparse_llm.ffn import dispatch
+    from sparse_llm.ffn.mlp import SparseMLP
 
     monkeypatch.setattr(dispatch, "TRIAL_BAND", 1e9)
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=80, sigma=0.3, seed=11)
@@ -769,7 +769,7 @@ def test_auto_layer_trials_host_bound_calls_but_prices_graphed_ones():
     """A decoding step's few tokens issued from Python run at the host's pace on either path, so an `auto` layer times
     both paths once per token count (keyed apart from graphed calls); inside `cuda_graphed` (a CUDA graph's capture
     and its warm-up step) the device prices decide and no trial runs. The output is the block's either way."""
-    from sparse_llm.mlp import SparseMLP, cuda_graphed
+    from sparse_llm.ffn.mlp import SparseMLP, cuda_graphed
 
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4, 2048, 5632, nnz_mean=28, seed=12)
     mlp = SparseMLP(2048, 5632, kernel="auto").to("cuda", torch.bfloat16)

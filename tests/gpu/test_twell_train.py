@@ -1,4 +1,4 @@
-"""Sparse training op (sparse_llm.twell_train) on the GPU vs torch autograd on the dense block.
+"""Sparse training op (sparse_llm.ffn.twell.train_op) on the GPU vs torch autograd on the dense block.
 
 Needs an sm_90 GPU and cupy. Forward output y, L1, L0, fired neurons and the four gradients (x, w_gate,
 w_up, w_down) of loss = <y, dy> + dl1 * sum|h> are compared with an fp32 dense reference; the budget is
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda
+from sparse_llm.cuda import runtime
 from sparse_llm.formats import (
     hybrid_gated_mlp_backward_ref,
     hybrid_gated_mlp_forward_ref,
@@ -25,13 +25,13 @@ from sparse_llm.formats import (
     pack_hybrid,
 )
 
-REASON = cuda.unavailable_reason()
+REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm import twell_train
-    from sparse_llm.twell_backend import column_parts, synthetic_block
-    from sparse_llm.twell_train import (
+    from sparse_llm.ffn.twell import train_op
+    from sparse_llm.ffn.twell.backend import column_parts, synthetic_block
+    from sparse_llm.ffn.twell.train_op import (
         STATE_NAMES,
         _backup_backward,
         _csc_wgrad,
@@ -261,7 +261,7 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
     one, one_grads = ours_run(*block, dy, DL1, 128)
     saved_one = twell_train_forward_op(x, wg, wu, wd, 128)[4:9]  # ELL columns, counts, heavy flags, g, u
     monkeypatch.setattr(
-        twell_train, "walk_column_parts",
+        train_op, "walk_column_parts",
         lambda k, n: tuple(column_parts(k, n, parts=p) for p in (forward_parts, sddmm_parts, dx_parts)),
     )  # fmt: skip
     parts, parts_grads = ours_run(*block, dy, DL1, 128)
@@ -278,9 +278,9 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
 @pytest.fixture
 def by_slices(monkeypatch):
     """The training op's y and light dx through the slices walk wherever it fits, at any token count."""
-    monkeypatch.setattr(twell_train, "FWD_WALK", "slices")
-    monkeypatch.setattr(twell_train, "DX_WALK", "slices")
-    monkeypatch.setattr(twell_train, "SLICES_MIN_M", 1)
+    monkeypatch.setattr(train_op, "FWD_WALK", "slices")
+    monkeypatch.setattr(train_op, "DX_WALK", "slices")
+    monkeypatch.setattr(train_op, "SLICES_MIN_M", 1)
 
 
 @pytest.mark.parametrize(
@@ -291,14 +291,14 @@ def by_slices(monkeypatch):
 def test_walks_by_slices(m, k, n, nnz, sigma, by_slices):
     """y of the light tokens by the slices down kernel, their dx by two passes of it (w_up's columns, then w_gate's,
     fp32 sums between): every output and gradient within the reference budget, heavy tokens' rows (backup) included."""
-    assert twell_train.walk_by_slices("slices", m, k, n, 128)
+    assert train_op.walk_by_slices("slices", m, k, n, 128)
     check_case(*synthetic_block(m, k, n, nnz, sigma=sigma, seed=m + nnz))
 
 
 def test_dx_by_slices_in_token_chunks(by_slices, monkeypatch):
     """The passes over ORDER_GROUP slots at a time (the fp32 sums of one chunk held at once), 3000 tokens: two whole
     chunks and a partial one, heavy tokens among them."""
-    monkeypatch.setattr(twell_train, "DX_SUMS_BYTES", 1)
+    monkeypatch.setattr(train_op, "DX_SUMS_BYTES", 1)
     check_case(*synthetic_block(3000, 1024, 2816, 40, sigma=0.5, seed=9))
 
 
@@ -415,14 +415,14 @@ def test_csc_weight_gradient_kernel_reuses_scratch_slots(slots, monkeypatch):
     """More many-chunk columns than scratch slots (default count, and one or three slots, which make every column
     wait for the one a slot's turn before it): each slot is summed, stored, zeroed and handed on in turn."""
     if slots is not None:
-        monkeypatch.setattr(twell_train, "WGRAD_SLOTS", slots)
+        monkeypatch.setattr(train_op, "WGRAD_SLOTS", slots)
     m, n = 3000, 4096  # 1200 columns of ~240 entries, more than twice the mean column (70): each is many chunks
     gen = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(m, n, device="cuda", generator=gen)
     fires = torch.rand(m, n, device="cuda", generator=gen) < torch.where(torch.arange(n, device="cuda") < 1200, 0.08, 0)
     h *= fires
     col_start = torch.cat([fires.new_zeros(1, dtype=torch.int64), fires.sum(0).cumsum(0)])
-    assert (csc_chunk_starts(col_start).diff() > 1).sum() > twell_train.WGRAD_SLOTS
+    assert (csc_chunk_starts(col_start).diff() > 1).sum() > train_op.WGRAD_SLOTS
     csc_wgrad_case(h, 160, 1024, torch.bfloat16)
 
 
@@ -482,8 +482,8 @@ def test_ops_follow_the_callers_stream():
 def test_trainer_statistics_accumulate_without_a_sync():
     """What the trainer does after each micro-batch's backward: L0 histogram, fired neurons, the heavy-token
     count still on its way from the GPU. None of it may wait for the device."""
-    from sparse_llm.mlp import SparseMLP
-    from sparse_llm.sparsity import SparsityConfig, SparsityTracker
+    from sparse_llm.ffn.mlp import SparseMLP
+    from sparse_llm.training.sparsity import SparsityConfig, SparsityTracker
 
     mlp = SparseMLP(2048, 5632, kernel="twell").cuda().bfloat16()
     tracker = SparsityTracker([mlp], SparsityConfig())

@@ -3,7 +3,7 @@
 transformers applies the rotate-half rotation as about ten elementwise kernels over q and k: on the 2B
 shape at 16384 tokens about 1 ms per layer, 38 ms of a 155 ms forward. `rotate_half_qk` does the same
 rotation in one pass (fp32 arithmetic, one rounding) and its backward is the inverse rotation, another
-pass. `kernel_applies` says when it can run; `FusedRopeAttention` (sparse_llm.model) falls back to
+pass. `kernel_applies` says when it can run; `FusedRopeAttention` (sparse_llm.model.llama) falls back to
 transformers' `apply_rotary_pos_emb` otherwise.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sparse_llm import cuda
+from sparse_llm.cuda import runtime
 
 _THREADS = 256
 _BLOCKS_PER_SM = 32  # the grid-stride loop takes over past this many blocks per SM
@@ -29,7 +29,7 @@ def kernel_applies(q_BSHD: torch.Tensor, cos_BSD: torch.Tensor) -> bool:
     """
     if torch.compiler.is_compiling():  # inductor fuses transformers' rotation itself; a CuPy launch cannot be traced
         return False
-    if not q_BSHD.is_cuda or cuda.unavailable_reason(q_BSHD.device) is not None:
+    if not q_BSHD.is_cuda or runtime.unavailable_reason(q_BSHD.device) is not None:
         return False
     if q_BSHD.dtype not in _KERNEL_DTYPES or cos_BSD.dtype not in _KERNEL_DTYPES:
         return False
@@ -54,13 +54,13 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
         return q_out, k_out
     vector = _vector_width(q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
     name = f"rope_rotate_half<{_CUDA_TYPE[q_BSHD.dtype]},{_CUDA_TYPE[cos_BSD.dtype]},{vector}>"
-    kernel = cuda.get_function("rope.cu", name, q_BSHD.device)
-    sms = cuda.sm_count(q_BSHD.device)
+    kernel = runtime.get_function("rope.cu", name, q_BSHD.device)
+    sms = runtime.sm_count(q_BSHD.device)
     blocks = min(-(-pairs // (vector * _THREADS)), sms * _BLOCKS_PER_SM)
-    args = (cuda.ptr(q_BSHD), cuda.ptr(k_BSHD), cuda.ptr(q_out), cuda.ptr(k_out), cuda.ptr(cos_BSD),
-            cuda.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
+    args = (runtime.ptr(q_BSHD), runtime.ptr(k_BSHD), runtime.ptr(q_out), runtime.ptr(k_out), runtime.ptr(cos_BSD),
+            runtime.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
             np.int32(width // 2), np.int64(cos_BSD.stride(0)), np.int64(cos_BSD.stride(1)), np.float32(sign))
-    cuda.launch(kernel, (blocks,), (_THREADS,), args, q_BSHD.device)
+    runtime.launch(kernel, (blocks,), (_THREADS,), args, q_BSHD.device)
     return q_out, k_out
 
 

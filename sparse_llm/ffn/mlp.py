@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from sparse_llm.backends import FFNBackend, FFNResult
-from sparse_llm.dispatch import LayerDispatcher, density_of
+from sparse_llm.ffn.backend import FFNBackend, FFNResult
+from sparse_llm.ffn.dispatch import LayerDispatcher, density_of
 
 # Outside the trainer, a layer refreshes its backend decision from its own statistics on its first call
 # and then every this many calls (each refresh costs one host sync).
@@ -35,7 +35,7 @@ class SparseMLP(nn.Module):
     Args:
         hidden_size: K, model width.
         intermediate_size: N, FFN width.
-        kernel: "auto" | "torch" | "twell" (see `sparse_llm.dispatch`).
+        kernel: "auto" | "torch" | "twell" (see `sparse_llm.ffn.dispatch`).
         train_kernels: whether "auto" may also train on the sparse kernels (`LayerDispatcher`).
     """
 

@@ -5,7 +5,7 @@ Every backend computes the same function (DESIGN.md "The math"):
     g = relu(x w_gate^T),  u = x w_up^T,  h = g * u,  y = h w_down^T
 
 and reports the sparsity quantities the trainer needs, so that a layer's statistics stay exact whichever
-path ran. A backend is chosen per layer by `sparse_llm.dispatch`; `estimated_ms` is its cost model.
+path ran. A backend is chosen per layer by `sparse_llm.ffn.dispatch`; `estimated_ms` is its cost model.
 
 Shapes: M tokens, K hidden, N FFN width. Weights are in nn.Linear layout: w_gate_NK, w_up_NK [N, K],
 w_down_KN [K, N].
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 
 # Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
-# many rows as the layer's observed share of such tokens calls for (sparse_llm/twell_backend.py, DENSE_ROW_NNZ).
+# many rows as the layer's observed share of such tokens calls for (sparse_llm/ffn/twell/backend.py, DENSE_ROW_NNZ).
 HEAVY_TOKEN_NNZ = 128
 
 
@@ -292,7 +292,7 @@ def backend_names() -> list[str]:
 def _load_optional_backends() -> None:
     """Import the CUDA backend module, which registers itself (it imports without a GPU or CuPy)."""
     if "twell" not in _BACKENDS:
-        from sparse_llm import twell_backend  # noqa: F401  (registers "twell" on import)
+        from sparse_llm.ffn.twell import backend  # noqa: F401  (registers "twell" on import)
 
 
 register_backend(TorchFFN())

@@ -2,7 +2,7 @@
 
 One optimizer step = `accumulation` micro-batches on each of `world` ranks; together they hold
 `trainer.global_batch` sequences whatever the world size, so a run gives the same updates on 1 or N
-devices. Loss per micro-batch = CE + l1(step) * L1 term (sparse_llm/sparsity.py).
+devices. Loss per micro-batch = CE + l1(step) * L1 term (sparse_llm/training/sparsity.py).
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ga
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
-from sparse_llm import checkpoint as ckpt
-from sparse_llm import kernel_set
-from sparse_llm.backends import get_backend
-from sparse_llm.config import TrainConfig, TrainerConfig, check_ranges
-from sparse_llm.data import build_token_data
-from sparse_llm.dispatch import validate_kernel
-from sparse_llm.energy import EnergyMeter
-from sparse_llm.loader import TrainLoader, val_batches
-from sparse_llm.model import build_model, compile_layers, count_parameters, sparse_mlps
-from sparse_llm.plots import NothingToPlot, plot_run
-from sparse_llm.preemption import StopSignals, TrainingStopped
-from sparse_llm.sparsity import SparsityTracker, l1_coefficient, l1_term
-from sparse_llm.step_scope import optimizer_step
-from sparse_llm.telemetry import Telemetry
+from sparse_llm.training import checkpoint as ckpt
+from sparse_llm.ffn import kernel_set
+from sparse_llm.ffn.backend import get_backend
+from sparse_llm.training.config import TrainConfig, TrainerConfig, check_ranges
+from sparse_llm.data.pipeline import build_token_data
+from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.data.loader import TrainLoader, val_batches
+from sparse_llm.model.llama import build_model, compile_layers, count_parameters, sparse_mlps
+from sparse_llm.telemetry.plots import NothingToPlot, plot_run
+from sparse_llm.training.preemption import StopSignals, TrainingStopped
+from sparse_llm.training.sparsity import SparsityTracker, l1_coefficient, l1_term
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.telemetry.metrics import Telemetry
 
 log = logging.getLogger(__name__)
 # accelerate narrates every checkpoint file at INFO, and transformers draws a progress bar per saved shard;

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, Tail, backend_names, get_backend
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail, backend_names, get_backend
 
 log = logging.getLogger(__name__)
 

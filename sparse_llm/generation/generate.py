@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 
-from sparse_llm import kernel_set
-from sparse_llm.decoding import decode
-from sparse_llm.evaluation import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
-from sparse_llm.model import load_pretrained, sparse_mlps
-from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.ffn import kernel_set
+from sparse_llm.generation.decoding import decode
+from sparse_llm.evaluation.evaluate import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
+from sparse_llm.model.llama import load_pretrained, sparse_mlps
+from sparse_llm.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

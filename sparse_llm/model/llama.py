@@ -28,10 +28,10 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from sparse_llm.backends import add_linear_
-from sparse_llm.dispatch import LayerDispatcher
-from sparse_llm.mlp import SparseMLP
-from sparse_llm.rope import kernel_applies, rotate_half_qk
+from sparse_llm.ffn.backend import add_linear_
+from sparse_llm.ffn.dispatch import LayerDispatcher
+from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.model.rope import kernel_applies, rotate_half_qk
 
 
 @dataclass
@@ -102,7 +102,7 @@ class FusedRMSNorm(LlamaRMSNorm):
 
 
 class FusedRopeAttention(LlamaAttention):
-    """`LlamaAttention` whose rotary embedding of q and k is one CUDA kernel (`sparse_llm.rope`).
+    """`LlamaAttention` whose rotary embedding of q and k is one CUDA kernel (`sparse_llm.model.rope`).
 
     The forward is transformers' (5.x) with the rotation swapped: q and k are rotated in the projections'
     [B, S, heads, D] layout, then viewed as [B, heads, S, D] for the cache and the attention function. Where

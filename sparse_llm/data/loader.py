@@ -1,4 +1,4 @@
-"""Batches for training and validation from the token sources of `sparse_llm.data`.
+"""Batches for training and validation from the token sources of `sparse_llm.data.pipeline`.
 
 Loader position: ``TrainLoader.state_dict()`` is a small JSON-serialisable dict; a new loader given it
 through ``load_state_dict`` yields exactly the batches the original would have yielded next. For streamed
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparse_llm.data import ENCODE_BATCH, DocumentStream, TokenArray, TokenSource
+from sparse_llm.data.pipeline import ENCODE_BATCH, DocumentStream, TokenArray, TokenSource
 
 log = logging.getLogger(__name__)
 

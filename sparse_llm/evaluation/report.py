@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.telemetry import LoggingConfig, Telemetry
+from sparse_llm.telemetry.metrics import LoggingConfig, Telemetry
 
 RESULTS_FILE = "results.json"
 

@@ -149,7 +149,7 @@ def _compile_in_child(filename: str, name: str) -> None:
     env = dict(os.environ, CUPY_CACHE_DIR=str(cache_dir()), SPARSE_LLM_COMPILE_INPROCESS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(_PACKAGE_DIR.parent), env.get("PYTHONPATH"))))
     child = subprocess.run(
-        [sys.executable, "-m", "sparse_llm.cuda", filename, name],
+        [sys.executable, "-m", "sparse_llm.cuda.runtime", filename, name],
         env=env,
         capture_output=True,
         text=True,
@@ -304,7 +304,7 @@ def _cupy_stream(device_index: int, stream_ptr: int) -> Any:
 
 
 def _compile_main(argv: list[str]) -> int:
-    """Child-process entry: compile one kernel (`python -m sparse_llm.cuda FILE NAME`)."""
+    """Child-process entry: compile one kernel (`python -m sparse_llm.cuda.runtime FILE NAME`)."""
     filename, name = argv
     _function(torch.cuda.current_device(), filename, name)
     return 0

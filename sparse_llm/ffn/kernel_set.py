@@ -1,7 +1,7 @@
 """Which compiled kernels a model may run, by layer shape, and compiling them before a run's first step.
 
 A kernel's first compile costs several seconds (a child process imports torch and CuPy and runs NVRTC,
-`sparse_llm.cuda`). Left to first use, a run on a fresh machine compiles the dozen or more kernels its layers
+`sparse_llm.cuda.runtime`). Left to first use, a run on a fresh machine compiles the dozen or more kernels its layers
 need one after another, in the middle of its first steps, or later, whenever `kernel=auto` first moves a layer
 to the sparse path. `warm` compiles them at the start instead, several at a time, into the on-disk cache (a
 no-op once they are there). The lists name the kernels by the template arguments the launchers derive from the
@@ -17,16 +17,16 @@ import time
 import torch
 from torch import nn
 
-from sparse_llm import cuda
-from sparse_llm.mlp import SparseMLP
-from sparse_llm.twell_backend import decode_kernel_name, shape_unsupported_reason, slice_width
-from sparse_llm.twell_train import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, wgrad_slices
+from sparse_llm.cuda import runtime
+from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.ffn.twell.backend import decode_kernel_name, shape_unsupported_reason, slice_width
+from sparse_llm.ffn.twell.train_op import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, wgrad_slices
 
 log = logging.getLogger(__name__)
 
-Kernel = tuple[str, str]  # (source file, kernel name), as cuda.get_function takes them
+Kernel = tuple[str, str]  # (source file, kernel name), as runtime.get_function takes them
 
-# The rotary embedding (sparse_llm.rope) of eager decoder layers, whatever the FFN's kernel: bf16 q and k with
+# The rotary embedding (sparse_llm.model.rope) of eager decoder layers, whatever the FFN's kernel: bf16 q and k with
 # float32 angles under autocast (training), bf16 angles in a bf16 model (inference); 16-byte pieces.
 ROPE_KERNELS: tuple[Kernel, ...] = (
     ("rope.cu", "rope_rotate_half<__nv_bfloat16,float,8>"),
@@ -126,15 +126,15 @@ def warm(model: nn.Module, device: torch.device, training: bool) -> None:
     """Compile the kernels `model` may run on `device` that the cache lacks (`cuda.precompile`), logging how many
     and how long. Nothing happens off a Hopper GPU, when all are cached, or with SPARSE_LLM_COMPILE_INPROCESS=1 (each
     compiles in this process on first use). A kernel that fails to compile is logged here; its first use raises."""
-    if device.type != "cuda" or cuda.unavailable_reason(device) is not None or not cuda.compiles_in_children():
+    if device.type != "cuda" or runtime.unavailable_reason(device) is not None or not runtime.compiles_in_children():
         return
-    missing = [kernel for kernel in model_kernels(model, training) if not cuda.is_compiled(*kernel)]
+    missing = [kernel for kernel in model_kernels(model, training) if not runtime.is_compiled(*kernel)]
     if not missing:
         return
     log.info("Compiling %d CUDA kernels this model may run, several at a time (once per machine; cached in %s)",
-             len(missing), cuda.cache_dir())
+             len(missing), runtime.cache_dir())
     start = time.perf_counter()
-    failures = cuda.precompile(missing)
+    failures = runtime.precompile(missing)
     for (filename, name), error in failures.items():
         log.warning("CUDA kernel %s of %s failed to compile (its first use will raise): %s", name, filename, error)
     log.info("Compiled %d CUDA kernels in %.0f s", len(missing) - len(failures), time.perf_counter() - start)

@@ -1,4 +1,4 @@
-"""Training curves of a run: ``python -m sparse_llm.plots <run_dir>`` writes ``<run_dir>/training.png``.
+"""Training curves of a run: ``python -m sparse_llm.telemetry.plots <run_dir>`` writes ``<run_dir>/training.png``.
 
 Top panel: loss and cross-entropy (and validation CE when logged) against the optimizer step.
 Bottom panel: per-layer mean L0 (non-zeros of the FFN activation h per token) as a layers x steps heat
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from sparse_llm.telemetry import METRICS_FILE, read_metrics
+from sparse_llm.telemetry.metrics import METRICS_FILE, read_metrics
 
 PLOT_FILE = "training.png"
 _LAYER_L0 = re.compile(r"^l0/layer_(\d+)$")
@@ -131,7 +131,7 @@ def plot_run(run_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparse_llm.plots", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m sparse_llm.telemetry.plots", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help=f"run directory holding {METRICS_FILE}")
     args = parser.parse_args(argv)
     if not (args.run_dir / METRICS_FILE).is_file():

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import StaticCache
 
-from sparse_llm.mlp import backends_held, cuda_graphed
+from sparse_llm.ffn.mlp import backends_held, cuda_graphed
 
 log = logging.getLogger(__name__)
 

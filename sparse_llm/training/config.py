@@ -3,7 +3,7 @@
 Each component owns the dataclass of its options (ModelConfig in model.py, DataConfig in data.py, ...);
 this module assembles them. Hydra merges the YAML files of configs/ onto these dataclasses in struct
 mode, so a misspelt key or a value of the wrong type fails at start with a message naming it (train.py first
-checks the keys against this schema to name the one a misspelt key resembles: sparse_llm/overrides.py).
+checks the keys against this schema to name the one a misspelt key resembles: sparse_llm/cli/overrides.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from sparse_llm.data import DataConfig
-from sparse_llm.model import ModelConfig
-from sparse_llm.sparsity import SparsityConfig
-from sparse_llm.telemetry import LoggingConfig
+from sparse_llm.data.pipeline import DataConfig
+from sparse_llm.model.llama import ModelConfig
+from sparse_llm.training.sparsity import SparsityConfig
+from sparse_llm.telemetry.metrics import LoggingConfig
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TrainConfig:
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/sparsity.py)
+    l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/training/sparsity.py)
     kernel: str = "auto"  # auto | torch | twell
     # With kernel=auto: let training steps, not only inference, take the sparse kernels in layers where their cost
     # model predicts a win. Off by default: the sparse step is faster only when the host keeps up with the GPU

@@ -1,7 +1,7 @@
 """Training data: documents -> tokens (each document followed by eos) -> seq_len blocks -> batches.
 
 Sources (``DataConfig.name``):
-- ``embedded``: the English corpus shipped in ``sparse_llm/assets`` (no download, no ``datasets``).
+- ``embedded``: the English corpus shipped in ``sparse_llm/data/assets`` (no download, no ``datasets``).
 - ``local``: txt / json / jsonl / parquet files read with ``datasets`` (txt: one document per paragraph by
   default). With ``streaming: true`` the files are read through the same streaming packer as fineweb_edu.
 - ``fineweb_edu``: streamed from the Hugging Face hub with ``datasets`` (needs network).
@@ -19,7 +19,7 @@ Validation split: whole documents are held out. For ``embedded`` and ``local`` a
 ``val_documents`` documents of the stream, which training then skips; for ``tokens`` the split stored in the
 file. Training and validation never share a document.
 
-Batching, sharding over ranks and resumable positions: sparse_llm/loader.py.
+Batching, sharding over ranks and resumable positions: sparse_llm/data/loader.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.data.tokenizer import load_tokenizer
 
 DATA_NAMES = ("embedded", "local", "fineweb_edu", "tokens")
 EMBEDDED_CORPUS = Path(__file__).resolve().parent / "assets" / "embedded_corpus.txt.gz"

@@ -107,8 +107,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda
-from sparse_llm.backends import FFNResult, Tail, landed
+from sparse_llm.cuda import runtime
+from sparse_llm.ffn.backend import FFNResult, Tail, landed
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -116,9 +116,9 @@ from sparse_llm.formats import (
     hybrid_gated_mlp_forward_ref,
     hybrid_mul,
 )
-from sparse_llm.step_scope import adding_into_grads, graphing_forwards, held_grads, reused_cast
-from sparse_llm.train_graphs import graphed_forward
-from sparse_llm.twell_backend import (
+from sparse_llm.ffn.step_scope import adding_into_grads, graphing_forwards, held_grads, reused_cast
+from sparse_llm.ffn.twell.graphs import graphed_forward
+from sparse_llm.ffn.twell.backend import (
     CUBLAS_GEMM_TFLOPS,
     DIRECT_LIST_CAP,
     HBM_GBPS,
@@ -440,9 +440,9 @@ def _reference_backward(
 
 
 def _launch(filename: str, name: str, grid: int, warps: int, args: tuple, device: torch.device, smem: int = 0) -> None:
-    kernel = cuda.get_function(filename, name, device)
-    cuda.set_dynamic_smem(kernel, smem)
-    cuda.launch(kernel, (grid,), (32 * warps,), args, device, shared_mem=smem)
+    kernel = runtime.get_function(filename, name, device)
+    runtime.set_dynamic_smem(kernel, smem)
+    runtime.launch(kernel, (grid,), (32 * warps,), args, device, shared_mem=smem)
 
 
 def _pieces(k: int) -> int:
@@ -457,7 +457,7 @@ def wgrad_slices(k: int) -> tuple[int, int]:
 
 
 def _require_kernels(device: torch.device) -> None:
-    reason = cuda.unavailable_reason(device)
+    reason = runtime.unavailable_reason(device)
     if reason is not None:
         raise RuntimeError(
             f"The twell training kernels cannot run on {device}: {reason} Use kernel=torch (or auto) there."
@@ -491,7 +491,7 @@ def _cuda_forward(
     # _reference_forward
     device = x_MK.device
     _require_kernels(device)  # the operands were checked once, by twell_train_ffn
-    with cuda.on_device(device):
+    with runtime.on_device(device):
         if w_compute_RK is None:
             w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, torch.bfloat16)
         return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
@@ -544,7 +544,7 @@ def forward_kernels(
         blocks = math.ceil(m / TOKENS_PER_BLOCK)
         name = f"train_fwd_gate<{kv},{str(not by_slices).lower()}>"  # without its down half for the slices
         for (begin, end), part in flagged_parts(columns):
-            args = (*map(cuda.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
+            args = (*map(runtime.ptr, operands), *map(np.int32, (m, k, n, width, begin, end, part)))
             _launch("train_forward.cu", name, blocks, TOKENS_PER_BLOCK, args, device, smem)
         if by_slices:
             _y_by_slices(w_down_t_NK, ell_cols_MW, ell_g_MW, ell_u_MW, ell_count_M, heavy_M, y_MK)
@@ -644,16 +644,16 @@ def csc_index(key_MW: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, T
     col_start, chunk_start = torch.empty(2, n + 1, dtype=torch.int64, device=device).unbind(0)
     chunk_col = torch.empty(entries // CSC_CHUNK + n + 1, dtype=torch.int32, device=device)  # >= the chunk count
     shared_rank = torch.empty(n, dtype=torch.int32, device=device)
-    columns = cuda.get_function("train_backward.cu", f"train_csc_columns<{KEY_CTYPES[key_MW.dtype]}>", device)
+    columns = runtime.get_function("train_backward.cu", f"train_csc_columns<{KEY_CTYPES[key_MW.dtype]}>", device)
     blocks = max(1, min(math.ceil((entries + 1) / CSC_COLUMNS_THREADS), CSC_COLUMNS_MAX_BLOCKS))
-    args = (cuda.ptr(sorted_E), cuda.ptr(col_start), np.int64(entries), np.int32(n))
-    cuda.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
-    chunks = cuda.get_function("train_backward.cu", "train_csc_chunks", device)
+    args = (runtime.ptr(sorted_E), runtime.ptr(col_start), np.int64(entries), np.int32(n))
+    runtime.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
+    chunks = runtime.get_function("train_backward.cu", "train_csc_chunks", device)
     args = (
-        cuda.ptr(col_start), cuda.ptr(chunk_start), cuda.ptr(chunk_col), cuda.ptr(shared_rank), np.int32(n),
+        runtime.ptr(col_start), runtime.ptr(chunk_start), runtime.ptr(chunk_col), runtime.ptr(shared_rank), np.int32(n),
         np.int32(CSC_CHUNK), np.int32(CSC_WHOLE_COLUMN), np.int32(CSC_WHOLE_PER_MEAN),
     )  # fmt: skip
-    cuda.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
+    runtime.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
     return order_E, col_start, chunk_start, chunk_col, shared_rank
 
 
@@ -675,11 +675,11 @@ def _csc_wgrad(
     """
     device = src_MK.device
     n, k = outs[0].shape
-    sms = cuda.sm_count(device)
+    sms = runtime.sm_count(device)
     kw, parts = wgrad_slices(k)
     args = (
-        *(cuda.ptr(t) for t in csc), cuda.ptr(values[0]), cuda.ptr(values[-1]), cuda.ptr(src_MK),
-        cuda.ptr(outs[0]), cuda.ptr(outs[-1]), cuda.ptr(scratch), cuda.ptr(counters),
+        *(runtime.ptr(t) for t in csc), runtime.ptr(values[0]), runtime.ptr(values[-1]), runtime.ptr(src_MK),
+        runtime.ptr(outs[0]), runtime.ptr(outs[-1]), runtime.ptr(scratch), runtime.ptr(counters),
         np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts), np.int32(WGRAD_SLOTS),
         np.int32(add),
     )  # fmt: skip
@@ -718,11 +718,11 @@ def _light_backward(
         smem = TOKENS_PER_BLOCK * kv * 32 * 16
         sddmm = f"train_bwd_sddmm<{kv},{KEY_CTYPES[key_MW.dtype]}>"
         for (begin, end), part in flagged_parts(sddmm_columns):
-            args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
+            args = (*map(runtime.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
             _launch("train_backward.cu", sddmm, blocks, TOKENS_PER_BLOCK, args, device, smem)
-        main, side = torch.cuda.current_stream(device), cuda.side_stream(device.index)
+        main, side = torch.cuda.current_stream(device), runtime.side_stream(device.index)
         side.wait_stream(main)  # the keys are written
-        # set_stream, not the torch.cuda.stream context: the device is current (cuda.on_device), and the context took
+        # set_stream, not the torch.cuda.stream context: the device is current (runtime.on_device), and the context took
         # 14 us a call on an H200's host against 2.5
         torch.cuda.set_stream(side)
         try:
@@ -738,7 +738,7 @@ def _light_backward(
             operands = (w_gate_NK, w_up_NK, ell_cols_MW, ell_du_MW, ell_dg_MW, ell_count_M, heavy_M, dx_MK,
                         partial_MK)  # fmt: skip
             for (begin, end), part in flagged_parts(dx_columns):
-                args = (*map(cuda.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
+                args = (*map(runtime.ptr, operands), *map(np.int32, (m, n, k, width, begin, end, part)))
                 _launch("train_backward.cu", f"train_bwd_dx<{kv}>", blocks, TOKENS_PER_BLOCK, args, device)
         main.wait_stream(side)
         for t in csc:  # allocated on the side stream, used and freed on this one
@@ -783,7 +783,7 @@ def _slot_entries(
     arrays = 1 if product else 2
     entries = torch.empty(arrays, math.ceil(m / 32) * DIRECT_LIST_CAP * 32, dtype=torch.int32, device=device)
     operands = (ell_cols_MW, ell_a_MW, ell_b_MW, ell_count_M, heavy_M, slots[0], entries[0], entries[-1])
-    args = (*map(cuda.ptr, operands), *map(np.int32, (m, width, 2)))  # 16-column slices: two 16-byte pieces a row
+    args = (*map(runtime.ptr, operands), *map(np.int32, (m, width, 2)))  # 16-column slices: two 16-byte pieces a row
     _launch("gate_up_then_down.cu", f"ell_to_slots<{str(product).lower()}>", math.ceil(m / 4), 4, args, device)
     return slots, (entries[0], entries[-1])
 
@@ -845,7 +845,7 @@ def _cuda_backward(
     n = w_gate_NK.shape[0]
     weight_dtype = w_gate_NK.dtype  # bf16, or fp32 master weights: their gradients skip the bf16 round trip
     w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
-    with cuda.on_device(device):
+    with runtime.on_device(device):
         dy_MK = dy_MK.to(torch.bfloat16).contiguous()
         dl1_1 = dl1.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
         dx_MK, ell_h_MW, ell_du_MW, ell_dg_MW, csc = _light_backward(
@@ -887,9 +887,9 @@ def backup_pointwise(gate_dg_RN: Tensor, up_du_RN: Tensor, dhd_h_RN: Tensor, dl1
     """The heavy tokens' pointwise backward step (`train_backup_grads`), in place on bf16 [R, N] tensors:
     x w_gate^T becomes dg, x w_up^T becomes du, dy w_down becomes h; dl1_1 is the fp32 [1] L1 gradient."""
     pieces = gate_dg_RN.numel() // 8  # N % 256 == 0
-    args = (*map(cuda.ptr, (gate_dg_RN, up_du_RN, dhd_h_RN, dl1_1)), np.int64(pieces))
-    kernel = cuda.get_function("train_backward.cu", "train_backup_grads", gate_dg_RN.device)
-    cuda.launch(kernel, (math.ceil(pieces / BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, gate_dg_RN.device)
+    args = (*map(runtime.ptr, (gate_dg_RN, up_du_RN, dhd_h_RN, dl1_1)), np.int64(pieces))
+    kernel = runtime.get_function("train_backward.cu", "train_backup_grads", gate_dg_RN.device)
+    runtime.launch(kernel, (math.ceil(pieces / BACKUP_GRADS_THREADS),), (BACKUP_GRADS_THREADS,), args, gate_dg_RN.device)
 
 
 def _backup_backward(
@@ -1018,7 +1018,7 @@ class _EagerTrainFFN(torch.autograd.Function):
         ctx.replay = None
         if graphed is not None:
             _require_kernels(x_MK.device)
-            with cuda.on_device(x_MK.device):
+            with runtime.on_device(x_MK.device):
                 outputs, ctx.replay = graphed.forward(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, dense_rows)
         else:
             forward_impl = _cuda_forward if x_MK.is_cuda else _reference_forward  # what the forward custom op runs

@@ -35,16 +35,18 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparse_llm import kernel_set, mc_tasks
-from sparse_llm.backends import get_backend
-from sparse_llm.data import DataConfig, held_out_documents
-from sparse_llm.dispatch import validate_kernel
-from sparse_llm.eval_report import RESULTS_FILE, format_table, log_telemetry, write_results
-from sparse_llm.mc_tasks import HeldOutTaskConfig, TaskDataError
-from sparse_llm.mlp import recording_statistics
-from sparse_llm.model import load_pretrained, sparse_mlps
-from sparse_llm.telemetry import LoggingConfig
-from sparse_llm.tokenizer import load_tokenizer
+from sparse_llm.ffn import kernel_set
+
+from sparse_llm.evaluation import tasks
+from sparse_llm.ffn.backend import get_backend
+from sparse_llm.data.pipeline import DataConfig, held_out_documents
+from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results
+from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError
+from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.model.llama import load_pretrained, sparse_mlps
+from sparse_llm.telemetry.metrics import LoggingConfig
+from sparse_llm.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +347,7 @@ def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
     """
     mlps = sparse_mlps(model)
     if not mlps:
-        raise ValueError("the model has no SparseMLP layers; load it with sparse_llm.model.load_pretrained")
+        raise ValueError("the model has no SparseMLP layers; load it with sparse_llm.model.llama.load_pretrained")
     device = next(model.parameters()).device
     n_full = len(tokens) // seq_len
     batches = list(torch.split(tokens[: n_full * seq_len].view(n_full, seq_len), batch_size))

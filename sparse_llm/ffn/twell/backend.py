@@ -35,13 +35,13 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   words (kernels/twell_up_down.cu). A token whose tile holds more than 31 positives (an overflow), or
   more than DENSE_ROW_NNZ in all, is recomputed by dense torch GEMMs; finding those tokens costs one
   device-to-host sync per call, `overflow_rows` counts them and `path` says "twell+dense-rows". The
-  training op (sparse_llm/twell_train.py) builds its sparse format from these TwELL words.
+  training op (sparse_llm/ffn/twell/train_op.py) builds its sparse format from these TwELL words.
 
 Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u per token (the kernel
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
 with h != 0 for some token, l1_sum = sum |h| in fp32.
 
-Training (`training=True`) goes to the hybrid ELL + dense-backup op of sparse_llm/twell_train.py. `kernel=auto`
+Training (`training=True`) goes to the hybrid ELL + dense-backup op of sparse_llm/ffn/twell/train_op.py. `kernel=auto`
 considers it only where the layer's dispatcher allows training kernels (train.py's `train_kernels=true`), so it
 trains densely by default; `kernel=twell` forces the sparse training kernels.
 """
@@ -59,9 +59,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparse_llm import cuda, tensor_map
-from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
-from sparse_llm.dispatch import best_times_ms, env_choice, log_bucket
+from sparse_llm.cuda import runtime
+
+from sparse_llm.cuda import tensor_map
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, FFNResult, Tail, TorchFFN, register_backend, with_residual
+from sparse_llm.ffn.dispatch import best_times_ms, env_choice, log_bucket
 
 TILE = 256  # gate columns per TwELL tile
 SLOTS = 32  # words per (token, tile) segment
@@ -583,7 +585,7 @@ def transposed_copy(
         and dtype in _KERNEL_TYPES
         and rows % 32 == 0
         and cols % 32 == 0
-        and cuda.unavailable_reason(w_RC.device) is None
+        and runtime.unavailable_reason(w_RC.device) is None
     )
     if out is None:
         if add:
@@ -596,9 +598,9 @@ def transposed_copy(
     src = w_RC.detach().contiguous()
     if src.numel():
         name = f"transpose_cast<{_KERNEL_TYPES[src.dtype]},{_KERNEL_TYPES[dtype]}>"
-        kernel = cuda.get_function("transpose.cu", name, src.device)
-        args = (cuda.ptr(src), cuda.ptr(out), _i32(rows), _i32(cols), _i32(add))
-        cuda.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
+        kernel = runtime.get_function("transpose.cu", name, src.device)
+        args = (runtime.ptr(src), runtime.ptr(out), _i32(rows), _i32(cols), _i32(add))
+        runtime.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
     return out
 
 
@@ -667,14 +669,14 @@ def twell_gate(
     if m == 0:
         return packed_MS
     if route == "fused":
-        kernel = cuda.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
-        cuda.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
+        kernel = runtime.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
+        runtime.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
         items = math.ceil(m / (GATE_CLUSTER * GATE_BLOCK_M)) * (n // TILE)
         w_map = tensor_map.bf16_box_map(w_gate_NK, TILE // GATE_CLUSTER)
-        operands = (cuda.ptr(packed_MS), cuda.ptr(overflow_gate_MN))
+        operands = (runtime.ptr(packed_MS), runtime.ptr(overflow_gate_MN))
         args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, *operands, _i32(m), _i32(n), _i32(k))
-        grid = (GATE_CLUSTER * min(items, cuda.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
-        cuda.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
+        grid = (GATE_CLUSTER * min(items, runtime.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
+        runtime.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     else:
         gate_MN = F.linear(x_MK, w_gate_NK)
         twell_pack(gate_MN, out=packed_MS)
@@ -694,9 +696,9 @@ def twell_pack(gate_MN: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         out = torch.empty(m, n // TILE * SLOTS, dtype=torch.int32, device=gate_MN.device)
     segments = m * (n // TILE)
     if segments:
-        kernel = cuda.get_function("twell_pack.cu", "twell_pack_dense", gate_MN.device)
-        args = (cuda.ptr(gate_MN), cuda.ptr(out), _i32(m), _i32(n))
-        cuda.launch(kernel, (math.ceil(segments / 8),), (256,), args, gate_MN.device)
+        kernel = runtime.get_function("twell_pack.cu", "twell_pack_dense", gate_MN.device)
+        args = (runtime.ptr(gate_MN), runtime.ptr(out), _i32(m), _i32(n))
+        runtime.launch(kernel, (math.ceil(segments / 8),), (256,), args, gate_MN.device)
     return out
 
 
@@ -758,20 +760,20 @@ def twell_up_down(
     if m:
         y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
         kv = math.ceil(k / 256)
-        kernel = cuda.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
+        kernel = runtime.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
         args = (
-            cuda.ptr(packed_MS), cuda.ptr(x_MK), cuda.ptr(w_up_NK), cuda.ptr(w_down_t_NK),
-            cuda.ptr(y_MK), cuda.ptr(y_partial), cuda.ptr(l1_M), cuda.ptr(l0_M),
-            cuda.ptr(fired_N), cuda.ptr(dense_M), _i32(m), _i32(k), _i32(n_tiles), _i32(dense_row_nnz),
+            runtime.ptr(packed_MS), runtime.ptr(x_MK), runtime.ptr(w_up_NK), runtime.ptr(w_down_t_NK),
+            runtime.ptr(y_MK), runtime.ptr(y_partial), runtime.ptr(l1_M), runtime.ptr(l0_M),
+            runtime.ptr(fired_N), runtime.ptr(dense_M), _i32(m), _i32(k), _i32(n_tiles), _i32(dense_row_nnz),
         )  # fmt: skip
         grid = (math.ceil(m / TOKENS_PER_BLOCK), splits)
         smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + UP_DOWN_WORD_BATCH * SLOTS * 4)  # x row + packed words
-        cuda.launch(kernel, grid, (32 * TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
+        runtime.launch(kernel, grid, (32 * TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
         if splits > 1:
-            reduce = cuda.get_function("twell_up_down.cu", "twell_reduce_splits", device)
+            reduce = runtime.get_function("twell_up_down.cu", "twell_reduce_splits", device)
             mk = m * k
-            args = (cuda.ptr(y_partial), cuda.ptr(y_MK), _i32(splits), np.int64(mk))
-            cuda.launch(reduce, (math.ceil(mk / 1024),), (256,), args, device)
+            args = (runtime.ptr(y_partial), runtime.ptr(y_MK), _i32(splits), np.int64(mk))
+            runtime.launch(reduce, (math.ceil(mk / 1024),), (256,), args, device)
     return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 
@@ -824,8 +826,8 @@ class OutputNorm:
 def norm_args(norm: OutputNorm | None) -> tuple[np.uint64, np.uint64, np.float32]:
     """The kernels' (norm_weight, normed, norm_eps) arguments: null pointers without a norm."""
     if norm is None:
-        return cuda.ptr(None), cuda.ptr(None), np.float32(0.0)
-    return cuda.ptr(norm.weight_K), cuda.ptr(norm.out_MK), np.float32(norm.eps)
+        return runtime.ptr(None), runtime.ptr(None), np.float32(0.0)
+    return runtime.ptr(norm.weight_K), runtime.ptr(norm.out_MK), np.float32(norm.eps)
 
 
 def direct_up_down(
@@ -946,15 +948,15 @@ def _direct_up_down(
     split = 0 if m < SPLIT_BELOW_M else max(0, min(split_nnz, DIRECT_LIST_CAP))
     kv = math.ceil(k / 256)
     packed, gate, heavy_gate = _listed_gate(gate_MN, packed_MS)
-    light = cuda.get_function("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>", device)
+    light = runtime.get_function("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>", device)
     smem = light_smem_bytes(kv, residual_MK is not None)
-    cuda.set_dynamic_smem(light, smem)
+    runtime.set_dynamic_smem(light, smem)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
         operands = (gate, heavy_gate, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M,
                     count_1, partial_MK)  # fmt: skip
-        args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)), *norm_args(norm))
-        cuda.launch(light, (m,), (32,), args, device, shared_mem=smem)
+        args = (*(runtime.ptr(t) for t in operands), *map(_i32, (m, k, n, split, begin, end, part)), *norm_args(norm))
+        runtime.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
     return outs
 
@@ -998,17 +1000,17 @@ def _up_then_down(
     counts_M = torch.empty(m, dtype=torch.int32, device=device)
     kv = math.ceil(k / 256)
     packed, gate, heavy_gate = _listed_gate(gate_MN, packed_MS)
-    up = cuda.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>", device)
+    up = runtime.get_function("gate_up_then_down.cu", f"gate_up_entries<{kv},{packed}>", device)
     split = max(0, min(split_nnz, DIRECT_LIST_CAP))
     operands = (gate, heavy_gate, x_MK, w_up_NK, entries, counts_M, l1_M, l0_M, fired_N, heavy_rows_M, count_1)
-    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
+    args = (*(runtime.ptr(t) for t in operands), *map(_i32, (m, k, n, split, ks // 8)))
     # two row slots, the list, two barriers (up_barriers_offset in the kernel)
-    cuda.launch(up, (m,), (32,), args, device, shared_mem=2 * kv * 512 + DIRECT_LIST_CAP * 4 + 16)
+    runtime.launch(up, (m,), (32,), args, device, shared_mem=2 * kv * 512 + DIRECT_LIST_CAP * 4 + 16)
     token_slots_M, slot_counts_M, slot_tokens_M = order_slots(counts_M)
-    to_slots = cuda.get_function("gate_up_then_down.cu", "entries_to_slots", device)
+    to_slots = runtime.get_function("gate_up_then_down.cu", "entries_to_slots", device)
     operands = (entries, counts_M, token_slots_M, slot_entries)
     fours = chunks * 32 * DIRECT_LIST_CAP // 4  # one thread per 16 bytes of entries; a multiple of 256
-    cuda.launch(to_slots, (fours // 256,), (256,), (*map(cuda.ptr, operands), _i32(m)), device)
+    runtime.launch(to_slots, (fours // 256,), (256,), (*map(runtime.ptr, operands), _i32(m)), device)
     slices_down(slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
 
 
@@ -1018,9 +1020,9 @@ def order_slots(counts_M: torch.Tensor, heavy_M: torch.Tensor | None = None) -> 
     descending count within groups of ORDER_GROUP."""
     m = counts_M.shape[0]
     token_slots_M, slot_counts_M, slot_tokens_M = torch.empty(3, m, dtype=torch.int32, device=counts_M.device)
-    order = cuda.get_function("gate_up_then_down.cu", "order_tokens", counts_M.device)
+    order = runtime.get_function("gate_up_then_down.cu", "order_tokens", counts_M.device)
     operands = (counts_M, heavy_M, token_slots_M, slot_counts_M, slot_tokens_M)
-    cuda.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(cuda.ptr, operands), _i32(m)),
+    runtime.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(runtime.ptr, operands), _i32(m)),
                 counts_M.device)  # fmt: skip
     return token_slots_M, slot_counts_M, slot_tokens_M
 
@@ -1039,15 +1041,15 @@ def slices_down(
     s0, s1 = (0, m) if slots is None else slots
     ks = slice_width(n)
     sums = sums_in_SK is not None or sums_out_SK is not None
-    down = cuda.get_function("gate_up_then_down.cu", f"entries_down<{ks},{str(sums).lower()}>", device)
+    down = runtime.get_function("gate_up_then_down.cu", f"entries_down<{ks},{str(sums).lower()}>", device)
     smem = (n + 1) * ks * 2  # the slice and its zero row
-    cuda.set_dynamic_smem(down, smem)
-    blocks = min(cuda.sm_count(device), k // ks * math.ceil((s1 - s0) / 32))
+    runtime.set_dynamic_smem(down, smem)
+    blocks = min(runtime.sm_count(device), k // ks * math.ceil((s1 - s0) / 32))
     entries = slot_entries[s0 * DIRECT_LIST_CAP :]  # chunks of 32 slots, DIRECT_LIST_CAP entries each
     operands = (entries, slot_counts_M[s0:s1], slot_tokens_M[s0:s1], w_NK, out_MK, residual_MK, sums_in_SK,
                 sums_out_SK)  # fmt: skip
-    args = (*map(cuda.ptr, operands), *map(_i32, (s1 - s0, k, n, s0)))
-    cuda.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
+    args = (*map(runtime.ptr, operands), *map(_i32, (s1 - s0, k, n, s0)))
+    runtime.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
 
 
 def split_token_up_down(
@@ -1066,17 +1068,17 @@ def split_token_up_down(
     n = gate_MN.shape[1]
     device = x_MK.device
     kv = math.ceil(k / 256)
-    heavy = cuda.get_function("gate_up_down.cu", f"gate_up_down_heavy<{kv}>", device)
+    heavy = runtime.get_function("gate_up_down.cu", f"gate_up_down_heavy<{kv}>", device)
     warps = 16 if kv <= 8 else 8  # heavy_warps<KV>() in gate_up_down.cu: warps sharing one heavy token
     # x row | partial fp32 rows for half the warps | a 256-entry list per warp | per-warp l1 and l0
     smem = kv * 32 * 16 + warps // 2 * kv * 256 * 4 + warps * (256 * 4 + 8)
-    cuda.set_dynamic_smem(heavy, smem)
-    blocks = min(m, cuda.sm_count(device))  # one block per SM
+    runtime.set_dynamic_smem(heavy, smem)
+    blocks = min(m, runtime.sm_count(device))  # one block per SM
     y_MK, *stats = outs
     begin, end = (0, n) if columns is None else columns
     operands = (gate_MN, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, *stats, rows_M, count_1, partial_MK)
-    args = (*(cuda.ptr(t) for t in operands), *map(_i32, (k, n, begin, end, part)), *norm_args(norm))
-    cuda.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
+    args = (*(runtime.ptr(t) for t in operands), *map(_i32, (k, n, begin, end, part)), *norm_args(norm))
+    runtime.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
 
 def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) -> str:
@@ -1142,27 +1144,27 @@ def decode_ffn(
         l1_M, l0_M, fired_N = stats[:m].view(torch.float32), stats[m : 2 * m], stats[2 * m :]
     kv = math.ceil(k / 256)
     block_sums, mma_gate = decode_block_sums(m, k, l0_max), decode_mma_gate(m)
-    kernel = cuda.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate, not graphed), device)
+    kernel = runtime.get_function("decode_ffn.cu", decode_kernel_name(kv, block_sums, mma_gate, not graphed), device)
     # A group's x rows, each warp's g / h values (of 8 neurons at a time with the tensor-core gate) and, with block
     # sums, the block's fp32 rows of y.
     staged = min(m, DECODE_GROUP_M)
     values = DECODE_WARPS * DECODE_GROUP_M * 4 * (DECODE_MMA_NEURONS if mma_gate else 1)
     smem = staged * kv * 512 + values + (staged * kv * 1024 if block_sums else 0)
-    cuda.set_dynamic_smem(kernel, smem)
+    runtime.set_dynamic_smem(kernel, smem)
     # the groups share the GPU's blocks: each still has more warps than a layer of 5632 neurons has 8-neuron tiles
-    blocks = max(1, min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * cuda.sm_count(device) // groups))
+    blocks = max(1, min(math.ceil(n / DECODE_WARPS), DECODE_BLOCKS_PER_SM * runtime.sm_count(device) // groups))
     outs = (None, None, None) if graphed else (y_MK, l1_M, l0_M)
     base = workspace.data_ptr()
     parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, counts
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
-    args = (*map(cuda.ptr, operands), *parts, *map(cuda.ptr, (residual_MK, *outs, fired_N)), _i32(m), _i32(k), _i32(n))
-    cuda.launch(kernel, (blocks, groups), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
+    args = (*map(runtime.ptr, operands), *parts, *map(runtime.ptr, (residual_MK, *outs, fired_N)), _i32(m), _i32(k), _i32(n))
+    runtime.launch(kernel, (blocks, groups), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
     if graphed:
         pieces = m * k // 8
-        blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), cuda.sm_count(device))
-        args = (cuda.ptr(workspace), cuda.ptr(residual_MK), cuda.ptr(y_MK), _i32(pieces))
-        finish = cuda.get_function("decode_ffn.cu", "decode_finish", device)
-        cuda.launch(finish, (blocks,), (DECODE_FINISH_THREADS,), args, device)
+        blocks = min(math.ceil(pieces / DECODE_FINISH_THREADS), runtime.sm_count(device))
+        args = (runtime.ptr(workspace), runtime.ptr(residual_MK), runtime.ptr(y_MK), _i32(pieces))
+        finish = runtime.get_function("decode_ffn.cu", "decode_finish", device)
+        runtime.launch(finish, (blocks,), (DECODE_FINISH_THREADS,), args, device)
     return y_MK, l1_M, l0_M, fired_N
 
 
@@ -1199,17 +1201,17 @@ def dense_heavy_rows(
     x_CK = torch.empty(capacity, k, dtype=torch.bfloat16, device=device)
     rest_1 = torch.empty(1, dtype=torch.int32, device=device)
     grid, block = (capacity,), (DENSE_ROWS_THREADS,)
-    gather = cuda.get_function("dense_rows.cu", "gather_dense_rows", device)
+    gather = runtime.get_function("dense_rows.cu", "gather_dense_rows", device)
     operands = (x_MK, rows_M, count_1, x_CK, rest_1)
-    cuda.launch(gather, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k)), device)
+    runtime.launch(gather, grid, block, (*map(runtime.ptr, operands), _i32(capacity), _i32(k)), device)
     h_CN = F.linear(x_CK, w_up_NK)  # u, made h in place
-    hidden = cuda.get_function("dense_rows.cu", "dense_rows_h", device)
+    hidden = runtime.get_function("dense_rows.cu", "dense_rows_h", device)
     operands = (gate_MN, rows_M, count_1, h_CN, l1_M, l0_M, fired_N)
-    cuda.launch(hidden, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(n)), device)
+    runtime.launch(hidden, grid, block, (*map(runtime.ptr, operands), _i32(capacity), _i32(n)), device)
     y_CK = torch.mm(h_CN, w_down_t_NK)
-    scatter = cuda.get_function("dense_rows.cu", "scatter_dense_rows", device)
+    scatter = runtime.get_function("dense_rows.cu", "scatter_dense_rows", device)
     operands = (y_CK, rows_M, count_1, residual_MK, y_MK)
-    cuda.launch(scatter, grid, block, (*map(cuda.ptr, operands), _i32(capacity), _i32(k), *norm_args(norm)), device)
+    runtime.launch(scatter, grid, block, (*map(runtime.ptr, operands), _i32(capacity), _i32(k), *norm_args(norm)), device)
     return rows_M[capacity:], rest_1
 
 
@@ -1412,7 +1414,7 @@ class TwellFFN(FFNBackend):
     not a silent dense fallback: `kernel=twell` promises the sparse kernels, and `kernel=auto` never sends
     them here (`accepts`). Where the GPU cannot run the kernels (CPU, other GPUs) a direct call runs the
     torch path instead, with one warning per reason and a `path` that says so; the dispatcher refuses a
-    forced `kernel=twell` there before calling. Training casts under autocast (sparse_llm/twell_train.py).
+    forced `kernel=twell` there before calling. Training casts under autocast (sparse_llm/ffn/twell/train_op.py).
     """
 
     name = "twell"
@@ -1421,7 +1423,7 @@ class TwellFFN(FFNBackend):
         self._warned: set[str] = set()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        return cuda.unavailable_reason(device)
+        return runtime.unavailable_reason(device)
 
     def accepts(self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool) -> bool:
         """Inference takes bf16 tokens and weights, or any under bf16 autocast; training casts by itself."""
@@ -1434,8 +1436,8 @@ class TwellFFN(FFNBackend):
     ):  # fmt: skip
         # The kernels add the residual as they write a fresh y: residual_writable only serves the torch fallback.
         if training:
-            # The training op (sparse_llm/twell_train.py) imports this module's kernels: import it here.
-            from sparse_llm.twell_train import twell_train_ffn
+            # The training op (sparse_llm/ffn/twell/train_op.py) imports this module's kernels: import it here.
+            from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
             result = twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN, l0_hint=l0, tail=tail)
             return with_residual(result, residual_MK)
@@ -1471,7 +1473,7 @@ class TwellFFN(FFNBackend):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)
             return None
         if training:
-            from sparse_llm.twell_train import train_estimated_ms
+            from sparse_llm.ffn.twell.train_op import train_estimated_ms
 
             return train_estimated_ms(m, k, n, l0_mean, l0_max)
         return twell_estimated_ms(m, k, n, l0_mean, l0_max, tail)

@@ -3,7 +3,7 @@
 Conventions (DESIGN.md "Conventions"): a time is the median of several timings taken after warm-up
 calls; on a GPU each timing is a pair of CUDA events around the call, on a CPU (smoke tests) a
 `time.perf_counter` pair, which is exact there because CPU kernels run synchronously. Energy comes from
-the NVML cumulative counter (`sparse_llm.energy.EnergyMeter`) over a window of at least `seconds` of
+the NVML cumulative counter (`sparse_llm.telemetry.energy.EnergyMeter`) over a window of at least `seconds` of
 back-to-back calls, because the counter only advances every 20-100 ms.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from sparse_llm.energy import EnergyMeter
+from sparse_llm.telemetry.energy import EnergyMeter
 
 Mark = Any  # a recorded torch.cuda.Event on a GPU, a perf_counter() float on a CPU
 

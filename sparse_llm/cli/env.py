@@ -4,7 +4,7 @@ Offline by default: HF libraries read these variables at import time, so without
 file turns into network look-ups (and, on machines without network, long time-outs). A user who sets a
 variable keeps it, and a run that selects a hub-streamed dataset on the command line (`data=fineweb_edu`)
 leaves the hub reachable. W&B is quiet and, without an API key, never tries to go online (see
-sparse_llm/telemetry.py for the mode rules).
+sparse_llm/telemetry/metrics.py for the mode rules).
 """
 
 from __future__ import annotations

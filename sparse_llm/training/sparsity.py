@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from sparse_llm.backends import HEAVY_TOKEN_NNZ, FFNResult, Tail, landed
-from sparse_llm.dispatch import LayerDispatcher
-from sparse_llm.mlp import SparseMLP
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNResult, Tail, landed
+from sparse_llm.ffn.dispatch import LayerDispatcher
+from sparse_llm.ffn.mlp import SparseMLP
 
 # all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
 Reducer = Callable[[torch.Tensor, str], torch.Tensor]
@@ -134,7 +134,7 @@ class SparsityTracker:
 
     def __init__(self, mlps: list[SparseMLP], cfg: SparsityConfig, reducer: Reducer | None = None) -> None:
         if not mlps:
-            raise ValueError("The model has no SparseMLP layers; build it with sparse_llm.model.build_model.")
+            raise ValueError("The model has no SparseMLP layers; build it with sparse_llm.model.llama.build_model.")
         self.mlps = mlps
         self.cfg = cfg
         self.reduce: Reducer = reducer or (lambda t, op: t)
