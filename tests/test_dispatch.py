@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparse_llm.ffn import backend
+from sparse_llm.ffn import backend as backends
 
 from sparse_llm.ffn import dispatch
 from sparse_llm.ffn.backend import FFNBackend, TorchFFN
@@ -39,10 +39,10 @@ class FakeSparse(FFNBackend):
 
 @pytest.fixture
 def fake(monkeypatch):
-    registry = dict(backend._BACKENDS)
-    monkeypatch.setattr(backend, "_BACKENDS", registry)
+    registry = dict(backends._BACKENDS)
+    monkeypatch.setattr(backends, "_BACKENDS", registry)
     backend = FakeSparse(ms=0.0)
-    backend.register_backend(backend)
+    backends.register_backend(backend)
     return backend
 
 

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparse_llm.evaluation import evaluate
+from sparse_llm.evaluation import evaluate as evaluation
 
-from sparse_llm.evaluation import tasks
+from sparse_llm.evaluation import tasks as mc_tasks
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.training.config import TrainConfig, register_configs
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs

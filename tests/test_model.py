@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from sparse_llm.ffn import backend
+from sparse_llm.ffn import backend as backends
 from sparse_llm.ffn.backend import TorchFFN, get_backend
 from sparse_llm.ffn.mlp import SparseMLP
 from sparse_llm.model.llama import (
@@ -417,8 +417,8 @@ def test_inference_takes_each_layers_input_norm_from_the_ffn_before_it(monkeypat
     norm). Where its backend writes that norm's rows, the next layer skips its own norm and the model its final one;
     where it writes none, every norm runs. The logits are the same either way, and with gradients on nothing is
     handed."""
-    monkeypatch.setattr(backend, "_BACKENDS", dict(backend._BACKENDS))
-    backend.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
+    backends.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
     torch.manual_seed(9)
     model = build_model(TINY, kernel="torch").eval()
     ids = torch.randint(0, TINY.vocab_size, (2, 16))

@@ -17,7 +17,7 @@ import torch
 
 from sparse_llm.ffn import step_scope
 
-from sparse_llm.ffn.twell import graphs
+from sparse_llm.ffn.twell import graphs as train_graphs
 
 from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from sparse_llm.ffn import step_scope
 
-from sparse_llm.training import trainer
+from sparse_llm.training import trainer as training
 from sparse_llm.training.checkpoint import list_checkpoints, load_hf_weights
 from sparse_llm.training.config import TrainConfig, TrainerConfig, register_configs
 from sparse_llm.model.llama import build_model, sparse_mlps
@@ -143,8 +143,8 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
     micro-batch, and the gradients exist from the start and are zeroed in place, never freed, so no backward graph's
     output buffer becomes a .grad. The loss matches a run without the setting."""
     marks = []
-    monkeypatch.setattr(trainer, "check_cuda_graphs_setup", lambda t, device: None)
-    monkeypatch.setattr(trainer, "compile_layers", lambda model, backend, cuda_graphs: model)
+    monkeypatch.setattr(training, "check_cuda_graphs_setup", lambda t, device: None)
+    monkeypatch.setattr(training, "compile_layers", lambda model, backend, cuda_graphs: model)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     steps = ("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2")  # 4 micro-batches a step
     trainer = Trainer(small_config(*steps, "trainer.compile=true", "trainer.cuda_graphs=true"), tmp_path / "graphs")
@@ -163,8 +163,8 @@ def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, 
     reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither); its forwards are CUDA
     graphs only with trainer.cuda_graphs=true."""
     scopes, inside = [], []
-    real_scope, real_micro = trainer.optimizer_step, Trainer._micro_step
-    monkeypatch.setattr(trainer, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
+    real_scope, real_micro = training.optimizer_step, Trainer._micro_step
+    monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
     monkeypatch.setattr(Trainer, "_micro_step", lambda self, *a, **kw: inside.append(step_scope.adding_into_grads())
                         or real_micro(self, *a, **kw))  # fmt: skip
     train(small_config("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2"), tmp_path)

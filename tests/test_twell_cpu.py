@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.cuda import runtime
+from sparse_llm.cuda import runtime as cuda
 
 from sparse_llm import doctor
 
@@ -27,7 +27,7 @@ from sparse_llm.ffn import kernel_set
 
 from sparse_llm.cuda import tensor_map
 
-from sparse_llm.ffn.twell import backend
+from sparse_llm.ffn.twell import backend as twell_backend
 from sparse_llm.ffn.backend import Tail, TorchFFN, get_backend
 from sparse_llm.model.llama import ModelConfig, build_model
 from sparse_llm.ffn.twell.backend import (
@@ -76,21 +76,21 @@ def block(m: int = 4, k: int = 128, n: int = 512) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_kernel_sources_are_found_and_self_contained(filename):
-    source = runtime.kernel_source(filename)
+    source = cuda.kernel_source(filename)
     assert '#include "' not in source  # local headers inlined, so CuPy's cache key covers them
     assert "TWELL_CAPACITY" in source
 
 
 def test_missing_kernel_names_the_places_tried():
     with pytest.raises(FileNotFoundError, match="_kernels"):
-        runtime.kernel_path("no_such_kernel.cu")
+        cuda.kernel_path("no_such_kernel.cu")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_kernels_compile_for_sm90a(filename, tmp_path):
     src = tmp_path / filename
-    src.write_text(runtime.kernel_source(filename))
+    src.write_text(cuda.kernel_source(filename))
     cmd = [
         NVCC,
         "-gencode=arch=compute_90a,code=sm_90a",
@@ -107,7 +107,7 @@ def test_kernels_compile_for_sm90a(filename, tmp_path):
 @pytest.mark.parametrize("filename, name", doctor.KERNELS)
 def test_doctor_compiles_kernels_that_exist(filename, name):
     """Each kernel the doctor compile-checks is defined in its file, templated ones with that instantiation."""
-    source = runtime.kernel_source(filename)
+    source = cuda.kernel_source(filename)
     base, _, args = name.partition("<")
     # attributes such as __cluster_dims__(...) and __launch_bounds__(...), which may hold one level of parentheses
     attributes = r"(?: __\w+__\((?:[^()]|\([^()]*\))*\))*"
@@ -142,16 +142,16 @@ def test_precompile_runs_the_children_side_by_side_and_reports_each_kernel(monke
         if name == "broken":
             raise RuntimeError("nvrtc said no")
 
-    monkeypatch.setattr(runtime, "_compile_in_child", fake_child)
+    monkeypatch.setattr(cuda, "_compile_in_child", fake_child)
     kernels = [("a.cu", f"k{i}") for i in range(6)] + [("b.cu", "broken")]
     finished = []
-    failed = runtime.precompile(kernels, workers=4, done=lambda f, n, e: finished.append((f, n, e is None)))
+    failed = cuda.precompile(kernels, workers=4, done=lambda f, n, e: finished.append((f, n, e is None)))
     assert set(failed) == {("b.cu", "broken")} and "nvrtc said no" in str(failed["b.cu", "broken"])
     assert sorted(finished) == sorted((f, n, n != "broken") for f, n in kernels)
     assert peak[0] > 1  # side by side, not one after another
 
     monkeypatch.setenv("SPARSE_LLM_COMPILE_INPROCESS", "1")  # compiled by get_function in this process instead
-    assert runtime.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
+    assert cuda.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
 
 
 def tiny_model(kernel: str, train_kernels: bool = False) -> torch.nn.Module:
@@ -176,15 +176,15 @@ def test_model_kernels_follow_the_layers_backend_and_train_kernels():
 
 def test_warm_compiles_only_what_the_cache_lacks_and_names_failures(monkeypatch, caplog):
     monkeypatch.delenv("SPARSE_LLM_COMPILE_INPROCESS", raising=False)
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda device=None: None)  # as on a Hopper GPU
-    monkeypatch.setattr(runtime, "is_compiled", lambda filename, name: filename == "rope.cu")
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)  # as on a Hopper GPU
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: filename == "rope.cu")
     asked: list[list[tuple[str, str]]] = []
 
     def fake_precompile(kernels):
         asked.append(list(kernels))
         return {("dense_rows.cu", "dense_rows_h"): RuntimeError("nvrtc said no")}
 
-    monkeypatch.setattr(runtime, "precompile", fake_precompile)
+    monkeypatch.setattr(cuda, "precompile", fake_precompile)
     model = tiny_model("auto")
     with caplog.at_level("INFO", logger="sparse_llm.ffn.kernel_set"):
         kernel_set.warm(model, torch.device("cuda"), training=False)
@@ -193,9 +193,9 @@ def test_warm_compiles_only_what_the_cache_lacks_and_names_failures(monkeypatch,
     assert f"Compiled {len(asked[0]) - 1} CUDA kernels" in caplog.text
 
     kernel_set.warm(model, torch.device("cpu"), training=False)  # no kernels off the GPU
-    monkeypatch.setattr(runtime, "is_compiled", lambda filename, name: True)
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: True)
     kernel_set.warm(model, torch.device("cuda"), training=False)  # all cached
-    monkeypatch.setattr(runtime, "is_compiled", lambda filename, name: False)
+    monkeypatch.setattr(cuda, "is_compiled", lambda filename, name: False)
     monkeypatch.setenv("SPARSE_LLM_COMPILE_INPROCESS", "1")  # each compiles in this process on first use
     kernel_set.warm(model, torch.device("cuda"), training=False)
     assert len(asked) == 1
@@ -204,7 +204,7 @@ def test_warm_compiles_only_what_the_cache_lacks_and_names_failures(monkeypatch,
 def test_import_is_safe_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert "CUDA" in runtime.unavailable_reason()
+    assert "CUDA" in cuda.unavailable_reason()
     assert get_backend("twell").unavailable_reason(torch.device("cpu")) is not None
 
 
@@ -312,7 +312,7 @@ MEASURED_DECODES = [
 def test_decode_price_follows_its_groups(m, l0, us):
     """The decode kernel's price is 0.9-1.2x its measured time, from one group of tokens to four (priced one after
     another, four groups would cost 2.3x the measured time at 64 tokens)."""
-    assert 0.9 * us <= 1e3 * backend.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
+    assert 0.9 * us <= 1e3 * twell_backend.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
 
 
 # The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives at that
@@ -381,18 +381,18 @@ def test_direct_walk_takes_slices_only_where_they_pay():
 
 def test_walk_choice_comes_from_the_environment(monkeypatch):
     """Measured by default; SPARSE_LLM_TWELL_WALK=priced trusts the price; anything else is named as an error."""
-    monkeypatch.delenv(backend.WALK_CHOICE_ENV, raising=False)
-    assert backend.walk_choice() == "measured"
-    monkeypatch.setenv(backend.WALK_CHOICE_ENV, "priced")
-    assert backend.walk_choice() == "priced"
-    monkeypatch.setenv(backend.WALK_CHOICE_ENV, "fastest")
+    monkeypatch.delenv(twell_backend.WALK_CHOICE_ENV, raising=False)
+    assert twell_backend.walk_choice() == "measured"
+    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "priced")
+    assert twell_backend.walk_choice() == "priced"
+    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "fastest")
     with pytest.raises(ValueError, match="SPARSE_LLM_TWELL_WALK='fastest' is not valid"):
-        backend.walk_choice()
+        twell_backend.walk_choice()
 
 
 def test_walk_trials_are_shared_by_close_densities_only():
     """Layers whose mean non-zeros differ by less than a bucket (2 ** 0.5) share a trial."""
-    bucket = backend._mean_bucket
+    bucket = twell_backend._mean_bucket
     assert bucket(24.0) == bucket(26.0) != bucket(56.0) and bucket(0.0) == bucket(1.0) == 0
 
 
@@ -410,7 +410,7 @@ BF16 = torch.bfloat16
 )
 def test_direct_up_down_names_a_bad_output_norm(weight_K, out_MK, walk, message):
     x = torch.zeros(4, 64, dtype=BF16)
-    norm = backend.OutputNorm(weight_K, 1e-5, out_MK)
+    norm = twell_backend.OutputNorm(weight_K, 1e-5, out_MK)
     with pytest.raises((TypeError, ValueError), match=message):
         direct_up_down(x, torch.zeros(4, 256, dtype=BF16), x, x, walk=walk, norm=norm)
 
@@ -467,7 +467,7 @@ def test_dense_rows_are_reserved_from_the_measured_share_of_heavy_tokens():
     """The direct route's dense rows: 1.25x the heavy tokens a measured share expects plus 128, in multiples of 128;
     twice the log-normal model's count without one; none without a hint, a token above the threshold, or below
     SPLIT_BELOW_M tokens (every token is split over warps there); never more than M."""
-    capacity = backend.dense_row_capacity
+    capacity = twell_backend.dense_row_capacity
     assert capacity(16384, (28.4, 1793), tail=Tail(1022 / 16384, 0.5)) == 1408  # 1.25 * 1022 + 128 = 1405.5
     assert capacity(16384, (28.4, 1793)) == 1152  # the model expects ~512
     # a share measured at 128 says nothing at another threshold
@@ -543,7 +543,7 @@ def test_training_goes_to_the_sparse_training_op():
 def test_inference_asks_the_kernels_for_statistics_only_when_the_layer_does(monkeypatch, statistics):
     calls = []
     monkeypatch.setattr(TwellFFN, "unavailable_reason", lambda self, device: None)
-    monkeypatch.setattr(backend, "twell_gated_mlp", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *args, **kwargs: calls.append(kwargs))
     TwellFFN().forward(*block(), training=False, statistics=statistics)
     assert calls[0]["statistics"] is statistics
 
@@ -565,7 +565,7 @@ def test_cpu_falls_back_to_torch_with_one_warning():
                                               (torch.float16, torch.bfloat16)])
 def test_non_bf16_inference_is_an_error_naming_the_dtypes_and_the_fix(monkeypatch, x_dtype, w_dtype):
     """A forced twell layer never falls back silently: non-bf16 tensors say what they are and what to do."""
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     x, *weights = block()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning-and-fallback either
@@ -576,10 +576,10 @@ def test_non_bf16_inference_is_an_error_naming_the_dtypes_and_the_fix(monkeypatc
 
 def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
     """Validation of fp32 weights under autocast (kernel=twell training) takes the kernels in bf16."""
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     seen = []
     monkeypatch.setattr(
-        backend, "twell_gated_mlp", lambda *tensors, **_: seen.append([t.dtype for t in tensors])
+        twell_backend, "twell_gated_mlp", lambda *tensors, **_: seen.append([t.dtype for t in tensors])
     )  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16):
         TwellFFN().forward(*(t.float() for t in block()), training=False)
@@ -637,10 +637,10 @@ def test_sm_count_is_looked_up_once_per_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    runtime._sm_count.cache_clear()
+    cuda._sm_count.cache_clear()
     try:
         devices = (torch.device("cuda", 0), torch.device("cuda"), torch.device("cuda", 1))  # "cuda" is device 1 here
-        counts = [runtime.sm_count(d) for d in devices]
+        counts = [cuda.sm_count(d) for d in devices]
     finally:
-        runtime._sm_count.cache_clear()
+        cuda._sm_count.cache_clear()
     assert counts == [100, 101, 101] and calls == [0, 1]

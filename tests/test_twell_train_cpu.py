@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sparse_llm.ffn import backend
+from sparse_llm.ffn import backend as backends
 
-from sparse_llm.cuda import runtime
+from sparse_llm.cuda import runtime as cuda
 
-from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.twell import train_op as twell_train
 from sparse_llm.ffn.backend import TorchFFN
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
@@ -132,7 +132,7 @@ def test_heavy_rows_wait_for_the_copy_not_the_device(monkeypatch):
     def no_sync():
         raise AssertionError("the device was synchronised although the copy landed by itself")
 
-    monkeypatch.setattr(backend, "_current_stream_drained", stream_busy)
+    monkeypatch.setattr(backends, "_current_stream_drained", stream_busy)
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     assert heavy_rows(heavy_M, counts).tolist() == [2, 5, 7]
     assert len(polls) == 3
@@ -140,17 +140,17 @@ def test_heavy_rows_wait_for_the_copy_not_the_device(monkeypatch):
 
 def test_a_count_copied_on_another_stream_is_read_after_a_device_sync(monkeypatch):
     counts = torch.tensor([-1], dtype=torch.int32)
-    monkeypatch.setattr(backend, "_current_stream_drained", lambda: True)
+    monkeypatch.setattr(backends, "_current_stream_drained", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: counts.copy_(torch.tensor([2])))
-    assert backend.landed(counts) == [2]
+    assert backends.landed(counts) == [2]
 
 
 def test_a_count_whose_copy_was_never_queued_is_an_error(monkeypatch):
     counts = torch.tensor([-1], dtype=torch.int32)
-    monkeypatch.setattr(backend, "_current_stream_drained", lambda: True)
+    monkeypatch.setattr(backends, "_current_stream_drained", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     with pytest.raises(RuntimeError, match="never arrived"):
-        backend.landed(counts)
+        backends.landed(counts)
 
 
 def test_gradcheck():
@@ -355,7 +355,7 @@ def test_training_walks_take_slices_only_where_they_fit():
     assert walk_by_slices("slices", 16384, 2048, 5632, 128)
     assert not walk_by_slices("slices", 16384, 2048, 11264, 128)  # 8-column slices only
     assert not walk_by_slices("slices", 16384, 2048, 5632, 256)
-    assert not walk_by_slices("slices", train_op.SLICES_MIN_M - 1, 2048, 5632, 128)
+    assert not walk_by_slices("slices", twell_train.SLICES_MIN_M - 1, 2048, 5632, 128)
 
 
 @pytest.mark.parametrize(
@@ -366,7 +366,7 @@ def test_dx_walk_follows_the_layers_density(l0_hint, slices):
     """By default the light dx takes slices only where the layer's hint puts the light tokens' mean non-zeros where
     slices were faster (56 uniform) and few of them on heavy tokens (not at 60 with a heavy tail); without a hint,
     rows. A shape that slices cannot take stays on rows whatever the hint."""
-    assert train_op.DX_WALK == "auto"
+    assert twell_train.DX_WALK == "auto"
     assert dx_by_slices(16384, 2048, 5632, 128, l0_hint) == slices
     assert not dx_by_slices(16384, 2048, 11264, 128, l0_hint)
 
@@ -435,7 +435,7 @@ def test_backup_rows_match_the_reference(dtype):
 
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_kernel_sources_are_self_contained(filename):
-    source = runtime.kernel_source(filename)
+    source = cuda.kernel_source(filename)
     assert '#include "' not in source
     assert "<cstdint>" not in source and "<cmath>" not in source  # NVRTC has no host headers
 
@@ -445,7 +445,7 @@ def test_kernel_sources_are_self_contained(filename):
 def test_kernels_compile_for_sm90a_without_spills(filename, tmp_path):
     """Compiles as NVRTC sees it; the K <= 2048 instantiations (KV <= 8) keep everything in registers."""
     src = tmp_path / filename
-    src.write_text(runtime.kernel_source(filename))
+    src.write_text(cuda.kernel_source(filename))
     cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--cubin", "-Xptxas", "-v",
            "-o", str(tmp_path / "k.cubin"), str(src)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
