@@ -29,19 +29,15 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.ffn.backend import TorchFFN, dense_block
+from sparse_llm.ffn.torch_backend import TorchFFN, dense_block
 from sparse_llm.bench.timing import energy_mj_per_call, graph_ms, relative_error, time_ms
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
 from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
-from sparse_llm.ffn.twell.backend import (
-    TwellFFN,
-    direct_up_down,
-    synthetic_block,
-    twell_gate,
-    twell_gated_mlp,
-    twell_up_down,
-)
+from sparse_llm.ffn.twell.backend import TwellFFN
+from sparse_llm.ffn.twell.infer_launch import direct_up_down, twell_gate, twell_up_down
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 
 
 GRAPH_MAX_M = 64  # decode sizes: also timed as CUDA graphs

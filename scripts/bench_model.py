@@ -109,7 +109,8 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from sparse_llm.ffn.backend import Tail, get_backend
+from sparse_llm.ffn.backend import Tail
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.bench.timing import (
     KERNEL_FAMILIES,
     Clock,
@@ -333,7 +334,7 @@ def kernel_unavailable_reason(kernel: str, model: LlamaForCausalLM, device: torc
         return None
     reason = get_backend(kernel).unavailable_reason(device)
     if reason is None and kernel == "twell":
-        from sparse_llm.ffn.twell.backend import shape_unsupported_reason
+        from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 
         reason = shape_unsupported_reason(model.config.hidden_size, model.config.intermediate_size)
     return reason

@@ -28,11 +28,12 @@ import json
 
 import torch
 
-from sparse_llm.ffn.backend import dense_block
+from sparse_llm.ffn.torch_backend import dense_block
 from sparse_llm.bench.timing import relative_error, time_ms, wall_ms
 from sparse_llm.ffn.dispatch import LayerDispatcher
-from sparse_llm.ffn.twell.backend import synthetic_block
-from sparse_llm.ffn.twell.train_op import DEFAULT_WIDTH, dx_by_slices, twell_train_ffn
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH, dx_by_slices
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
 CASES = {

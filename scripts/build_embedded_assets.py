@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-ASSETS = Path(__file__).resolve().parent.parent / "sparse_llm" / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "sparse_llm" / "data" / "assets"
 DOCUMENT_SEPARATOR = "\n\n<|endoftext|>\n\n"
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<|endoftext|>", "<pad>"]

@@ -27,10 +27,12 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparse_llm.ffn.backend import dense_block
+from sparse_llm.ffn.torch_backend import dense_block
 from sparse_llm.bench.timing import wall_ms
-from sparse_llm.ffn.twell.backend import synthetic_block, twell_gated_mlp
-from sparse_llm.ffn.twell.train_op import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH
+from sparse_llm.ffn.twell.train_op import twell_train_backward_op, twell_train_ffn, twell_train_forward_op
 
 L1_COEFF = 2e-5
 

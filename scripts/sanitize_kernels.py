@@ -28,16 +28,11 @@ import torch.nn.functional as F
 
 from sparse_llm.ffn.twell import backend
 
-from sparse_llm.ffn.twell import train_op
-from sparse_llm.ffn.twell.backend import (
-    OutputNorm,
-    column_parts,
-    direct_up_down,
-    synthetic_block,
-    transposed_copy,
-    twell_gate,
-    twell_gated_mlp,
-)
+from sparse_llm.ffn.twell import cost_model
+from sparse_llm.ffn.twell.infer_launch import OutputNorm, direct_up_down, transposed_copy, twell_gate
+from sparse_llm.ffn.twell.cost_model import column_parts
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
@@ -45,7 +40,7 @@ SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
 
 def training_walks_by_slices() -> AbstractContextManager:
     """The training op's y and dx through the slices walk at any token count."""
-    return mock.patch.multiple(train_op, FWD_WALK="slices", DX_WALK="slices", SLICES_MIN_M=1)
+    return mock.patch.multiple(cost_model, FWD_WALK="slices", DX_WALK="slices", SLICES_MIN_M=1)
 
 
 def main() -> None:
@@ -86,13 +81,13 @@ def main() -> None:
             result = twell_train_ffn(*leaves, width=128)
             (result.y_MK.float().sum() + result.l1_sum).backward()
         if n >= 512:  # the training walks in column parts, as a block wider than L2 takes them
-            one_pass = train_op.walk_column_parts
-            train_op.walk_column_parts = lambda k, n: tuple(column_parts(k, n, parts=p) for p in (2, 2, 2))
+            one_pass = cost_model.walk_column_parts
+            cost_model.walk_column_parts = lambda k, n: tuple(column_parts(k, n, parts=p) for p in (2, 2, 2))
             try:
                 result = twell_train_ffn(*leaves, width=128)
                 (result.y_MK.float().sum() + result.l1_sum).backward()
             finally:
-                train_op.walk_column_parts = one_pass
+                cost_model.walk_column_parts = one_pass
         masters = [x.clone().requires_grad_(), *(w.float().requires_grad_() for w in (wg, wu, wd))]
         with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 master weights: casts and fp32 gradients
             result = twell_train_ffn(*masters, width=4)

@@ -15,9 +15,14 @@ import traceback
 import torch
 
 from sparse_llm.cuda import runtime
-
 from sparse_llm.ffn import kernel_set
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN
+from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.twell.backend import TwellFFN
+from sparse_llm.ffn.twell.infer_launch import direct_up_down
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.formats import gated_mlp_ref
 
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
 CHECK_N = 5632  # and its FFN width
@@ -69,8 +74,6 @@ def _numerical_check(route: str) -> str:
     only for many tokens)."""
     import torch.nn.functional as F
 
-    from sparse_llm.formats import gated_mlp_ref
-    from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
 
     x, wg, wu, wd = synthetic_block(300, CHECK_K, CHECK_N, nnz_mean=56, sigma=0.5, seed=1)
     if route == "slices":
@@ -124,8 +127,6 @@ def main() -> int:
         label = "walk=slices" if route == "slices" else f"gate={route}"
         print(f"  check {label:<16} {line}")
 
-    from sparse_llm.ffn.backend import TorchFFN
-    from sparse_llm.ffn.twell.backend import TwellFFN
 
     m, k, n = 16384, CHECK_K, CHECK_N
     for l0 in (28, 112, 560):

@@ -22,7 +22,7 @@ from torch import nn
 
 from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.step_scope import optimizer_step
-from sparse_llm.ffn.twell.backend import synthetic_block
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 MICRO_BATCHES = 3
@@ -70,7 +70,7 @@ def main(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     added = []
-    backward_name = "_cuda_backward" if device == "cuda" else "_reference_backward"
+    backward_name = "cuda_backward" if device == "cuda" else "_reference_backward"
     backward = getattr(train_op, backward_name)
 
     def counting(*args, grads_into=None):

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparse_llm.ffn import backend as backends
+from sparse_llm.ffn import registry
 
 from sparse_llm.ffn import dispatch
-from sparse_llm.ffn.backend import FFNBackend, TorchFFN
+from sparse_llm.ffn.backend import FFNBackend
+from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, Tail
 from sparse_llm.ffn.dispatch import LayerDispatcher, density_of
 from sparse_llm.ffn.mlp import SparseMLP, cuda_graphed
@@ -39,10 +40,9 @@ class FakeSparse(FFNBackend):
 
 @pytest.fixture
 def fake(monkeypatch):
-    registry = dict(backends._BACKENDS)
-    monkeypatch.setattr(backends, "_BACKENDS", registry)
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
     backend = FakeSparse(ms=0.0)
-    backends.register_backend(backend)
+    registry.register_backend(backend)
     return backend
 
 
@@ -68,18 +68,6 @@ def test_auto_trains_on_a_sparse_backend_only_with_train_kernels(fake):
         dispatcher.observe(3.0, 9.0)
         assert dispatcher.choose(x, w, False).name == "fake"
         assert dispatcher.choose(x, w, True).name == trained_on
-
-
-def test_the_retired_environment_opt_in_is_named(monkeypatch, caplog):
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setenv(dispatch.RETIRED_OPT_IN_ENV, "1")
-    LayerDispatcher("auto", train_kernels=True)
-    LayerDispatcher("twell")
-    assert not caplog.records  # nothing changes for these two
-    LayerDispatcher("auto")
-    LayerDispatcher("auto")
-    assert [r.getMessage().split(" is")[0] for r in caplog.records] == [dispatch.RETIRED_OPT_IN_ENV]
-    assert "train_kernels=true" in caplog.records[0].getMessage()
 
 
 def test_switching_to_sparse_needs_a_margin(fake):

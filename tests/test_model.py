@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from sparse_llm.ffn import backend as backends
-from sparse_llm.ffn.backend import TorchFFN, get_backend
+from sparse_llm.ffn import registry
+from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.ffn.mlp import SparseMLP
 from sparse_llm.model.llama import (
     CausalLlamaModel,
@@ -349,7 +350,7 @@ def test_sparse_mlp_adds_the_residual_it_is_given():
 def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
     """add_linear_ returns acc + F.linear(a, w, bias) in acc's own memory (on a GPU by one GEMM where dtypes agree),
     also with a bias or a bf16 product into an fp32 accumulator. On the CPU it has the product-then-add's bits."""
-    from sparse_llm.ffn.backend import add_linear_
+    from sparse_llm.ffn.torch_backend import add_linear_
 
     torch.manual_seed(7)
     a, w, bias = torch.randn(6, 16), torch.randn(8, 16), torch.randn(8)
@@ -417,8 +418,8 @@ def test_inference_takes_each_layers_input_norm_from_the_ffn_before_it(monkeypat
     norm). Where its backend writes that norm's rows, the next layer skips its own norm and the model its final one;
     where it writes none, every norm runs. The logits are the same either way, and with gradients on nothing is
     handed."""
-    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
-    backends.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    registry.register_backend(NormWritingFFN() if writes_norm else TorchFFN())  # under the name "torch"
     torch.manual_seed(9)
     model = build_model(TINY, kernel="torch").eval()
     ids = torch.randint(0, TINY.vocab_size, (2, 16))

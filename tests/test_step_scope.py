@@ -21,7 +21,8 @@ from sparse_llm.ffn.twell import graphs as train_graphs
 
 from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast
-from sparse_llm.ffn.twell.train_op import STATE_NAMES, twell_train_ffn
+from sparse_llm.ffn.twell.train_launch import STATE_NAMES
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 M, K, N, WIDTH = 24, 16, 64, 20
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
 from sparse_llm.cuda import runtime as cuda
 
 from sparse_llm import doctor
@@ -28,31 +29,15 @@ from sparse_llm.ffn import kernel_set
 from sparse_llm.cuda import tensor_map
 
 from sparse_llm.ffn.twell import backend as twell_backend
-from sparse_llm.ffn.backend import Tail, TorchFFN, get_backend
+from sparse_llm.ffn.backend import Tail
+from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.model.llama import ModelConfig, build_model
-from sparse_llm.ffn.twell.backend import (
-    CUBLAS_GEMM_TFLOPS,
-    SLICES_MIN_M,
-    TransposeCache,
-    TwellFFN,
-    check_inputs,
-    column_parts,
-    direct_up_down,
-    dense_ms,
-    dense_row_split,
-    dense_row_stats,
-    direct_walk,
-    flagged_parts,
-    gate_route_for,
-    heavy_share,
-    row_slowdown,
-    rows_walk_ms,
-    slice_width,
-    slices_walk_ms,
-    splits_for,
-    synthetic_block,
-    twell_estimated_ms,
-)
+from sparse_llm.ffn.twell.cost_model import CUBLAS_GEMM_TFLOPS, SLICES_MIN_M, column_parts, dense_ms, dense_row_split, direct_walk, heavy_share, row_slowdown, rows_walk_ms, slice_width, slices_walk_ms, twell_estimated_ms
+from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, dense_row_stats, flagged_parts, gate_route_for, splits_for
+from sparse_llm.ffn.twell.backend import TwellFFN
+from sparse_llm.ffn.twell.validation import check_inputs
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 
 KERNEL_FILES = (
     "twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "gate_up_then_down.cu",
@@ -312,7 +297,7 @@ MEASURED_DECODES = [
 def test_decode_price_follows_its_groups(m, l0, us):
     """The decode kernel's price is 0.9-1.2x its measured time, from one group of tokens to four (priced one after
     another, four groups would cost 2.3x the measured time at 64 tokens)."""
-    assert 0.9 * us <= 1e3 * twell_backend.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
+    assert 0.9 * us <= 1e3 * cost_model.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
 
 
 # The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives at that
@@ -381,18 +366,18 @@ def test_direct_walk_takes_slices_only_where_they_pay():
 
 def test_walk_choice_comes_from_the_environment(monkeypatch):
     """Measured by default; SPARSE_LLM_TWELL_WALK=priced trusts the price; anything else is named as an error."""
-    monkeypatch.delenv(twell_backend.WALK_CHOICE_ENV, raising=False)
-    assert twell_backend.walk_choice() == "measured"
-    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "priced")
-    assert twell_backend.walk_choice() == "priced"
-    monkeypatch.setenv(twell_backend.WALK_CHOICE_ENV, "fastest")
+    monkeypatch.delenv(infer_op.WALK_CHOICE_ENV, raising=False)
+    assert infer_op.walk_choice() == "measured"
+    monkeypatch.setenv(infer_op.WALK_CHOICE_ENV, "priced")
+    assert infer_op.walk_choice() == "priced"
+    monkeypatch.setenv(infer_op.WALK_CHOICE_ENV, "fastest")
     with pytest.raises(ValueError, match="SPARSE_LLM_TWELL_WALK='fastest' is not valid"):
-        twell_backend.walk_choice()
+        infer_op.walk_choice()
 
 
 def test_walk_trials_are_shared_by_close_densities_only():
     """Layers whose mean non-zeros differ by less than a bucket (2 ** 0.5) share a trial."""
-    bucket = twell_backend._mean_bucket
+    bucket = infer_op._mean_bucket
     assert bucket(24.0) == bucket(26.0) != bucket(56.0) and bucket(0.0) == bucket(1.0) == 0
 
 
@@ -410,7 +395,7 @@ BF16 = torch.bfloat16
 )
 def test_direct_up_down_names_a_bad_output_norm(weight_K, out_MK, walk, message):
     x = torch.zeros(4, 64, dtype=BF16)
-    norm = twell_backend.OutputNorm(weight_K, 1e-5, out_MK)
+    norm = infer_launch.OutputNorm(weight_K, 1e-5, out_MK)
     with pytest.raises((TypeError, ValueError), match=message):
         direct_up_down(x, torch.zeros(4, 256, dtype=BF16), x, x, walk=walk, norm=norm)
 
@@ -467,7 +452,7 @@ def test_dense_rows_are_reserved_from_the_measured_share_of_heavy_tokens():
     """The direct route's dense rows: 1.25x the heavy tokens a measured share expects plus 128, in multiples of 128;
     twice the log-normal model's count without one; none without a hint, a token above the threshold, or below
     SPLIT_BELOW_M tokens (every token is split over warps there); never more than M."""
-    capacity = twell_backend.dense_row_capacity
+    capacity = cost_model.dense_row_capacity
     assert capacity(16384, (28.4, 1793), tail=Tail(1022 / 16384, 0.5)) == 1408  # 1.25 * 1022 + 128 = 1405.5
     assert capacity(16384, (28.4, 1793)) == 1152  # the model expects ~512
     # a share measured at 128 says nothing at another threshold

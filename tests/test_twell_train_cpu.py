@@ -14,33 +14,20 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from sparse_llm.ffn.twell import cost_model
 from sparse_llm.ffn import backend as backends
 
 from sparse_llm.cuda import runtime as cuda
 
-from sparse_llm.ffn.twell import train_op as twell_train
-from sparse_llm.ffn.backend import TorchFFN
+from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
-from sparse_llm.ffn.twell.train_op import (
-    CSC_CHUNK,
-    CSC_WHOLE_COLUMN,
-    CSC_WHOLE_PER_MEAN,
-    STATE_NAMES,
-    _backup_gate_up,
-    check_train_inputs,
-    csc_chunk_starts,
-    csc_keys,
-    csc_order,
-    csc_shared_ranks,
-    dx_by_slices,
-    heavy_rows,
-    train_estimated_ms,
-    twell_train_backward_op,
-    twell_train_ffn,
-    twell_train_forward_op,
-    walk_by_slices,
-)
+from sparse_llm.ffn.twell.csc import CSC_CHUNK, CSC_WHOLE_COLUMN, CSC_WHOLE_PER_MEAN, csc_chunk_starts, csc_keys, csc_order, csc_shared_ranks
+from sparse_llm.ffn.twell.train_launch import STATE_NAMES
+from sparse_llm.ffn.twell.train_op import twell_train_backward_op, twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.twell.train_launch import backup_gate_up, heavy_rows
+from sparse_llm.ffn.twell.validation import check_train_inputs
+from sparse_llm.ffn.twell.cost_model import dx_by_slices, train_estimated_ms, walk_by_slices
 
 KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -355,7 +342,7 @@ def test_training_walks_take_slices_only_where_they_fit():
     assert walk_by_slices("slices", 16384, 2048, 5632, 128)
     assert not walk_by_slices("slices", 16384, 2048, 11264, 128)  # 8-column slices only
     assert not walk_by_slices("slices", 16384, 2048, 5632, 256)
-    assert not walk_by_slices("slices", twell_train.SLICES_MIN_M - 1, 2048, 5632, 128)
+    assert not walk_by_slices("slices", cost_model.SLICES_MIN_M - 1, 2048, 5632, 128)
 
 
 @pytest.mark.parametrize(
@@ -366,7 +353,7 @@ def test_dx_walk_follows_the_layers_density(l0_hint, slices):
     """By default the light dx takes slices only where the layer's hint puts the light tokens' mean non-zeros where
     slices were faster (56 uniform) and few of them on heavy tokens (not at 60 with a heavy tail); without a hint,
     rows. A shape that slices cannot take stays on rows whatever the hint."""
-    assert twell_train.DX_WALK == "auto"
+    assert cost_model.DX_WALK == "auto"
     assert dx_by_slices(16384, 2048, 5632, 128, l0_hint) == slices
     assert not dx_by_slices(16384, 2048, 11264, 128, l0_hint)
 
@@ -425,7 +412,7 @@ def test_backup_rows_match_the_reference(dtype):
     x[5] = 0.0
     ref = hybrid_gated_mlp_forward_ref(x, wg, wu, wd, width=1)
     rows = torch.arange(x.shape[0])[ref.saved.g.heavy_M]
-    g, u = _backup_gate_up(x, wg, wu, rows)
+    g, u = backup_gate_up(x, wg, wu, rows)
     torch.testing.assert_close(g, ref.saved.g.backup_values_RN)
     torch.testing.assert_close(u, ref.saved.u.backup_values_RN)
 

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 NVRTC_OPTIONS: tuple[str, ...] = ("-arch=sm_90a", "-std=c++17")
 REQUIRED_CAPABILITY = (9, 0)
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # sparse_llm/
 # Wheel layout first, then the source checkout's top-level kernels/ directory.
 KERNEL_DIRS: tuple[Path, ...] = (_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)

@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sparse_llm.ffn import kernel_set
 
 from sparse_llm.evaluation import tasks as mc_tasks
-from sparse_llm.ffn.backend import get_backend
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.data.pipeline import DataConfig, held_out_documents
 from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results

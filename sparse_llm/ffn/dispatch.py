@@ -20,34 +20,33 @@ Outside the trainer (evaluation, generation) a layer observes its own statistics
 """
 
 from __future__ import annotations
-
 import functools
+from collections.abc import Callable
+import torch
 import logging
 import math
-import os
-import time
-from collections.abc import Callable, Hashable
-from typing import TypeVar
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail
+from sparse_llm.ffn.registry import backend_names, get_backend
+from sparse_llm.ffn.trials import best_times_ms, can_time, env_choice, log_bucket, loop_times_ms
 
-import torch
-
-from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail, backend_names, get_backend
 
 log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "torch", "twell")
-# The environment variable that allowed `auto` to train on the sparse kernels before `train_kernels` replaced it.
-# Older commands (BENCHMARKS.md) still set it; it does nothing now, which a user copying them should hear.
-RETIRED_OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
+
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
+
 # Sparse and dense prices within this factor of each other (either way) are settled by a trial of both paths on the
 # call's own inputs: a trained model's hot neurons keep their weight rows in L2, so its walks run faster than the
 # price (fitted on evenly spread non-zeros) says at the same density. Further apart, the price stands.
 TRIAL_BAND = 1.5
+
 # In a trial the sparse path must beat the dense one by this factor: a smaller lead is within a trial's noise.
 TRIAL_MARGIN = 0.97
+
 TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
+
 # A host-bound trial times each path's calls issued back to back by the host's clock, with a wait for the GPU around
 # each run of them (`loop_times_ms`): what a decoding loop pays per call, the host's time or the device's, whichever is
 # longer. CUDA events around single calls misread it: the dense block's events start late where the call before left
@@ -55,36 +54,38 @@ TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
 # 64-call loops ran them at 71 and 94 us a call (2026-11-29). A call costs ~0.1 ms: the trial runs a few dozen, once
 # per bucket.
 HOST_BOUND_TRIAL_ROUNDS = 5
+
 HOST_BOUND_TRIAL_CALLS = 4  # calls per run
+
 # An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
 # either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
 # machines against 13-38 us of device time in CUDA graphs. Which path's call costs the host less depends on the host
 # and on how many ops the call issues: the decode kernel's took 1.05-1.7x the dense block's with two launches
 # (BENCHMARKS.md 2026-11-27, 2026-11-28) and 0.76-0.79x in one (2026-11-29). Its price (device time) sees neither.
 HOST_BOUND_MS = 0.06
+
 # Choices a layer remembers between observations (per token count and call kind), before it forgets them all: lm-eval's
 # calls bring a new token count each, a decoding loop the same few again and again.
 CHOICES_KEPT = 256
+
 TRIAL_BUCKETS = 4  # density buckets per doubling of the mean non-zeros per token: a trial holds within one
+
 TOKEN_BUCKETS = 2  # token-count buckets per doubling of the tokens in a call, likewise
+
 # SPARSE_LLM_AUTO=priced: no trials, the prices decide (bit-reproducible choices); "measured" (default) runs them.
 AUTO_CHOICE_ENV = "SPARSE_LLM_AUTO"
-CHOICES = ("measured", "priced")
+
 AUTO_CHOICE_MEANING = (
     "measured: where a layer's prices are close, time both paths once on its tokens; priced: the cost model's choice, "
     "bit-reproducible"
 )
 
-Key = TypeVar("Key", bound=Hashable)
-
 _warned: set[str] = set()
-
 
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
-
 
 def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     """(mean, max, tail) of per-token non-zero counts l0_M [M], M >= 1, read back with one host sync: what
@@ -95,71 +96,11 @@ def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     mean, top, heavy_tokens, heavy_nonzeros, nonzeros = values.tolist()
     return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
 
-
-def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key, float]:
-    """Each of `calls` timed on the current CUDA stream: one untimed run each (a first call may load its kernels), then
-    `reps` rounds of all of them in turn between CUDA events; each call's best time (the least disturbed) in ms.
-    Waits for the GPU once."""
-    for call in calls.values():
-        call()
-    events: dict[Key, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {key: [] for key in calls}
-    for _ in range(reps):
-        for key, call in calls.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            events[key].append((start, end))
-    end.synchronize()  # the last event recorded: every timed call is done
-    return {key: min(s.elapsed_time(e) for s, e in pairs) for key, pairs in events.items()}
-
-
-def loop_times_ms(
-    calls: dict[Key, Callable[[], object]], rounds: int, per_run: int, device: torch.device
-) -> dict[Key, float]:
-    """Each of `calls` run `per_run` times back to back between two waits for CUDA `device`, timed by the host's clock,
-    `rounds` times in turn after one untimed run each: each call's best wall time per call in ms (what a loop of such
-    calls pays, the host's time or the device's)."""
-    best = dict.fromkeys(calls, math.inf)
-    for timed in (False,) + (True,) * rounds:
-        for key, call in calls.items():
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(per_run):
-                call()
-            torch.cuda.synchronize(device)
-            if timed:
-                best[key] = min(best[key], (time.perf_counter() - start) * 1e3 / per_run)
-    return best
-
-
-def can_time(x: torch.Tensor) -> bool:
-    """Whether a trial may time calls on x's device now: a GPU, and no CUDA graph being captured (a trial waits for
-    the GPU, which a capture forbids)."""
-    return x.is_cuda and not torch.cuda.is_current_stream_capturing()
-
-
-def env_choice(env: str, meaning: str) -> str:
-    """The environment variable `env`'s choice between a measured and a priced decision: "measured" (default) or
-    "priced"; `meaning` says what each does, for the error on any other value."""
-    choice = os.environ.get(env, "measured")
-    if choice not in CHOICES:
-        raise ValueError(f"{env}={choice!r} is not valid; use one of {list(CHOICES)} ({meaning})")
-    return choice
-
-
-def log_bucket(value: float, per_doubling: int) -> int:
-    """The bucket of `value` (>= 1 counted; below, as 1) on a log scale of `per_doubling` buckets per doubling: what
-    a trial's result is remembered by, so that values within a factor 2 ** (1 / per_doubling) share it."""
-    return round(per_doubling * math.log2(max(value, 1.0)))
-
-
 @functools.cache
 def _has_autocast(device_type: str) -> bool:
     """Whether torch has an autocast for `device_type` (not for meta, say); asked once per type: a layer's every call
     asks `_autocast_dtype`."""
     return torch.amp.is_autocast_available(device_type)
-
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes in on `device_type` now, None where it is off (or has no autocast: meta)."""
@@ -167,11 +108,9 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
         return None
     return torch.get_autocast_dtype(device_type)
 
-
 def validate_kernel(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel={kernel!r} is not a valid choice; use one of {list(KERNEL_CHOICES)}.")
-
 
 class LayerDispatcher:
     """Chooses and remembers the backend of one FFN layer."""
@@ -180,10 +119,6 @@ class LayerDispatcher:
         validate_kernel(kernel)
         self.kernel = kernel
         self.train_kernels = train_kernels  # `auto` may train on a sparse backend (see the module docstring)
-        if kernel == "auto" and not train_kernels and os.environ.get(RETIRED_OPT_IN_ENV):
-            _warn_once(f"{RETIRED_OPT_IN_ENV} is no longer read, and kernel=auto trains on the dense path. To let it "
-                       "take the sparse training kernels pass train_kernels=true to train.py (--train-kernels to "
-                       "scripts/bench_model.py, train_kernels=True to sparsify/build_model).")
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known

@@ -19,8 +19,11 @@ from torch import nn
 
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.mlp import SparseMLP
-from sparse_llm.ffn.twell.backend import decode_kernel_name, shape_unsupported_reason, slice_width
-from sparse_llm.ffn.twell.train_op import KEY_CTYPES, OUT_CTYPES, _pieces, csc_key_dtype, wgrad_slices
+from sparse_llm.ffn.twell.decode import decode_kernel_name
+from sparse_llm.ffn.twell.validation import shape_unsupported_reason
+from sparse_llm.ffn.twell.cost_model import slice_width
+from sparse_llm.ffn.twell.csc import KEY_CTYPES, OUT_CTYPES, csc_key_dtype
+from sparse_llm.ffn.twell.train_launch import row_pieces, wgrad_slices
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def _slices_down(n: int, sums: bool) -> list[Kernel]:
 def inference_kernels(k: int, n: int) -> list[Kernel]:
     """The kernels of `kernel=twell` inference (the decode kernel for few tokens; the direct route: one-pass and slices
     walks, heavy tokens by dense rows or split over warps) for layers of width K and FFN width N."""
-    kv = _pieces(k)
+    kv = row_pieces(k)
     return [
         *[
             ("decode_ffn.cu", decode_kernel_name(kv, sums, mma, finish))
@@ -73,7 +76,7 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
 def gate_route_kernels(k: int) -> list[Kernel]:
     """The kernels of the TwELL gate routes ("fused" and "cublas") that only a forced `gate_route` takes (the fused
     gate GEMM is also the slices walk's: `inference_kernels`)."""
-    kv = _pieces(k)
+    kv = row_pieces(k)
     return [
         ("twell_pack.cu", "twell_pack_dense"),
         ("twell_up_down.cu", f"twell_up_down<{kv}>"),
@@ -84,7 +87,7 @@ def gate_route_kernels(k: int) -> list[Kernel]:
 def training_kernels(k: int, n: int) -> list[Kernel]:
     """The kernels of the sparse training op (`twell_train_ffn`, forward and backward) at K and N, for bf16 or
     float32 weights."""
-    kv, kw, key = _pieces(k), wgrad_slices(k)[0], KEY_CTYPES[csc_key_dtype(n)]
+    kv, kw, key = row_pieces(k), wgrad_slices(k)[0], KEY_CTYPES[csc_key_dtype(n)]
     return [
         ("train_forward.cu", f"train_fwd_gate<{kv},true>"),
         ("train_forward.cu", f"train_fwd_gate<{kv},false>"),

@@ -97,7 +97,7 @@ def _check_mlp_args(
     return m, k, n
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the references: fp32, or fp64 for fp64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -153,7 +153,7 @@ def gated_mlp_ref(
     """
     _check_mlp_args(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     if upcast:
-        dtype = _acc_dtype(x_MK.dtype)
+        dtype = accumulation_dtype(x_MK.dtype)
         x_MK, w_gate_NK, w_up_NK, w_down_KN = (t.to(dtype) for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))
     h_MN = F.relu(F.linear(x_MK, w_gate_NK)) * F.linear(x_MK, w_up_NK)
     return F.linear(h_MN, w_down_KN), h_MN

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from sparse_llm.formats.common import (
     Tensor,
-    _acc_dtype,
+    accumulation_dtype,
     _check_matrix,
     _check_mlp_args,
     _check_n_cols,
@@ -226,7 +226,7 @@ def hybrid_mul(a: HybridPacked, b: HybridPacked) -> HybridPacked:
 
 def hybrid_abs_sum(packed: HybridPacked) -> Tensor:
     """sum |values| over all stored entries, as an fp32 (fp64 for fp64) scalar."""
-    acc = _acc_dtype(packed.dtype)
+    acc = accumulation_dtype(packed.dtype)
     return packed.ell_values_MW.to(acc).abs().sum() + packed.backup_values_RN.to(acc).abs().sum()
 
 
@@ -248,7 +248,7 @@ def hybrid_sddmm(x_MK: Tensor, w_NK: Tensor, support: HybridPacked) -> HybridPac
             f"w_NK has shape {tuple(w_NK.shape)}, expected [N, K] = [{support.n_cols}, {x_MK.shape[1]}] "
             f"(N from support, K from x_MK)"
         )
-    acc = _acc_dtype(x_MK.dtype)
+    acc = accumulation_dtype(x_MK.dtype)
     x_acc_MK, w_acc_NK = x_MK.to(acc), w_NK.to(acc)
     row_E, slot_E = _ell_slots(support)
     col_E = support.ell_cols_MW[row_E, slot_E].to(torch.int64)
@@ -274,7 +274,7 @@ def hybrid_matmul(h: HybridPacked, w_KN: Tensor) -> Tensor:
             f"w_KN has shape {tuple(w_KN.shape)} but h has N={h.n_cols} columns; w_KN must be [K, N]"
         )
     out_dtype = torch.promote_types(h.dtype, w_KN.dtype)
-    acc = _acc_dtype(out_dtype)
+    acc = accumulation_dtype(out_dtype)
     w_acc_KN = w_KN.to(acc)
     row_E, col_E, value_E = _ell_entries(h)
     y_MK = _spmm(h.n_rows, row_E, col_E, value_E.to(acc), w_acc_KN.t())
@@ -294,7 +294,7 @@ def hybrid_t_matmul(h: HybridPacked, x_MK: Tensor) -> Tensor:
     _check_matrix(x_MK, "x_MK")
     _check_rows(x_MK, "x_MK", h, "h")
     out_dtype = torch.promote_types(h.dtype, x_MK.dtype)
-    acc = _acc_dtype(out_dtype)
+    acc = accumulation_dtype(out_dtype)
     x_acc_MK = x_MK.to(acc)
     row_E, col_E, value_E = _ell_entries(h)
     out_NK = _spmm(h.n_cols, col_E, row_E, value_E.to(acc), x_acc_MK)
@@ -363,7 +363,7 @@ def hybrid_gated_mlp_forward_ref(
     """
     _, _, n = _check_mlp_args(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     _check_n_cols(n, "w_gate_NK", twell=False)
-    acc = _acc_dtype(x_MK.dtype)
+    acc = accumulation_dtype(x_MK.dtype)
     gate_MN = F.relu(F.linear(x_MK.to(acc), w_gate_NK.to(acc))).to(x_MK.dtype)
     g = pack_hybrid(gate_MN, width, backup_capacity)
     u = hybrid_sddmm(x_MK, w_up_NK, g)
@@ -405,7 +405,7 @@ def hybrid_gated_mlp_backward_ref(
             f"pass the saved state of this forward"
         )
     dy_MK = dy_MK.to(x_MK.dtype)
-    acc = _acc_dtype(x_MK.dtype)
+    acc = accumulation_dtype(x_MK.dtype)
     dl1_acc = torch.as_tensor(dl1, dtype=acc, device=x_MK.device)
 
     h = hybrid_mul(g, u)

@@ -33,7 +33,7 @@ from sparse_llm.formats.common import (
     MAX_COLS,
     TILE_COLS,
     Tensor,
-    _acc_dtype,
+    accumulation_dtype,
     _check_compression,
     _check_matrix,
     _check_mlp_args,
@@ -279,7 +279,7 @@ def twell_gated_mlp_ref(
     m, k, n = _check_mlp_args(x_MK, w_gate_NK, w_up_NK, w_down_KN)
     _check_n_cols(n, "w_gate_NK", twell=True)
     compression = _check_compression(compression)
-    acc = _acc_dtype(x_MK.dtype)
+    acc = accumulation_dtype(x_MK.dtype)
     x_acc_MK, w_gate_acc_NK, w_up_acc_NK = (t.to(acc) for t in (x_MK, w_gate_NK, w_up_NK))
     w_down_acc_NK = w_down_KN.to(acc).t()  # row n = the down-projection column of neuron n
 

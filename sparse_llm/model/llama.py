@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from sparse_llm.ffn.backend import add_linear_
+from sparse_llm.ffn.torch_backend import add_linear_
 from sparse_llm.ffn.dispatch import LayerDispatcher
 from sparse_llm.ffn.mlp import SparseMLP
 from sparse_llm.model.rope import kernel_applies, rotate_half_qk

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from sparse_llm.training import checkpoint as ckpt
 from sparse_llm.ffn import kernel_set
-from sparse_llm.ffn.backend import get_backend
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.training.config import TrainConfig, TrainerConfig, check_ranges
 from sparse_llm.data.pipeline import build_token_data
 from sparse_llm.ffn.dispatch import validate_kernel

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"t
 if REASON is None:
     from sparse_llm.ffn.twell import graphs as train_graphs
     from sparse_llm.ffn.step_scope import optimizer_step
-    from sparse_llm.ffn.twell.backend import synthetic_block
+    from sparse_llm.ffn.twell.synthetic import synthetic_block
     from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 K, N = 512, 1536

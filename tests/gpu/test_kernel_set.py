@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparse_llm.ffn.twell import cost_model
 from sparse_llm.cuda import runtime
 
 
@@ -15,9 +16,10 @@ REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm.ffn.twell import train_op
     from sparse_llm.model.llama import ModelConfig, build_model
-    from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
+    from sparse_llm.ffn.twell.infer_launch import direct_up_down
+    from sparse_llm.ffn.twell.synthetic import synthetic_block
+    from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
     from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 
@@ -51,8 +53,8 @@ def test_every_route_of_a_block_asks_for_listed_kernels(k, n, requested, monkeyp
         direct_up_down(x, torch.nn.functional.linear(x, wg), wu, wd.t().contiguous(), walk=walk)
     for slices in (False, True):
         if slices:
-            monkeypatch.setattr(train_op, "FWD_WALK", "slices")
-            monkeypatch.setattr(train_op, "DX_WALK", "slices")
+            monkeypatch.setattr(cost_model, "FWD_WALK", "slices")
+            monkeypatch.setattr(cost_model, "DX_WALK", "slices")
         for master in (False, True):
             leaves = [t.float() if master else t.clone() for t in (x, wg, wu, wd)]
             leaves = [t.requires_grad_() for t in leaves]

@@ -23,8 +23,10 @@ if REASON is None:
     from sparse_llm.ffn.twell import train_op
     from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
     from sparse_llm.ffn.step_scope import optimizer_step
-    from sparse_llm.ffn.twell.backend import synthetic_block, transposed_copy
-    from sparse_llm.ffn.twell.train_op import _csc_wgrad, csc_index, csc_keys, twell_train_ffn, wgrad_scratch
+    from sparse_llm.ffn.twell.synthetic import synthetic_block
+    from sparse_llm.ffn.twell.infer_launch import transposed_copy
+    from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_index, csc_keys, wgrad_scratch
+    from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 M, K, N = 2048, 1024, 2816
 MICRO_BATCHES = 3
@@ -66,13 +68,13 @@ def accumulated(add_into_grads: bool, held: bool) -> list[torch.Tensor]:
 @pytest.fixture
 def into_calls(monkeypatch) -> list[bool]:
     calls = []
-    backward = train_op._cuda_backward
+    backward = train_op.cuda_backward
 
     def spy(*args, grads_into=None):
         calls.append(grads_into is not None)
         return backward(*args, grads_into=grads_into)
 
-    monkeypatch.setattr(train_op, "_cuda_backward", spy)
+    monkeypatch.setattr(train_op, "cuda_backward", spy)
     return calls
 
 
@@ -94,7 +96,7 @@ def test_gradients_added_into_grad_equal_autograds_sums(held, into_calls):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_weight_gradient_kernel_adds_to_every_row(out_dtype):
-    """_csc_wgrad with add: out = what it held + the sums, rows of empty columns untouched, hot columns summed in a
+    """csc_weight_gradients with add: out = what it held + the sums, rows of empty columns untouched, hot columns summed in a
     scratch slot first (left zeroed)."""
     m, n, k, width = 3000, 512, 2048, 40
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,7 +111,7 @@ def test_weight_gradient_kernel_adds_to_every_row(out_dtype):
     before = torch.randn(n, k, device="cuda", generator=gen).to(out_dtype)
     out = before.clone()
     scratch, counters = wgrad_scratch(k, torch.device("cuda"))
-    _csc_wgrad(csc, (values,), x, (out,), scratch, counters[0], width, add=True)
+    csc_weight_gradients(csc, (values,), x, (out,), scratch, counters[0], width, add=True)
     want = before.float() + hybrid_t_matmul(packed.with_values(values, torch.zeros_like(packed.backup_values_RN)),
                                             x.float())  # fmt: skip
     rtol = 1e-4 if out_dtype == torch.float32 else 2.0**-8

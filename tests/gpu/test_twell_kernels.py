@@ -34,19 +34,11 @@ pytestmark = [
 if REASON is None:
     from sparse_llm.ffn.twell import backend
     from sparse_llm.ffn.backend import FFNResult
-    from sparse_llm.ffn.twell.backend import (
-        TransposeCache,
-        decode_workspace,
-        direct_up_down,
-        direct_walk,
-        measured_walk,
-        synthetic_block,
-        transposed_copy,
-        twell_gate,
-        twell_gated_mlp,
-        twell_pack,
-        twell_up_down,
-    )
+    from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate, twell_pack, twell_up_down
+    from sparse_llm.ffn.twell.decode import decode_workspace
+    from sparse_llm.ffn.twell.cost_model import direct_walk
+    from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
+    from sparse_llm.ffn.twell.synthetic import synthetic_block
 
 ATOL = 1e-3
 
@@ -566,7 +558,7 @@ def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None
     packed_MS = twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
     poison(((m, k), torch.bfloat16))
     columns = None if parts is None else backend.column_parts(k, n, parts)
-    outs = backend._direct_up_down(
+    outs = backend.launch_direct_up_down(
         x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), backend.DENSE_ROW_NNZ, residual_MK, columns,
         walk=walk, dense_rows=dense_rows, packed_MS=packed_MS,
     )  # fmt: skip
@@ -669,7 +661,7 @@ def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
     plain = twell_gated_mlp(*block)
     l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
     assert direct_walk(8192, 2048, 5632, l0) == "slices"
-    direct = backend._direct_up_down
+    direct = backend.launch_direct_up_down
     spin = torch.randn(4096, 4096, device="cuda")
 
     def slow_slices(*args, **kwargs):
@@ -678,7 +670,7 @@ def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
                 spin @ spin
         return direct(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "_direct_up_down", slow_slices)
+    monkeypatch.setattr(backend, "launch_direct_up_down", slow_slices)
     hinted = twell_gated_mlp(*block, l0_hint=l0)
     assert hinted.path == "twell-direct" and list(backend._measured_walks.values()) == ["rows"]
     assert torch.equal(hinted.y_MK, plain.y_MK) and torch.equal(hinted.l0_M, plain.l0_M)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparse_llm.ffn.twell import cost_model, csc, train_backward
 from sparse_llm.cuda import runtime
 from sparse_llm.formats import (
     hybrid_gated_mlp_backward_ref,
@@ -29,25 +30,13 @@ REASON = runtime.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
 
 if REASON is None:
-    from sparse_llm.ffn.twell import train_op
-    from sparse_llm.ffn.twell.backend import column_parts, synthetic_block
-    from sparse_llm.ffn.twell.train_op import (
-        STATE_NAMES,
-        _backup_backward,
-        _csc_wgrad,
-        backup_pointwise,
-        csc_chunk_columns,
-        csc_chunk_starts,
-        csc_index,
-        csc_key_dtype,
-        csc_keys,
-        csc_order,
-        csc_shared_ranks,
-        heavy_rows,
-        twell_train_ffn,
-        twell_train_forward_op,
-        wgrad_scratch,
-    )
+    from sparse_llm.ffn.twell.cost_model import column_parts
+    from sparse_llm.ffn.twell.synthetic import synthetic_block
+    from sparse_llm.ffn.twell.train_launch import STATE_NAMES
+    from sparse_llm.ffn.twell.train_op import twell_train_ffn, twell_train_forward_op
+    from sparse_llm.ffn.twell.train_backward import backup_backward, backup_pointwise
+    from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_chunk_columns, csc_chunk_starts, csc_index, csc_key_dtype, csc_keys, csc_order, csc_shared_ranks, wgrad_scratch
+    from sparse_llm.ffn.twell.train_launch import heavy_rows
 
 ATOL = 1e-3
 BF16_EPS = 2.0**-8  # unit roundoff of bf16
@@ -206,7 +195,7 @@ def test_backup_backward_matches_the_reference():
     dx = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
     before = torch.randn(3, n, k, device="cuda", generator=gen)
     dws = list(before.clone().unbind(0))
-    _backup_backward(x, wg, wu, wd, rows, dy, torch.tensor([DL1], device="cuda"), dx, *dws)
+    backup_backward(x, wg, wu, wd, rows, dy, torch.tensor([DL1], device="cuda"), dx, *dws)
     pairs = [("dx", dx[rows], want.dx_MK[rows]), ("dw_gate", dws[0] - before[0], want.dw_gate_NK),
              ("dw_up", dws[1] - before[1], want.dw_up_NK), ("dw_down", (dws[2] - before[2]).t(), want.dw_down_KN)]  # fmt: skip
     for name, got, ref_grad in pairs:
@@ -261,7 +250,7 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
     one, one_grads = ours_run(*block, dy, DL1, 128)
     saved_one = twell_train_forward_op(x, wg, wu, wd, 128)[4:9]  # ELL columns, counts, heavy flags, g, u
     monkeypatch.setattr(
-        train_op, "walk_column_parts",
+        cost_model, "walk_column_parts",
         lambda k, n: tuple(column_parts(k, n, parts=p) for p in (forward_parts, sddmm_parts, dx_parts)),
     )  # fmt: skip
     parts, parts_grads = ours_run(*block, dy, DL1, 128)
@@ -278,9 +267,9 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
 @pytest.fixture
 def by_slices(monkeypatch):
     """The training op's y and light dx through the slices walk wherever it fits, at any token count."""
-    monkeypatch.setattr(train_op, "FWD_WALK", "slices")
-    monkeypatch.setattr(train_op, "DX_WALK", "slices")
-    monkeypatch.setattr(train_op, "SLICES_MIN_M", 1)
+    monkeypatch.setattr(cost_model, "FWD_WALK", "slices")
+    monkeypatch.setattr(cost_model, "DX_WALK", "slices")
+    monkeypatch.setattr(cost_model, "SLICES_MIN_M", 1)
 
 
 @pytest.mark.parametrize(
@@ -291,14 +280,14 @@ def by_slices(monkeypatch):
 def test_walks_by_slices(m, k, n, nnz, sigma, by_slices):
     """y of the light tokens by the slices down kernel, their dx by two passes of it (w_up's columns, then w_gate's,
     fp32 sums between): every output and gradient within the reference budget, heavy tokens' rows (backup) included."""
-    assert train_op.walk_by_slices("slices", m, k, n, 128)
+    assert cost_model.walk_by_slices("slices", m, k, n, 128)
     check_case(*synthetic_block(m, k, n, nnz, sigma=sigma, seed=m + nnz))
 
 
 def test_dx_by_slices_in_token_chunks(by_slices, monkeypatch):
     """The passes over ORDER_GROUP slots at a time (the fp32 sums of one chunk held at once), 3000 tokens: two whole
     chunks and a partial one, heavy tokens among them."""
-    monkeypatch.setattr(train_op, "DX_SUMS_BYTES", 1)
+    monkeypatch.setattr(train_backward, "DX_SUMS_BYTES", 1)
     check_case(*synthetic_block(3000, 1024, 2816, 40, sigma=0.5, seed=9))
 
 
@@ -375,7 +364,7 @@ def test_csc_offsets_kernels_match_the_torch_reference(n):
 
 
 def csc_wgrad_case(h: torch.Tensor, width: int, k: int, out_dtype: torch.dtype) -> None:
-    """_csc_wgrad on h's light entries (and twice them as the second value array) vs formats.hybrid_t_matmul, on
+    """csc_weight_gradients on h's light entries (and twice them as the second value array) vs formats.hybrid_t_matmul, on
     NaN-filled outputs of out_dtype (every row must be written) and a scratch that must be left zeroed."""
     m, n = h.shape
     gen = torch.Generator(device="cuda").manual_seed(m + n)
@@ -386,7 +375,7 @@ def csc_wgrad_case(h: torch.Tensor, width: int, k: int, out_dtype: torch.dtype) 
     second = (values * 2).contiguous()
     out1, out2 = torch.full((2, n, k), float("nan"), device="cuda", dtype=out_dtype).unbind(0)
     scratch, counters = wgrad_scratch(k, torch.device("cuda"))
-    _csc_wgrad(csc, (values, second), x, (out1, out2), scratch, counters[0], width)
+    csc_weight_gradients(csc, (values, second), x, (out1, out2), scratch, counters[0], width)
     light = packed.with_values(values, torch.zeros_like(packed.backup_values_RN))
     want = hybrid_t_matmul(light, x.float())
     # fp32 sums rounded once: an fp32 out matches to summation order, a bf16 out to one rounding of the sum
@@ -415,14 +404,14 @@ def test_csc_weight_gradient_kernel_reuses_scratch_slots(slots, monkeypatch):
     """More many-chunk columns than scratch slots (default count, and one or three slots, which make every column
     wait for the one a slot's turn before it): each slot is summed, stored, zeroed and handed on in turn."""
     if slots is not None:
-        monkeypatch.setattr(train_op, "WGRAD_SLOTS", slots)
+        monkeypatch.setattr(csc, "WGRAD_SLOTS", slots)
     m, n = 3000, 4096  # 1200 columns of ~240 entries, more than twice the mean column (70): each is many chunks
     gen = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(m, n, device="cuda", generator=gen)
     fires = torch.rand(m, n, device="cuda", generator=gen) < torch.where(torch.arange(n, device="cuda") < 1200, 0.08, 0)
     h *= fires
     col_start = torch.cat([fires.new_zeros(1, dtype=torch.int64), fires.sum(0).cumsum(0)])
-    assert (csc_chunk_starts(col_start).diff() > 1).sum() > train_op.WGRAD_SLOTS
+    assert (csc_chunk_starts(col_start).diff() > 1).sum() > csc.WGRAD_SLOTS
     csc_wgrad_case(h, 160, 1024, torch.bfloat16)
 
 

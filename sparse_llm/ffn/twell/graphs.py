@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_llm.cuda import runtime
+from sparse_llm.ffn.twell.train_launch import COUNTS_OUTPUT, compute_weights_shape, forward_kernels, new_counts_host
 
 Tensor = torch.Tensor
 
@@ -69,7 +70,6 @@ class GraphedForward:
     def compute_buffer(self, w_gate_NK: Tensor, dtype: torch.dtype) -> Tensor:
         """Where the layer's `twell_train.compute_weights` are to be written: the graph reads them at a fixed
         address, so the casts of every step go into this one tensor."""
-        from sparse_llm.ffn.twell.train_op import compute_weights_shape
 
         shape = compute_weights_shape(w_gate_NK, dtype)
         kept = self._compute_RK
@@ -83,7 +83,6 @@ class GraphedForward:
         """forward_kernels' outputs (the count as a pinned CPU int32 [1], as `_cuda_forward` returns it) and the token
         of the replay that made them (None: an eager call's, whose outputs are its own). A new dense_rows is captured
         anew, as a new shape is: it changes with the layer's observed tail, once per statistics window at most."""
-        from sparse_llm.ffn.twell.train_op import COUNTS_OUTPUT, forward_kernels, new_counts_host
 
         key = (x_MK.shape, x_MK.dtype, x_MK.device, width, dense_rows, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
                w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
@@ -110,7 +109,6 @@ class GraphedForward:
         self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
         dense_rows: int,
     ) -> None:  # fmt: skip
-        from sparse_llm.ffn.twell.train_op import forward_kernels
 
         main = torch.cuda.current_stream()
         side = _capture_stream(x_in_MK.device.index)
