@@ -1,5 +1,4 @@
-// The per-entry step shared by the inference up + down kernels (twell_up_down.cu reads the entries from
-// TwELL words, gate_up_down.cu straight from the gate pre-activation).
+// The per-entry step shared by the inference up + down kernels (gate_up_down.cu and gate_up_then_down.cu).
 #ifndef UP_DOWN_COMMON_CUH
 #define UP_DOWN_COMMON_CUH
 #include "twell_common.cuh"

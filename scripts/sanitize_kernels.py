@@ -8,7 +8,7 @@ Shapes are tiny (the tools slow kernels down 10-100x) but reach every branch: M 
 130, and 2100 (the direct route's one-warp path starts at 2048 tokens); K = 128 and 320 (a partial 256-column
 piece); a third of the tokens nearly fully dense (TwELL overflow, direct-route heavy tokens, training backup
 rows); a neuron that fires for every token (a transposed-view column cut into chunks, summed in a scratch
-slot); all three inference routes with the dense-row threshold low and off, the direct one also adding a
+slot); the direct inference route with the dense-row threshold low and off, the direct one also adding a
 residual, in column parts, and with its heavy tokens through fewer dense rows than they need and through enough;
 the fused gate GEMM writing its overflowed segments' gate values;
 the decode kernel at 1, 7 and 16 tokens and at 40 (groups of tokens), its blocks summing in shared memory and not,
@@ -23,16 +23,13 @@ from contextlib import AbstractContextManager
 from unittest import mock
 
 import torch
-
 import torch.nn.functional as F
 
-from sparse_llm.ffn.twell import backend
-
 from sparse_llm.ffn.twell import cost_model
-from sparse_llm.ffn.twell.infer_launch import OutputNorm, direct_up_down, transposed_copy, twell_gate
 from sparse_llm.ffn.twell.cost_model import column_parts
-from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.infer_launch import OutputNorm, direct_up_down, transposed_copy, twell_gate
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 SHAPES = ((1, 128, 512), (7, 320, 768), (130, 128, 512), (2100, 128, 256))
@@ -49,18 +46,18 @@ def main() -> None:
         x[::3, 0] = -1.0  # flips the gate shift: nearly every gate of these tokens is positive
         wg[5, 0] = 10.0  # neuron 5 fires for every other token
         with torch.no_grad():
-            for route in ("direct", "fused", "cublas"):
+            for route in ("direct",):
                 for dense_row_nnz in (8, 1 << 30):
                     twell_gated_mlp(x, wg, wu, wd, gate_route=route, dense_row_nnz=dense_row_nnz)
             twell_gated_mlp(x, wg, wu, wd, gate_route="direct", residual_MK=torch.randn_like(x))
             # the fused gate GEMM writing its overflowed segments' values (the block op passes it a buffer from
             # WORDS_GATE_MIN_M tokens only, past these shapes)
-            twell_gate(x, wg, "fused", overflow_gate_MN=torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+            twell_gate(x, wg, overflow_gate_MN=torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
             for tokens in (1, 7, 16, 40):  # the decode kernel (40: groups), with and without a residual and block sums
                 few = x[:tokens].contiguous()
                 twell_gated_mlp(few, wg, wu, wd)
                 gates = 1 if tokens < 4 else 1 << 30  # the gate path the default does not take here
-                with mock.patch.multiple(backend, DECODE_BLOCK_SUM_PIECES=0, DECODE_MMA_MIN_M=gates):
+                with mock.patch.multiple(cost_model, DECODE_BLOCK_SUM_PIECES=0, DECODE_MMA_MIN_M=gates):
                     twell_gated_mlp(few, wg, wu, wd, residual_MK=torch.randn_like(few))
             if n >= 512:  # the walks of blocks wider than L2, in column parts
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), parts=2, residual_MK=torch.randn_like(x))

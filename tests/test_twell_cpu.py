@@ -34,13 +34,13 @@ from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.ffn.registry import get_backend
 from sparse_llm.model.llama import ModelConfig, build_model
 from sparse_llm.ffn.twell.cost_model import CUBLAS_GEMM_TFLOPS, SLICES_MIN_M, column_parts, dense_ms, dense_row_split, direct_walk, heavy_share, row_slowdown, rows_walk_ms, slice_width, slices_walk_ms, twell_estimated_ms
-from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, dense_row_stats, flagged_parts, gate_route_for, splits_for
+from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, dense_row_stats, flagged_parts
 from sparse_llm.ffn.twell.backend import TwellFFN
 from sparse_llm.ffn.twell.validation import check_inputs
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 
 KERNEL_FILES = (
-    "twell_gate_wgmma.cu", "twell_pack.cu", "twell_up_down.cu", "gate_up_down.cu", "gate_up_then_down.cu",
+    "twell_gate_wgmma.cu", "gate_up_down.cu", "gate_up_then_down.cu",
     "transpose.cu", "rope.cu", "dense_rows.cu", "decode_ffn.cu",
 )
 NVCC = shutil.which("nvcc") or (
@@ -486,13 +486,6 @@ def test_dense_row_split():
     assert 0.0 < light[0] < heavy[0] < 1.0
     assert heavy[1] < light[1] < 60  # the tokens left sparse are the lighter ones
     assert dense_ms(16384, 2048, 5632) > dense_ms(16, 2048, 5632) > 0
-
-
-def test_splits_and_gate_route():
-    assert splits_for(16384, 22) == 1
-    assert splits_for(1, 22) == 22
-    assert 1 < splits_for(300, 22) < 22
-    assert gate_route_for(1) == "cublas"
 
 
 def test_mappable_matches_what_a_tensor_map_accepts():

@@ -45,7 +45,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def kernel_path(filename: str) -> Path:
-    """Where the kernel source `filename` (e.g. "twell_pack.cu") is; FileNotFoundError lists the places tried."""
+    """Where the kernel source `filename` (e.g. "dense_rows.cu") is; FileNotFoundError lists the places tried."""
     for directory in KERNEL_DIRS:
         candidate = directory / filename
         if candidate.is_file():
@@ -216,7 +216,7 @@ def _function(device_index: int, filename: str, name: str) -> Any:
 def get_function(filename: str, name: str, device: torch.device | None = None) -> Any:
     """The compiled kernel `name` of source `filename` on `device` (a cupy.RawKernel), built on first use.
 
-    `name` is an `extern "C"` symbol or a template instantiation such as "twell_up_down<8>".
+    `name` is an `extern "C"` symbol or a template instantiation such as "gate_up_down_heavy<8>".
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     return _function(

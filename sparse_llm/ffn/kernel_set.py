@@ -73,17 +73,6 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     ]
 
 
-def gate_route_kernels(k: int) -> list[Kernel]:
-    """The kernels of the TwELL gate routes ("fused" and "cublas") that only a forced `gate_route` takes (the fused
-    gate GEMM is also the slices walk's: `inference_kernels`)."""
-    kv = row_pieces(k)
-    return [
-        ("twell_pack.cu", "twell_pack_dense"),
-        ("twell_up_down.cu", f"twell_up_down<{kv}>"),
-        ("twell_up_down.cu", "twell_reduce_splits"),
-    ]
-
-
 def training_kernels(k: int, n: int) -> list[Kernel]:
     """The kernels of the sparse training op (`twell_train_ffn`, forward and backward) at K and N, for bf16 or
     float32 weights."""

@@ -18,7 +18,6 @@ from sparse_llm.cuda import runtime
 from sparse_llm.ffn.dispatch import density_of
 from sparse_llm.formats import (
     TwellPacked,
-    canonicalize_twell,
     gated_mlp_ref,
     pack_twell,
     unpack_twell,
@@ -32,9 +31,9 @@ pytestmark = [
 ]
 
 if REASON is None:
-    from sparse_llm.ffn.twell import backend
+    from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
     from sparse_llm.ffn.backend import FFNResult
-    from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate, twell_pack, twell_up_down
+    from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate
     from sparse_llm.ffn.twell.decode import decode_workspace
     from sparse_llm.ffn.twell.cost_model import direct_walk
     from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
@@ -95,32 +94,10 @@ def run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="auto", dense_row_n
 
 
 @pytest.mark.parametrize("m", [1, 7, 64, 300, 2047, 2048, 4096, 32768])
-@pytest.mark.parametrize("route", ["direct", "fused", "cublas"])
-def test_uniform_density(m, route):
-    if m in (2047, 2048) and route != "direct":
-        pytest.skip("the one-warp / split boundary of the direct route")
-    if m == 32768 and route == "cublas":
-        pytest.skip("cublas route is for small M; covered at 4096")
+def test_uniform_density(m):
     block = synthetic_block(m, 2048, 5632, nnz_mean=56, seed=m)
-    result = run_case(*block, gate_route=route)
-    if route == "direct":
-        assert result.path == "twell-direct" and result.overflow_rows == 0
-    else:
-        assert result.path == "twell" or result.overflow_rows > 0
-
-
-@pytest.mark.parametrize("sigma", [0.3, 0.5, 1.0])
-@pytest.mark.parametrize("m", [300, 4096])
-def test_heavy_tailed_with_overflow(m, sigma):
-    """TwELL routes: heavy tokens (> 128 non-zeros) and overflowed ones go dense; the rest sparse; all exact."""
-    block = synthetic_block(m, 2048, 5632, nnz_mean=60, sigma=sigma, seed=int(sigma * 10) + m)
-    result = run_case(*block, gate_route="cublas")
-    packed = pack_twell(F.linear(block[0].float(), block[1].float()))
-    expected = int(packed.overflow_M.sum())
-    assert abs(result.overflow_rows - expected) <= 1  # a near-zero gate may flip sign at a tile's edge
-    if sigma >= 0.5:
-        assert expected > 0, "this case is meant to overflow some tiles"
-        assert result.path == "twell+dense-rows"
+    result = run_case(*block, gate_route="direct")
+    assert result.path == "twell-direct" and result.overflow_rows == 0
 
 
 @pytest.mark.parametrize("sigma", [0.3, 0.5, 1.0])
@@ -133,33 +110,31 @@ def test_direct_route_heavy_tailed(m, sigma):
     assert result.l0_M.max() > 128, "this case is meant to have tokens on the split path"
 
 
-@pytest.mark.parametrize("route", ["direct", "cublas"])
 @pytest.mark.parametrize("dense_row_nnz", [128, 1 << 30])
 @pytest.mark.parametrize("m", [7, 300, 4096])
-def test_dense_zero_and_hot_rows(m, dense_row_nnz, route):
+def test_dense_zero_and_hot_rows(m, dense_row_nnz):
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=7 * m)
     odd_rows(x_MK, w_gate_NK)  # the dense tokens overflow every tile
-    result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=route, dense_row_nnz=dense_row_nnz)
-    assert result.overflow_rows == (0 if route == "direct" else len(range(0, m, 5)))
+    result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct", dense_row_nnz=dense_row_nnz)
+    assert result.overflow_rows == 0
     assert bool(result.fired_N[123])
     assert result.fired_N.dtype == torch.bool
     assert (result.l0_M[1::5] == 0).all()
 
 
-@pytest.mark.parametrize("route, m", [("cublas", 1000), ("direct", 1000), ("direct", 4096)])
-def test_heavy_rows_stay_exact_on_the_sparse_path(route, m):
+@pytest.mark.parametrize("m", [1000, 4096])
+def test_heavy_rows_stay_exact_on_the_sparse_path(m):
     """With the dense-row threshold off, long (non-overflowing) rows run through the sparse kernels."""
     block = synthetic_block(m, 2048, 5632, nnz_mean=150, seed=4)
-    result = run_case(*block, gate_route=route, dense_row_nnz=1 << 30)
-    assert result.overflow_rows == 0 and result.path in ("twell", "twell-direct")
+    result = run_case(*block, gate_route="direct", dense_row_nnz=1 << 30)
+    assert result.overflow_rows == 0 and result.path == "twell-direct"
 
 
 @pytest.mark.parametrize("k,n", [(64, 256), (320, 768), (1024, 2816), (4096, 1024)])
 @pytest.mark.parametrize("m", [1, 129, 1500, 2500])
 def test_general_shapes(m, k, n):
     block = synthetic_block(m, k, n, nnz_mean=n * 0.01, sigma=0.3, seed=k + n + m)
-    for route in ("direct", "fused", "cublas"):
-        run_case(*block, gate_route=route)
+    run_case(*block, gate_route="direct")
 
 
 @pytest.mark.parametrize("observed", [False, True])
@@ -170,7 +145,7 @@ def test_direct_route_never_syncs_and_replays_in_a_cuda_graph(observed):
     first = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct")  # compiles the kernels
     l0_mean, l0_max, tail = density_of(first.l0_M)
     hints = {"l0_hint": (l0_mean, l0_max), "tail": tail} if observed else {}
-    assert not observed or backend.dense_row_capacity(4096, (l0_mean, l0_max), tail=tail) > 0
+    assert not observed or cost_model.dense_row_capacity(4096, (l0_mean, l0_max), tail=tail) > 0
 
     def call():
         return twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="direct", **hints)
@@ -199,7 +174,7 @@ def test_fused_gate_packing(m):
     """The fused GEMM's packing equals the reference packing of an fp32 gate (up to near-zero sign flips)."""
     x_MK, w_gate_NK, _, _ = synthetic_block(m, 2048, 5632, nnz_mean=100, sigma=0.5, seed=3 * m)
     poison(((m, 22 * 32), torch.int32))
-    packed = TwellPacked(twell_gate(x_MK, w_gate_NK, route="fused"), 5632, 8)
+    packed = TwellPacked(twell_gate(x_MK, w_gate_NK), 5632, 8)
     validate_twell(packed)  # counts written for every segment, entries in their tiles, no duplicates
     gate_MN = F.linear(x_MK.float(), w_gate_NK.float())
     ref = pack_twell(gate_MN)
@@ -208,28 +183,6 @@ def test_fused_gate_packing(m):
     rows = (~(packed.overflow_M | ref.overflow_M)).nonzero()[:, 0]
     got, want = unpack_twell(packed, rows).float(), unpack_twell(ref, rows).float()
     assert ((got - want).abs() <= 1e-2 * want.abs() + 1e-3).all()
-
-
-@pytest.mark.parametrize("m", [1, 33, 2000])
-def test_pack_kernel_is_exact(m):
-    """The packing kernel gives the reference packing bit for bit (after sorting entries)."""
-    gate_MN = torch.randn(m, 2560, device="cuda").to(torch.bfloat16) - 1.5
-    gate_MN[::3, :300] = 1.0  # overflowing tiles
-    poison(((m, 10 * 32), torch.int32))
-    got = canonicalize_twell(TwellPacked(twell_pack(gate_MN), 2560, 8))
-    assert torch.equal(got.words_MS, pack_twell(gate_MN).words_MS)
-
-
-def test_up_down_splits_agree():
-    """The split (small-M) and unsplit layouts of the up+down kernel compute the same rows."""
-    x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(4096, 2048, 5632, nnz_mean=56, seed=11)
-    packed = twell_gate(x_MK, w_gate_NK)
-    w_t = w_down_KN.t().contiguous()
-    full = twell_up_down(x_MK, packed, w_up_NK, w_t)
-    part = twell_up_down(x_MK[:17], packed[:17], w_up_NK, w_t)
-    assert not full.dense_M[:17].any()
-    assert torch.allclose(full.y_MK[:17].float(), part.y_MK.float(), rtol=1e-2, atol=1e-3)
-    assert torch.equal(full.l0_M[:17], part.l0_M)
 
 
 def test_direct_split_and_one_warp_paths_agree():
@@ -351,7 +304,7 @@ def test_rows_walk_writes_the_rms_norm_of_its_rows(m, k, sigma, capacity, parts,
         assert heavy_token_count(gate_MN) > capacity / 4, "this case is meant to have heavy tokens"
     residual_MK = torch.randn(m, k, device="cuda").bfloat16() if residual else None
     weight_K = (1 + 0.2 * torch.randn(k, device="cuda")).bfloat16()
-    norm = backend.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
+    norm = infer_launch.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
     w_t = w_down_KN.t().contiguous()
     y_MK, *_ = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts, dense_rows=capacity,
                               norm=norm)  # fmt: skip
@@ -394,7 +347,7 @@ def test_block_op_reserves_dense_rows_from_the_density_hint():
     plain = twell_gated_mlp(*block)
     l0_mean, l0_max, tail = density_of(plain.l0_M)
     heavy = int((plain.l0_M > 128).sum())
-    assert heavy > 0 and backend.dense_row_capacity(m, (l0_mean, l0_max), tail=tail) >= heavy
+    assert heavy > 0 and cost_model.dense_row_capacity(m, (l0_mean, l0_max), tail=tail) >= heavy
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -454,8 +407,8 @@ def test_decode_workspace_is_left_zeroed_across_sizes_and_streams():
 def test_decode_kernel_dense_zero_and_hot_rows(m, block_sums, mma_gate, monkeypatch):
     """Dense, all-zero and hot rows, each block's sums in shared memory (up to DECODE_BLOCK_SUM_PIECES) or not, the
     gates on the tensor cores or not (always for groups of tokens, as at 40)."""
-    monkeypatch.setattr(backend, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
-    monkeypatch.setattr(backend, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
+    monkeypatch.setattr(cost_model, "DECODE_BLOCK_SUM_PIECES", 1 << 30 if block_sums else 0)
+    monkeypatch.setattr(cost_model, "DECODE_MMA_MIN_M", 1 if mma_gate else 1 << 30)
     x_MK, w_gate_NK, w_up_NK, w_down_KN = synthetic_block(m, 2048, 5632, nnz_mean=28, seed=11 * m)
     odd_rows(x_MK, w_gate_NK)  # a fully dense token fires almost every neuron: every row pair is read
     result = run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN)
@@ -557,9 +510,9 @@ def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None
     gate_MN = torch.full((m, n), float("nan"), device="cuda").bfloat16()
     packed_MS = twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
     poison(((m, k), torch.bfloat16))
-    columns = None if parts is None else backend.column_parts(k, n, parts)
-    outs = backend.launch_direct_up_down(
-        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), backend.DENSE_ROW_NNZ, residual_MK, columns,
+    columns = None if parts is None else cost_model.column_parts(k, n, parts)
+    outs = infer_launch.launch_direct_up_down(
+        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), cost_model.DENSE_ROW_NNZ, residual_MK, columns,
         walk=walk, dense_rows=dense_rows, packed_MS=packed_MS,
     )  # fmt: skip
     torch.cuda.synchronize()
@@ -608,7 +561,7 @@ def test_walks_from_the_fused_gate_words_dense_zero_and_hot_rows(walk, m):
 def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
     """twell_gated_mlp with the layer's (mean, max) non-zeros, the price trusted: slices for an even spread at many
     tokens (exact), rows without a hint or with a heavy tail; every walk gives the same l0 and fired."""
-    monkeypatch.setenv(backend.WALK_CHOICE_ENV, "priced")
+    monkeypatch.setenv(infer_op.WALK_CHOICE_ENV, "priced")
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=31)
     m, k, n = 8192, 2048, 5632
     plain = twell_gated_mlp(*block)
@@ -636,7 +589,7 @@ def test_block_op_without_statistics_gives_the_same_output_and_l0(route):
 def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
     """A trial times both walks on the device and keeps the faster for its key; later calls with that key run
     nothing; a walk made slow by extra GPU work loses."""
-    monkeypatch.setattr(backend, "_measured_walks", {})
+    monkeypatch.setattr(infer_op, "_measured_walks", {})
     a = torch.randn(4096, 4096, device="cuda")
     calls = []
 
@@ -647,7 +600,7 @@ def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
 
     fast = "slices" if slow == "rows" else "rows"
     assert measured_walk((1, 2, 3, 4), walk_through) == fast
-    assert calls.count("rows") == calls.count("slices") == 1 + backend.WALK_TRIAL_REPS
+    assert calls.count("rows") == calls.count("slices") == 1 + infer_op.WALK_TRIAL_REPS
     calls.clear()
     assert measured_walk((1, 2, 3, 4), walk_through) == fast and calls == []
 
@@ -655,13 +608,13 @@ def test_measured_walk_keeps_the_faster_walk(monkeypatch, slow):
 def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
     """With a hint that prices slices ahead, the block op runs the walk its trial found faster (here made rows by
     slowing the slices walk), exactly, and remembers it for the shape and density."""
-    monkeypatch.delenv(backend.WALK_CHOICE_ENV, raising=False)  # the default: measured
-    monkeypatch.setattr(backend, "_measured_walks", {})
+    monkeypatch.delenv(infer_op.WALK_CHOICE_ENV, raising=False)  # the default: measured
+    monkeypatch.setattr(infer_op, "_measured_walks", {})
     block = synthetic_block(8192, 2048, 5632, nnz_mean=28, seed=32)
     plain = twell_gated_mlp(*block)
     l0 = (plain.l0_M.float().mean().item(), plain.l0_M.max().item())
     assert direct_walk(8192, 2048, 5632, l0) == "slices"
-    direct = backend.launch_direct_up_down
+    direct = infer_launch.launch_direct_up_down
     spin = torch.randn(4096, 4096, device="cuda")
 
     def slow_slices(*args, **kwargs):
@@ -670,9 +623,9 @@ def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
                 spin @ spin
         return direct(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "launch_direct_up_down", slow_slices)
+    monkeypatch.setattr(infer_op, "launch_direct_up_down", slow_slices)
     hinted = twell_gated_mlp(*block, l0_hint=l0)
-    assert hinted.path == "twell-direct" and list(backend._measured_walks.values()) == ["rows"]
+    assert hinted.path == "twell-direct" and list(infer_op._measured_walks.values()) == ["rows"]
     assert torch.equal(hinted.y_MK, plain.y_MK) and torch.equal(hinted.l0_M, plain.l0_M)
 
 

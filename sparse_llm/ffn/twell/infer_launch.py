@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from sparse_llm.cuda import runtime
 from sparse_llm.cuda import tensor_map
-from sparse_llm.formats.constants import MAX_N, SLOTS, TILE
+from sparse_llm.formats.constants import SLOTS, TILE
 from sparse_llm.ffn.twell.cost_model import Columns, DENSE_ROW_NNZ, DIRECT_LIST_CAP, SPLIT_BELOW_M, column_parts, slice_width
-from sparse_llm.ffn.twell.validation import check_2d, check_gate_route, check_operands, check_tensor
+from sparse_llm.ffn.twell.validation import check_2d, check_operands, check_tensor
 
 
 GATE_BLOCK_M = 128  # rows per output tile of the fused gate GEMM
@@ -33,19 +33,13 @@ GATE_THREADS = 384  # a producer warpgroup and two consumers
 
 GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 
-# Warps (one per token) per block of the one-warp-per-token kernels (twell_up_down here, the training
-# kernels' walks in twell_train.py): one, so a block's registers are freed with its token rather than with the
+# Warps (one per token) per block of the one-warp-per-token kernels (the training kernels' walks): one, so a block's registers are freed with its token rather than with the
 # slowest of several.
 TOKENS_PER_BLOCK = 1
 
-UP_DOWN_WORD_BATCH = 8  # TwELL tiles whose words a warp fetches at once (WORD_BATCH in twell_up_down.cu)
 
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 
-# twell_gate's "auto" takes cuBLAS + packing at every M. The fused gate GEMM + packing epilogue was 0.755 ms at that
-# shape (500 TFLOP/s) when this was set; rebuilt (2026-11-28) it runs 0.52-0.60 ms against cuBLAS + packing's ~0.60
-# and serves the direct route's slices walk (`_direct_gate`), but "auto" is left to a calibration across M.
-FUSED_GATE_MIN_M = 1 << 62
 
 DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per reserved row
 
@@ -129,135 +123,33 @@ DOWN_TRANSPOSES = TransposeCache()
 def as_i32(value: int) -> np.int32:
     return np.int32(value)
 
-def gate_route_for(m: int) -> str:
-    """The gate route "auto" picks for M tokens."""
-    return "fused" if m >= FUSED_GATE_MIN_M else "cublas"
-
 def twell_gate(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, route: str = "auto", overflow_gate_MN: torch.Tensor | None = None
+    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, overflow_gate_MN: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """TwELL-packed relu(x w_gate^T): int32 [M, (N/256) * 32] (layout: sparse_llm.formats).
+    """TwELL-packed relu(x w_gate^T): int32 [M, (N/256) * 32] (layout: sparse_llm.formats), from the wgmma gate GEMM
+    whose epilogue packs (kernels/twell_gate_wgmma.cu): no dense gate is written.
 
     Args:
         x_MK: bf16 [M, K] on a Hopper GPU, contiguous, K % 64 == 0.
         w_gate_NK: bf16 [N, K] (gate_proj.weight), N % 256 == 0.
-        route: "fused" (wgmma GEMM with packing epilogue), "cublas" (torch GEMM + packing kernel) or
-            "auto" (by M, see gate_route_for).
-        overflow_gate_MN: bf16 [M, N] or None ("fused" only): the fused GEMM writes there the 256 pre-activation
+        overflow_gate_MN: bf16 [M, N] or None: the GEMM writes there the 256 pre-activation
             values of every (token, tile) whose segment overflows, and nothing else.
     """
-    check_gate_route(route)
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
-    if route == "auto":
-        route = gate_route_for(m)
     device = x_MK.device
     packed_MS = torch.empty(m, n // TILE * SLOTS, dtype=torch.int32, device=device)
     if m == 0:
         return packed_MS
-    if route == "fused":
-        kernel = runtime.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
-        runtime.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
-        items = math.ceil(m / (GATE_CLUSTER * GATE_BLOCK_M)) * (n // TILE)
-        w_map = tensor_map.bf16_box_map(w_gate_NK, TILE // GATE_CLUSTER)
-        operands = (runtime.ptr(packed_MS), runtime.ptr(overflow_gate_MN))
-        args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, *operands, as_i32(m), as_i32(n), as_i32(k))
-        grid = (GATE_CLUSTER * min(items, runtime.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
-        runtime.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
-    else:
-        gate_MN = F.linear(x_MK, w_gate_NK)
-        twell_pack(gate_MN, out=packed_MS)
+    kernel = runtime.get_function("twell_gate_wgmma.cu", "twell_gate_wgmma", device)
+    runtime.set_dynamic_smem(kernel, GATE_SMEM_BYTES)
+    items = math.ceil(m / (GATE_CLUSTER * GATE_BLOCK_M)) * (n // TILE)
+    w_map = tensor_map.bf16_box_map(w_gate_NK, TILE // GATE_CLUSTER)
+    operands = (runtime.ptr(packed_MS), runtime.ptr(overflow_gate_MN))
+    args = (tensor_map.bf16_box_map(x_MK, GATE_BLOCK_M), w_map, *operands, as_i32(m), as_i32(n), as_i32(k))
+    grid = (GATE_CLUSTER * min(items, runtime.sm_count(device) // GATE_CLUSTER),)  # persistent: clusters walk items
+    runtime.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     return packed_MS
-
-def twell_pack(gate_MN: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack the positives of a bf16 pre-activation gate [M, N] into TwELL int32 [M, (N/256) * 32] on the GPU."""
-    if gate_MN.dtype != torch.bfloat16 or gate_MN.dim() != 2 or not gate_MN.is_contiguous():
-        raise ValueError(
-            f"gate_MN must be a contiguous 2-D bf16 tensor, got {gate_MN.dtype} {tuple(gate_MN.shape)}"
-        )
-    m, n = gate_MN.shape
-    if n % TILE != 0 or n > MAX_N:
-        raise ValueError(f"gate_MN has N={n} columns; TwELL needs a multiple of {TILE} up to {MAX_N}")
-    if out is None:
-        out = torch.empty(m, n // TILE * SLOTS, dtype=torch.int32, device=gate_MN.device)
-    segments = m * (n // TILE)
-    if segments:
-        kernel = runtime.get_function("twell_pack.cu", "twell_pack_dense", gate_MN.device)
-        args = (runtime.ptr(gate_MN), runtime.ptr(out), as_i32(m), as_i32(n))
-        runtime.launch(kernel, (math.ceil(segments / 8),), (256,), args, gate_MN.device)
-    return out
-
-@dataclass
-class UpDownResult:
-    """Output of `twell_up_down`.
-
-    Attributes:
-        y_MK: bf16 [M, K]; rows with overflow_M set are zeros (the caller recomputes them).
-        l1_M: fp32 [M] sum |h| per token (0 on overflow rows).
-        l0_M: int32 [M] non-zeros of h per token (0 on overflow rows).
-        fired_N: int32 [N] 1 for neurons with h != 0 in some non-overflow row, else 0.
-        dense_M: int32 [M] tokens left for the dense path: 1 = a tile holds more than 31 positives
-            (overflow), 2 = more than `dense_row_nnz` non-zeros (heavy token), else 0.
-    """
-
-    y_MK: torch.Tensor
-    l1_M: torch.Tensor
-    l0_M: torch.Tensor
-    fired_N: torch.Tensor
-    dense_M: torch.Tensor
-
-def splits_for(m: int, n_tiles: int) -> int:
-    """Warps per token in the up+down kernel: 1 for large M, more for decode-sized M to fill the GPU."""
-    if m >= SPLIT_BELOW_M:
-        return 1
-    return max(1, min(n_tiles, math.ceil(SPLIT_BELOW_M / max(m, 1))))
-
-def twell_up_down(
-    x_MK: torch.Tensor,
-    packed_MS: torch.Tensor,
-    w_up_NK: torch.Tensor,
-    w_down_t_NK: torch.Tensor,
-    dense_row_nnz: int = DENSE_ROW_NNZ,
-) -> UpDownResult:
-    """h = g * (x w_up^T) at the packed non-zeros of g, and y = h w_down^T, without a dense hidden.
-
-    Args:
-        x_MK: bf16 [M, K]. packed_MS: int32 [M, (N/256) * 32] from `twell_gate`.
-        w_up_NK: bf16 [N, K] (up_proj.weight). w_down_t_NK: bf16 [N, K], the transpose of down_proj.weight.
-        dense_row_nnz: tokens with more gate non-zeros than this are left to the dense path.
-    """
-    m, k = x_MK.shape
-    n = w_up_NK.shape[0]
-    n_tiles = n // TILE
-    device = x_MK.device
-    splits = splits_for(m, n_tiles)
-    # One zeroed int32 workspace for all statistics (one fill instead of four): l0 | l1 (fp32 bits) | dense | fired.
-    stats = torch.zeros(3 * m + n, dtype=torch.int32, device=device)
-    l0_M, l1_M, dense_M, fired_N = (
-        stats[:m],
-        stats[m : 2 * m].view(torch.float32),
-        stats[2 * m : 3 * m],
-        stats[3 * m :],
-    )
-    y_MK = torch.empty(m, k, dtype=torch.bfloat16, device=device)
-    if m:
-        y_partial = torch.empty((splits, m, k) if splits > 1 else (1,), dtype=torch.float32, device=device)
-        kv = math.ceil(k / 256)
-        kernel = runtime.get_function("twell_up_down.cu", f"twell_up_down<{kv}>", device)
-        args = (
-            runtime.ptr(packed_MS), runtime.ptr(x_MK), runtime.ptr(w_up_NK), runtime.ptr(w_down_t_NK),
-            runtime.ptr(y_MK), runtime.ptr(y_partial), runtime.ptr(l1_M), runtime.ptr(l0_M),
-            runtime.ptr(fired_N), runtime.ptr(dense_M), as_i32(m), as_i32(k), as_i32(n_tiles), as_i32(dense_row_nnz),
-        )  # fmt: skip
-        grid = (math.ceil(m / TOKENS_PER_BLOCK), splits)
-        smem = TOKENS_PER_BLOCK * (kv * 32 * 16 + UP_DOWN_WORD_BATCH * SLOTS * 4)  # x row + packed words
-        runtime.launch(kernel, grid, (32 * TOKENS_PER_BLOCK,), args, device, shared_mem=smem)
-        if splits > 1:
-            reduce = runtime.get_function("twell_up_down.cu", "twell_reduce_splits", device)
-            mk = m * k
-            args = (runtime.ptr(y_partial), runtime.ptr(y_MK), as_i32(splits), np.int64(mk))
-            runtime.launch(reduce, (math.ceil(mk / 1024),), (256,), args, device)
-    return UpDownResult(y_MK=y_MK, l1_M=l1_M, l0_M=l0_M, fired_N=fired_N, dense_M=dense_M)
 
 def flagged_parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
     """Each column range of a walk in parts with its FIRST_PART / LAST_PART flags, in walking order."""

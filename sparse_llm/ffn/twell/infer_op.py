@@ -1,6 +1,6 @@
 """The "twell" inference op: the gated feedforward block through sparse CUDA kernels (`twell_gated_mlp`).
 
-Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gated_mlp(gate_route=...)`):
+Per block (kernels/ holds the CUDA sources), by one of two routes:
 
 - "direct" (what "auto" runs): a cuBLAS GEMM gives the bf16 pre-activation gate [M, N]; the up + down
   kernels read each token's gate row, list its positives g and, per positive n, compute u = x . w_up[n],
@@ -14,8 +14,8 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   For many tokens with evenly spread non-zeros the route may split the walk in two ("slices", `direct_walk`,
   kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
-  "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate from the fused GEMM
-  below as TwELL words rather than from cuBLAS as a dense row (`_direct_gate`): the heavy tokens' gate rows are
+  "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate as TwELL words from a wgmma GEMM whose
+  epilogue packs them (kernels/twell_gate_wgmma.cu, `twell_gate`) rather than from cuBLAS as a dense row (`_direct_gate`): the heavy tokens' gate rows are
   rebuilt on the device for the dense paths. Where the price puts slices ahead, one timed trial per shape and density
   settles the walk (`measured_walk`): the call that runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
@@ -28,13 +28,6 @@ Per block (kernels/ holds the CUDA sources), by one of three routes (`twell_gate
   w_down only the firing neurons' rows (the dense block reads all three); `path` says "twell-decode". Issued from
   Python the call is one launch into a workspace its last block leaves zeroed (`decode_workspace`): there each op a
   call issues costs the host more than this kernel costs the GPU.
-- "cublas" / "fused": the gate is first packed to TwELL (`sparse_llm.formats` documents the layout),
-  by the same GEMM plus a packing kernel or by a wgmma GEMM whose epilogue packs (no dense gate in
-  memory; kernels/twell_gate_wgmma.cu). The up + down kernel then walks the packed
-  words (kernels/twell_up_down.cu). A token whose tile holds more than 31 positives (an overflow), or
-  more than DENSE_ROW_NNZ in all, is recomputed by dense torch GEMMs; finding those tokens costs one
-  device-to-host sync per call, `overflow_rows` counts them and `path` says "twell+dense-rows". The
-  training op (sparse_llm/ffn/twell/train_op.py) builds its sparse format from these TwELL words.
 
 Statistics (same meaning as the torch backend): l0_M = non-zeros of h = g * u per token (the kernel
 counts h != 0 in fp32; it differs from the gate's count only where u is exactly 0), fired_N = neurons
@@ -53,12 +46,12 @@ from sparse_llm.cuda import tensor_map
 from sparse_llm.ffn.backend import FFNResult, Tail
 from sparse_llm.ffn.trials import best_times_ms, env_choice, log_bucket
 from sparse_llm.ffn.twell.cost_model import DECODE_MAX_M, DENSE_ROW_NNZ, column_parts, dense_row_capacity, direct_walk
-from sparse_llm.ffn.twell.validation import check_gate_route, check_residual, check_inputs
-from sparse_llm.ffn.twell.infer_launch import OutputNorm, WALKS, DOWN_TRANSPOSES, check_output_norm, launch_direct_up_down, dense_row_stats, twell_gate, twell_up_down
+from sparse_llm.ffn.twell.validation import check_residual, check_inputs
+from sparse_llm.ffn.twell.infer_launch import OutputNorm, WALKS, DOWN_TRANSPOSES, check_output_norm, launch_direct_up_down, twell_gate
 from sparse_llm.ffn.twell.decode import decode_ffn
 
 
-MLP_ROUTES = ("auto", "direct", "fused", "cublas")  # twell_gated_mlp; "auto" = "direct", or decode_ffn for few tokens
+MLP_ROUTES = ("auto", "direct")  # twell_gated_mlp: "auto" takes decode_ffn for up to DECODE_MAX_M tokens, else "direct"
 
 # The direct route's "rows" walk lists from the fused GEMM's TwELL words (`_direct_gate`) from this many tokens. Same
 # bits as from cuBLAS's gate; same process, as a decoder layer calls it (residual added, next norm written), H100,
@@ -98,10 +91,9 @@ def twell_gated_mlp(
 
     Args:
         x_MK: bf16 [M, K] tokens. w_gate_NK, w_up_NK: bf16 [N, K]; w_down_KN: bf16 [K, N] (nn.Linear layouts).
-        gate_route: "auto" (= "direct", or for up to DECODE_MAX_M tokens `decode_ffn`), "direct", "cublas" or "fused"
-            (see the module docstring).
-        dense_row_nnz: tokens with more gate non-zeros than this are computed by dense GEMMs ("direct": as many as
-            `dense_row_capacity` reserves, the others split over a block of warps; TwELL routes: all of them).
+        gate_route: "auto" (= "direct", or for up to DECODE_MAX_M tokens `decode_ffn`) or "direct".
+        dense_row_nnz: tokens with more gate non-zeros than this are computed by dense GEMMs (as many as
+            `dense_row_capacity` reserves, the others split over a block of warps).
         residual_MK: [M, K] added to the output (a decoder layer's residual stream), or None. The "direct"
             kernels add a contiguous bf16 one as they store y (the same bits as adding it after).
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: sets the "direct" route's walk
@@ -114,17 +106,16 @@ def twell_gated_mlp(
             reduction and conversion are two more kernels). l0_M is returned too, which the kernels write anyway,
             except by the decode kernel, whose call then allocates nothing but y.
         output_norm: (weight_K, eps) of an RMSNorm of the output rows (the next decoder layer's input norm): the
-            "rows" walk writes it as it stores them, into the result's normed_MK (`OutputNorm`). Other walks and
-            routes leave normed_MK None, as does a weight other than a contiguous bf16 [K] on x_MK's device.
+            "rows" walk writes it as it stores them, into the result's normed_MK (`OutputNorm`). The other walks
+            leave normed_MK None, as does a weight other than a contiguous bf16 [K] on x_MK's device.
 
     Returns:
-        FFNResult. "direct": path "twell-direct" ("twell-slices" where it took the slices walk), overflow_rows 0
-        (no token is recomputed). TwELL routes:
-        tokens with an overflowed tile (counted in `overflow_rows`) and heavy tokens were computed by
-        dense torch GEMMs; `path` is "twell+dense-rows" when there were any.
+        FFNResult: path "twell-direct" ("twell-slices" where it took the slices walk, "twell-decode" for the decode
+        kernel), overflow_rows 0 (no token is recomputed).
     """
     check_inputs(x_MK, w_gate_NK, w_up_NK, w_down_KN)
-    check_gate_route(gate_route, MLP_ROUTES)
+    if gate_route not in MLP_ROUTES:
+        raise ValueError(f"gate_route={gate_route!r} is not valid; use one of {MLP_ROUTES}")
     fusable = residual_MK is not None and check_residual(residual_MK, x_MK)
     fused = residual_MK if fusable else None
     if gate_route == "auto" and 0 < x_MK.shape[0] <= DECODE_MAX_M:
@@ -132,62 +123,38 @@ def twell_gated_mlp(
             x_MK, w_gate_NK, w_up_NK, DOWN_TRANSPOSES.get(w_down_KN), fused, None if l0_hint is None else l0_hint[1], statistics
         )
         return _finished(y_MK, l1_M, l0_M, fired_N, residual_MK if fused is None else None, statistics, "twell-decode")
-    if gate_route in ("auto", "direct"):
-        (m, k), n = x_MK.shape, w_gate_NK.shape[0]
-        walk = direct_walk(m, k, n, l0_hint, tail)
-        trial = (m, k, n, _mean_bucket(l0_hint[0])) if walk == "slices" and walk_choice() == "measured" else None
-        if trial in _measured_walks:
-            walk, trial = _measured_walks[trial], None
-        # Once the walk is known, its gate GEMM goes out before the host's other work for the call: an isolated call's
-        # GPU idles until its first kernel.
-        gate = None if trial is not None else _direct_gate(x_MK, w_gate_NK, walk)
-        # the gate and the cached transpose are well formed by construction: no second validation
-        w_down_t_NK = DOWN_TRANSPOSES.get(w_down_KN)
-        dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, tail)
-        # the norm of the rows as the kernels store them: not where the caller adds the residual afterwards
-        norm = _output_norm(output_norm, x_MK) if fused is not None or residual_MK is None else None
+    (m, k), n = x_MK.shape, w_gate_NK.shape[0]
+    walk = direct_walk(m, k, n, l0_hint, tail)
+    trial = (m, k, n, _mean_bucket(l0_hint[0])) if walk == "slices" and walk_choice() == "measured" else None
+    if trial in _measured_walks:
+        walk, trial = _measured_walks[trial], None
+    # Once the walk is known, its gate GEMM goes out before the host's other work for the call: an isolated call's
+    # GPU idles until its first kernel.
+    gate = None if trial is not None else _direct_gate(x_MK, w_gate_NK, walk)
+    # the gate and the cached transpose are well formed by construction: no second validation
+    w_down_t_NK = DOWN_TRANSPOSES.get(w_down_KN)
+    dense_rows = dense_row_capacity(m, l0_hint, dense_row_nnz, tail)
+    # the norm of the rows as the kernels store them: not where the caller adds the residual afterwards
+    norm = _output_norm(output_norm, x_MK) if fused is not None or residual_MK is None else None
 
-        def walk_through(
-            walk: str, gate: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            """The block through `walk`, from `gate` (`_direct_gate`'s for that walk) where it was issued already."""
-            columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
-            gate_MN, packed_MS = _direct_gate(x_MK, w_gate_NK, walk) if gate is None else gate
-            return launch_direct_up_down(
-                x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows,
-                norm=norm if walk == "rows" else None, packed_MS=packed_MS,
-            )  # fmt: skip
+    def walk_through(
+        walk: str, gate: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block through `walk`, from `gate` (`_direct_gate`'s for that walk) where it was issued already."""
+        columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
+        gate_MN, packed_MS = _direct_gate(x_MK, w_gate_NK, walk) if gate is None else gate
+        return launch_direct_up_down(
+            x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows,
+            norm=norm if walk == "rows" else None, packed_MS=packed_MS,
+        )  # fmt: skip
 
-        if trial is not None:
-            walk = measured_walk(trial, walk_through)
-        path = "twell-slices" if walk == "slices" else "twell-direct"
-        result = _finished(*walk_through(walk, gate), residual_MK if fused is None else None, statistics, path)
-        if norm is not None and walk == "rows":
-            result.normed_MK = norm.out_MK
-        return result
-    packed_MS = twell_gate(x_MK, w_gate_NK, gate_route)
-    result = twell_up_down(x_MK, packed_MS, w_up_NK, DOWN_TRANSPOSES.get(w_down_KN), dense_row_nnz)
-    dense_rows_R = result.dense_M.nonzero()[:, 0]  # the call's one device-to-host sync
-    overflow_rows = 0
-    y_MK, l1_M, l0_M, fired_N = result.y_MK, result.l1_M, result.l0_M, result.fired_N.bool()
-    if dense_rows_R.numel():
-        overflow_rows = int((result.dense_M.index_select(0, dense_rows_R) == 1).sum())
-        x_RK = x_MK.index_select(0, dense_rows_R)
-        h_RN = F.relu(F.linear(x_RK, w_gate_NK)) * F.linear(x_RK, w_up_NK)
-        y_MK.index_copy_(0, dense_rows_R, F.linear(h_RN, w_down_KN))
-        l1_R, l0_R, fired_rows_N = dense_row_stats(h_RN)
-        l1_M.index_copy_(0, dense_rows_R, l1_R)
-        l0_M.index_copy_(0, dense_rows_R, l0_R)
-        fired_N |= fired_rows_N
-    return FFNResult(
-        y_MK=y_MK if residual_MK is None else residual_MK + y_MK,
-        l1_sum=l1_M.sum() if statistics else None,
-        l0_M=l0_M,
-        fired_N=fired_N if statistics else None,
-        path="twell+dense-rows" if dense_rows_R.numel() else "twell",
-        overflow_rows=overflow_rows,
-    )
-
+    if trial is not None:
+        walk = measured_walk(trial, walk_through)
+    path = "twell-slices" if walk == "slices" else "twell-direct"
+    result = _finished(*walk_through(walk, gate), residual_MK if fused is None else None, statistics, path)
+    if norm is not None and walk == "rows":
+        result.normed_MK = norm.out_MK
+    return result
 def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The direct route's gate for its walk: (gate_MN, packed_MS). The walks list from the fused GEMM's TwELL words
     (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
@@ -198,7 +165,7 @@ def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tupl
     words = walk == "slices" or x_MK.shape[0] >= WORDS_GATE_MIN_M
     if words and tensor_map.mappable(x_MK) and tensor_map.mappable(w_gate_NK):
         gate_MN = torch.empty(x_MK.shape[0], w_gate_NK.shape[0], dtype=torch.bfloat16, device=x_MK.device)
-        return gate_MN, twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
+        return gate_MN, twell_gate(x_MK, w_gate_NK, overflow_gate_MN=gate_MN)
     return F.linear(x_MK, w_gate_NK), None
 
 def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Tensor) -> OutputNorm | None:

@@ -12,7 +12,6 @@ from sparse_llm.formats.constants import MAX_N, TILE
 
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 
-GATE_ROUTES = ("auto", "fused", "cublas")  # how twell_gate makes TwELL words
 
 def shape_unsupported_reason(k: int, n: int) -> str | None:
     """None if the kernels handle hidden width K and FFN width N, else why not."""
@@ -100,13 +99,10 @@ def check_inputs(
         ("w_down_KN", w_down_KN, (k, n), "down_proj.weight in nn.Linear layout [K, N]"),
     ], weight_dtypes)  # fmt: skip
 
-def check_gate_route(route: str, allowed: tuple[str, ...] = GATE_ROUTES) -> None:
-    if route not in allowed:
-        raise ValueError(f"gate_route={route!r} is not valid; use one of {allowed}")
-
-MAX_WIDTH = 4096
+MAX_WIDTH = 4096  # widest ELL row the training kernels take
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def check_train_inputs(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int
