@@ -30,9 +30,8 @@
 // More tokens than a block stages make groups, one per blockIdx.y, whose blocks run side by side: one group of 16
 // tokens keeps only 704 warps busy at N = 5632 (8 neurons a warp), of the 4224 an H200 holds at two blocks an SM.
 // Each group reads w_gate for its own tokens.
-[[maybe_unused]] constexpr int DECODE_MAX_M = 64;    // tokens per call (DECODE_MAX_M in sparse_llm/ffn/twell/backend.py)
-[[maybe_unused]] constexpr int DECODE_GROUP_M = 16;  // tokens a block stages in shared memory (DECODE_GROUP_M there)
-[[maybe_unused]] constexpr int DECODE_WARPS = 16;  // warps per block (DECODE_WARPS there)
+// DECODE_MAX_M (tokens per call), DECODE_GROUP_M (tokens a block stages in shared memory), DECODE_WARPS (warps per
+// block) and DECODE_MMA_NEURONS (neurons per tensor-core gate tile) come from sparse_llm/cuda/kernel_constants.py.
 
 // Adds h * w (this lane's KV pieces of a K-wide bf16 row) into a K-wide fp32 row in global memory, 16 bytes per
 // atomic.
@@ -76,7 +75,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-constexpr int MMA_NEURONS = 8;     // neurons per tensor-core gate tile (the n of m16n8k16)
 constexpr int MMA_LOAD_BATCH = 8;  // 32-column chunks of the tile's gate rows loaded before their products
 
 // The gate values g (bf16-rounded) of neurons n0 .. n0 + 7 for M <= DECODE_GROUP_M tokens on the tensor cores,
@@ -184,7 +182,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, KV <= 8 ? 2 : 1) decode_ffn
     float *__restrict__ l1, int *__restrict__ l0, unsigned *__restrict__ done, const __nv_bfloat16 *__restrict__ residual,
     __nv_bfloat16 *__restrict__ y, float *__restrict__ l1_out, int *__restrict__ l0_out, int *__restrict__ fired, int M,
     int K, int N) {
-    constexpr int TILE = MMA_GATE ? MMA_NEURONS : 1;  // neurons a warp takes at a time
+    constexpr int TILE = MMA_GATE ? DECODE_MMA_NEURONS : 1;  // neurons a warp takes at a time
     // This block's group: tokens `first` .. first + m - 1 of the call's M (its token t is the call's first + t), whose
     // sums y_sum, l1 and l0 point to from here on. Only MMA_GATE takes groups: the moved pointers hold registers,
     // which made the loops of the one-token variant (no use for groups) spill more.

@@ -14,7 +14,6 @@
 // here; no host synchronisation anywhere. One block of DENSE_ROWS_THREADS per reserved row.
 #include "twell_common.cuh"
 
-constexpr int DENSE_ROWS_THREADS = 256;
 
 __device__ __forceinline__ int rows_taken(const int *__restrict__ heavy_count, int capacity) {
     return min(*heavy_count, capacity);

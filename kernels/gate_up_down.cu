@@ -8,7 +8,7 @@
 //   gate_up_down_light : one warp per token. One pass over the token's gate row (brought into shared memory
 //                        by bulk copies) lists its positives as TwELL entries (bf16 value << 16 | column)
 //                        in ascending column order in shared memory. A token with more than split_nnz
-//                        positives (split_nnz <= LIST_CAP) is appended to heavy_rows for gate_up_down_heavy;
+//                        positives (split_nnz <= DIRECT_LIST_CAP) is appended to heavy_rows for gate_up_down_heavy;
 //                        the others are computed entry by entry, as up_down_entry computes one, with the
 //                        weight rows also brought by bulk copies.
 //                        With PACKED the positives come from the fused gate GEMM's TwELL words instead
@@ -34,7 +34,6 @@
 // twell_common.cuh), the next layer's input norm.
 #include "up_down_common.cuh"
 
-constexpr int LIST_CAP = 128;    // positives a light token's list holds (the launcher caps split_nnz here)
 
 // Warps sharing one heavy token: 16 (512 threads, 128 registers each) up to K = 2048; wider rows need
 // more registers per thread, so 8.
@@ -54,7 +53,7 @@ __host__ __device__ constexpr int light_warps_per_sm() {
     return KV <= 8 ? 16 : 6;
 }
 // Its shared memory: the ring's slots (first: bulk copies land fastest 128-byte aligned) | the x row | the list
-// (LIST_CAP entries) | the ring's barriers and the residual's, padded to 128 bytes | with a residual, its row.
+// (DIRECT_LIST_CAP entries) | the ring's barriers and the residual's, padded to 128 bytes | with a residual, its row.
 // The launcher sizes it as light_smem_bytes (twell_backend.py).
 template <int KV>
 __host__ __device__ constexpr int light_list_offset() {
@@ -62,7 +61,7 @@ __host__ __device__ constexpr int light_list_offset() {
 }
 template <int KV>
 __host__ __device__ constexpr int light_residual_offset() {
-    return light_list_offset<KV>() + LIST_CAP * 4 + 128;
+    return light_list_offset<KV>() + DIRECT_LIST_CAP * 4 + 128;
 }
 
 // One warp per block (launched with 32 threads). The walk is bound per SM by the latency of its warps' random weight
@@ -96,7 +95,7 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     if (m >= M) return;
     uint4 *x_smem = reinterpret_cast<uint4 *>(light_smem + SLOTS * KV * 512);
     uint32_t *list = reinterpret_cast<uint32_t *>(light_smem + light_list_offset<KV>());
-    uint64_t *barriers = reinterpret_cast<uint64_t *>(list + LIST_CAP);  // the ring's, then the residual's
+    uint64_t *barriers = reinterpret_cast<uint64_t *>(list + DIRECT_LIST_CAP);  // the ring's, then the residual's
     uint4 *residual_row = reinterpret_cast<uint4 *>(light_smem + light_residual_offset<KV>());
     const uint32_t residual_bar = static_cast<uint32_t>(__cvta_generic_to_shared(barriers + SLOTS));
     if (lane == 0) mbarrier_init(residual_bar);  // before the ring's fence, which covers it
@@ -107,8 +106,8 @@ __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_lig
     const __nv_bfloat16 *gate_row = static_cast<const __nv_bfloat16 *>(gate) + m * N + col_begin;
     const uint32_t *words = static_cast<const uint32_t *>(gate) + (m * N + col_begin) / TWELL_TILE * TWELL_SLOTS;
     const int tiles = (col_end - col_begin) / TWELL_TILE;
-    const int total = PACKED ? list_twell_row(words, tiles, list, LIST_CAP, lane)
-                             : list_gate_row_ring<KV, SLOTS>(gate_row, col_end - col_begin, ring, list, LIST_CAP, lane);
+    const int total = PACKED ? list_twell_row(words, tiles, list, DIRECT_LIST_CAP, lane)
+                             : list_gate_row_ring<KV, SLOTS>(gate_row, col_end - col_begin, ring, list, DIRECT_LIST_CAP, lane);
     const int col0 = PACKED ? 0 : col_begin;
     if (total > split_nnz) {  // (an overflowed segment's TWELL_ROW_OVERFLOW too)
         if (PACKED) twell_row_to_gate(words, tiles, heavy_gate + m * N + col_begin, lane);

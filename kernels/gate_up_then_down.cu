@@ -25,7 +25,6 @@
 // torch reference: formats.gated_mlp_ref.
 #include "up_down_common.cuh"
 
-constexpr int ENTRY_CAP = 128;  // entries a token keeps (LIST_CAP of gate_up_down.cu; the launcher caps split_nnz here)
 
 // Where piece q (0 .. PIECES - 1) of row n of entries_down's slice sits, in 16-byte units. Threads of a warp read
 // rows at random, and two pieces in the same 16-byte column of the 128-byte bank line conflict. With two pieces
@@ -45,9 +44,9 @@ __device__ __forceinline__ int bank_key(int n, int pieces, long long m) {
     return (column - static_cast<int>(m & 7)) & 7;
 }
 
-// Reorders a warp's list of `total` <= ENTRY_CAP entries (in shared memory) by bank_key, stably.
+// Reorders a warp's list of `total` <= DIRECT_LIST_CAP entries (in shared memory) by bank_key, stably.
 __device__ __forceinline__ void order_by_bank(uint32_t *list, int total, int pieces, long long m, int lane) {
-    constexpr int PER_LANE = ENTRY_CAP / 32;
+    constexpr int PER_LANE = DIRECT_LIST_CAP / 32;
     uint32_t entry[PER_LANE];
     int key[PER_LANE];
 #pragma unroll
@@ -78,7 +77,7 @@ __device__ __forceinline__ int entry_slot(int j) { return (j / 4) * 128 + j % 4;
 template <int KV>
 __device__ __forceinline__ int up_list_offset() { return 2 * KV * 512; }
 template <int KV>
-__device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>() + ENTRY_CAP * 4; }
+__device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>() + DIRECT_LIST_CAP * 4; }
 
 // One warp per block (launched with 32 threads). The walk is bound per SM by its warps' random w_up rows, so it keeps
 // as many warps resident as it can, each with two rows in flight. The rows come by bulk copies into the warp's ring
@@ -91,7 +90,7 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     __nv_bfloat16 *__restrict__ heavy_gate,  // PACKED: [M, N], heavy tokens' rows completed here (twell_row_to_gate)
     const __nv_bfloat16 *__restrict__ x,     // [M, K]
     const __nv_bfloat16 *__restrict__ w_up,  // [N, K]
-    uint32_t *__restrict__ entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out
+    uint32_t *__restrict__ entries,          // [ceil(M / 32), DIRECT_LIST_CAP / 4, 32, 4] out
     int *__restrict__ counts,                // [M] out: entries per token; -1 for a heavy token
     float *__restrict__ l1,                  // [M] out (light tokens)
     int *__restrict__ l0,                    // [M] out (light tokens)
@@ -108,9 +107,9 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
                         reinterpret_cast<uint64_t *>(up_smem + up_barriers_offset<KV>()), lane);
     __syncwarp();  // the barriers are initialised
     const uint32_t *words = static_cast<const uint32_t *>(gate) + m * (N / TWELL_TILE) * TWELL_SLOTS;
-    const int total = PACKED ? list_twell_row(words, N / TWELL_TILE, list, ENTRY_CAP, lane)
+    const int total = PACKED ? list_twell_row(words, N / TWELL_TILE, list, DIRECT_LIST_CAP, lane)
                              : list_gate_row_ring<KV, 2>(static_cast<const __nv_bfloat16 *>(gate) + m * N, N, ring,
-                                                         list, ENTRY_CAP, lane);
+                                                         list, DIRECT_LIST_CAP, lane);
     if (total > split_nnz) {
         if (PACKED) twell_row_to_gate(words, N / TWELL_TILE, heavy_gate + m * N, lane);
         if (lane == 0) {
@@ -134,7 +133,7 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     };
     if (lane == 0)
         for (int j = 0; j < 2 && j < total; ++j) fill(j);
-    uint32_t *out = entries + (m / 32) * (ENTRY_CAP * 32) + (m % 32) * 4;
+    uint32_t *out = entries + (m / 32) * (DIRECT_LIST_CAP * 32) + (m % 32) * 4;
     float l1_sum = 0.0f;
     int l0_sum = 0;
     for (int j = 0; j < total; ++j) {
@@ -157,9 +156,8 @@ __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     }
 }
 
-constexpr int ORDER_GROUP = 1024;  // tokens ordered together (one block of order_tokens)
 constexpr int BANK_CLASSES = 8;    // tokens m and slots s keep m % 8 == s % 8 (bank_key's rotation)
-constexpr int COUNT_BINS = ENTRY_CAP + 2;  // counts ENTRY_CAP .. 0, then the heavy tokens (count -1)
+constexpr int COUNT_BINS = DIRECT_LIST_CAP + 2;  // counts DIRECT_LIST_CAP .. 0, then the heavy tokens (count -1)
 
 // The tokens of a group with the same m % 8 trade places among themselves, by descending count: class r's k-th
 // token goes to slot group + 8 k + r. A slot's token so has the rotation gate_up_entries ordered its entries for,
@@ -180,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(ORDER_GROUP) order_tokens(
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int bank_class = threadIdx.x % BANK_CLASSES;
     const int count = m >= M ? 0 : heavy != nullptr && heavy[m] ? -1 : counts[m];
-    const int bin = count >= 0 ? ENTRY_CAP - count : ENTRY_CAP + 1;
+    const int bin = count >= 0 ? DIRECT_LIST_CAP - count : DIRECT_LIST_CAP + 1;
     for (int b = threadIdx.x; b < BANK_CLASSES * COUNT_BINS; b += blockDim.x) (&bin_size[0][0])[b] = 0;
     __syncthreads();
     if (m < M) atomicAdd(&bin_size[bank_class][bin], 1);
@@ -213,15 +211,15 @@ extern "C" __global__ void __launch_bounds__(ORDER_GROUP) order_tokens(
 // Copies each token's entries to its slot: one thread per 16 bytes (four entries) of the token-order layout, so
 // that the reads are contiguous (the writes land 16 bytes at a time, at the slots).
 extern "C" __global__ void __launch_bounds__(256) entries_to_slots(
-    const uint32_t *__restrict__ entries,  // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] in token order
+    const uint32_t *__restrict__ entries,  // [ceil(M / 32), DIRECT_LIST_CAP / 4, 32, 4] in token order
     const int *__restrict__ counts,        // [M] entries per token, -1 for a heavy token
     const int *__restrict__ token_slots,   // [M] from order_tokens
-    uint32_t *__restrict__ slot_entries,   // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out: the same, in slot order
+    uint32_t *__restrict__ slot_entries,   // [ceil(M / 32), DIRECT_LIST_CAP / 4, 32, 4] out: the same, in slot order
     int M) {
-    constexpr int CHUNK_FOURS = ENTRY_CAP / 4 * 32;  // 16-byte units of a 32-token chunk
+    constexpr int CHUNK_FOURS = DIRECT_LIST_CAP / 4 * 32;  // 16-byte units of a 32-token chunk
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // [chunk][four][token % 32]
     const long long m = i / CHUNK_FOURS * 32 + i % 32;
-    const int four = static_cast<int>(i / 32 % (ENTRY_CAP / 4));
+    const int four = static_cast<int>(i / 32 % (DIRECT_LIST_CAP / 4));
     if (m >= M || four * 4 >= counts[m]) return;
     const long long slot = token_slots[m];
     reinterpret_cast<uint4 *>(slot_entries)[slot / 32 * CHUNK_FOURS + four * 32 + slot % 32] =
@@ -237,14 +235,14 @@ __global__ void __launch_bounds__(128) ell_to_slots(
     const int *__restrict__ ell_cols,          // [M, W] entry columns
     const __nv_bfloat16 *__restrict__ ell_a,   // [M, W] g, or du
     const __nv_bfloat16 *__restrict__ ell_b,   // [M, W] u, or dg
-    const int *__restrict__ ell_count,         // [M] entries per token (W >= count, W <= ENTRY_CAP)
+    const int *__restrict__ ell_count,         // [M] entries per token (W >= count, W <= DIRECT_LIST_CAP)
     const bool *__restrict__ heavy,            // [M] heavy tokens (no entries here) are skipped
     const int *__restrict__ token_slots,       // [M] from order_tokens
-    uint32_t *__restrict__ a_entries,          // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] out, slot order: h, or du
+    uint32_t *__restrict__ a_entries,          // [ceil(M / 32), DIRECT_LIST_CAP / 4, 32, 4] out, slot order: h, or du
     uint32_t *__restrict__ b_entries,          // the same for dg; unused with PRODUCT
     int M, int W, int pieces) {
     constexpr int WARPS = 4;  // blockDim.x = 128
-    __shared__ uint32_t lists[WARPS][ENTRY_CAP];  // per warp: (ELL position << 16 | column), then ordered by bank
+    __shared__ uint32_t lists[WARPS][DIRECT_LIST_CAP];  // per warp: (ELL position << 16 | column), then ordered by bank
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const long long m = static_cast<long long>(blockIdx.x) * WARPS + warp;
     if (m >= M || heavy[m]) return;  // whole warp
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(128) ell_to_slots(
     __syncwarp();
     order_by_bank(list, count, pieces, m, lane);
     const long long slot = token_slots[m];
-    const long long first = (slot / 32) * (ENTRY_CAP * 32) + (slot % 32) * 4;
+    const long long first = (slot / 32) * (DIRECT_LIST_CAP * 32) + (slot % 32) * 4;
     for (int i = lane; i < count; i += 32) {
         const int j = static_cast<int>(list[i] >> 16), n = twell_col(list[i]);
         const float a = __bfloat162float(ell_a[m * W + j]), b = __bfloat162float(ell_b[m * W + j]);
@@ -277,7 +275,7 @@ constexpr int ENTRY_BATCH = 16;
 // count reads the slice's zero row N, which adds exact zeros, so the loop has no branch per entry.
 template <int KS, bool SUMS>
 __global__ void __launch_bounds__(1024, 1) entries_down(
-    const uint32_t *__restrict__ entries,        // [ceil(M / 32), ENTRY_CAP / 4, 32, 4] in slot order (order_tokens)
+    const uint32_t *__restrict__ entries,        // [ceil(M / 32), DIRECT_LIST_CAP / 4, 32, 4] in slot order (order_tokens)
     const int *__restrict__ counts,              // [M] per slot; -1: a heavy token, whose y row gate_up_down_heavy writes
     const int *__restrict__ tokens,              // [M] the token in each slot
     const __nv_bfloat16 *__restrict__ w_down_t,  // [N, K] (transpose of nn.Linear's [K, N])
@@ -331,7 +329,7 @@ __global__ void __launch_bounds__(1024, 1) entries_down(
             const long long c = item - s * chunks;
             const long long t = c * 32 + lane;
             const int steps = __reduce_max_sync(FULL_MASK, count);
-            const uint4 *mine = reinterpret_cast<const uint4 *>(entries + c * (ENTRY_CAP * 32)) + lane;
+            const uint4 *mine = reinterpret_cast<const uint4 *>(entries + c * (DIRECT_LIST_CAP * 32)) + lane;
             const bool writes = t < M && count >= 0;
             // The slot's token (read after the walk unless needed before: registers).
             auto token = [&]() { return static_cast<long long>(tokens[t]); };

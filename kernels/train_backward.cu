@@ -462,7 +462,6 @@ TRAIN_CSC_WGRAD(4, 2, __nv_bfloat16)
 
 // One thread per 8 consecutive elements of the heavy tokens' [R, N] rows (N % 8 == 0). The GEMMs' outputs are
 // rewritten in place: the gate pre-activations become dg, the up products du, dy w_down becomes h.
-constexpr int BACKUP_GRADS_THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(BACKUP_GRADS_THREADS) train_backup_grads(
     __nv_bfloat16 *__restrict__ gate_dg,  // [R, N] in: x w_gate^T; out: dg

@@ -16,9 +16,9 @@ using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
 
-[[maybe_unused]] constexpr int TWELL_TILE = 256;      // columns of g per tile
-[[maybe_unused]] constexpr int TWELL_SLOTS = 32;      // words per (token, tile) segment
-[[maybe_unused]] constexpr int TWELL_CAPACITY = 31;   // payload words per segment
+// TWELL_TILE (columns of g per tile), TWELL_SLOTS (words per (token, tile) segment) and the other constants shared
+// with Python are #defined in front of every source by sparse_llm/cuda/runtime.py (sparse_llm/cuda/kernel_constants.py).
+[[maybe_unused]] constexpr int TWELL_CAPACITY = TWELL_SLOTS - 1;  // payload words per segment
 [[maybe_unused]] constexpr unsigned FULL_MASK = 0xffffffffu;
 
 // One packed entry: the value's bf16 bits (round to nearest even) above the 16-bit global column.
@@ -398,9 +398,7 @@ __device__ __forceinline__ void store_row_normed(__nv_bfloat16 *normed_row, cons
 
 // `part` flags of the kernels that walk a weight block in column parts, one launch per part: FIRST_PART (no earlier
 // part: sums start at zero, once-per-call outputs are written) and LAST_PART (no later part: sums are stored in
-// bf16 rather than carried in an fp32 row).
-[[maybe_unused]] constexpr int FIRST_PART = 1;
-[[maybe_unused]] constexpr int LAST_PART = 2;
+// bf16 rather than carried in an fp32 row). Both are #defined with the shared constants.
 
 // This lane's pieces of a K-wide fp32 row of running sums (lane l owns columns v * 256 + 8l .. + 7 of piece v),
 // carried in memory from one column part of a walk to the next.

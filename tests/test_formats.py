@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from sparse_llm.formats import (
     SUPPORTED_COMPRESSION,
-    TILE_COLS,
+    TILE,
     HybridPacked,
     TwellPacked,
     canonicalize_twell,
@@ -93,7 +93,7 @@ def _assert_within_rule(
 
 
 def test_constants() -> None:
-    assert TILE_COLS == 256
+    assert TILE == 256
     assert SUPPORTED_COMPRESSION == (2, 4, 8)
 
 
@@ -107,11 +107,11 @@ def test_twell_round_trip(m: int, n: int, density: float | str, compression: int
     )
     gate_MN = _signed_sparse(m, n, density_M, gen, signed=False)
     packed = pack_twell(gate_MN, compression)
-    slots = TILE_COLS // compression
+    slots = TILE // compression
 
     assert packed.words_MS.dtype == torch.int32
-    assert packed.words_MS.shape == (m, n // TILE_COLS * slots)
-    true_counts_MT = (gate_MN > 0).reshape(m, -1, TILE_COLS).sum(-1)
+    assert packed.words_MS.shape == (m, n // TILE * slots)
+    true_counts_MT = (gate_MN > 0).reshape(m, -1, TILE).sum(-1)
     assert torch.equal(packed.counts_MT, true_counts_MT.to(torch.int32))
     assert torch.equal(packed.overflow_M, (true_counts_MT > slots - 1).any(1))
     if density != "heavy" and (density <= 0.02 or compression == 2):
@@ -143,7 +143,7 @@ def test_twell_word_encoding_bits() -> None:
 
 @pytest.mark.parametrize("compression", SUPPORTED_COMPRESSION)
 def test_twell_overflow_boundary(compression: int) -> None:
-    slots = TILE_COLS // compression
+    slots = TILE // compression
     gate_MN = -torch.ones(2, 512)
     gate_MN[0, 256 : 256 + slots - 1] = 1.0  # exactly fills the slots: no overflow
     gate_MN[1, 256 : 256 + slots] = torch.arange(1, slots + 1, dtype=torch.float32)  # one too many

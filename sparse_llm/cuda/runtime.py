@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparse_llm.cuda.kernel_constants import cuda_defines
+
 log = logging.getLogger(__name__)
 
 NVRTC_OPTIONS: tuple[str, ...] = ("-arch=sm_90a", "-std=c++17")
@@ -58,9 +60,11 @@ def kernel_path(filename: str) -> Path:
 
 
 def kernel_source(filename: str) -> str:
-    """The source of `filename` with its local `#include "x.cuh"` headers inlined (once each).
+    """The source of `filename` with its local `#include "x.cuh"` headers inlined (once each), after the #define lines
+    of the constants it shares with Python (`kernel_constants.cuda_defines`).
 
-    Inlining makes the full text part of CuPy's cache key, so editing a header recompiles its users.
+    Inlining makes the full text part of CuPy's cache key, so editing a header or a shared constant recompiles its
+    users.
     """
     seen: set[str] = set()
 
@@ -71,7 +75,7 @@ def kernel_source(filename: str) -> str:
         text = kernel_path(name).read_text()
         return _INCLUDE.sub(lambda match: expand(match.group(1)), text)
 
-    return expand(filename)
+    return cuda_defines() + expand(filename)
 
 
 def _import_cupy() -> Any:

@@ -14,8 +14,8 @@ Shape-suffix legend
     M  tokens (rows of the activations)
     K  model width (hidden size)
     N  feedforward width (intermediate size), at most 65536 (16-bit column indices)
-    T  TwELL tiles per token, N / TILE_COLS
-    P  TwELL slots (32-bit words) per (token, tile) segment, TILE_COLS / compression
+    T  TwELL tiles per token, N / TILE
+    P  TwELL slots (32-bit words) per (token, tile) segment, TILE / compression
     S  TwELL words per token, T * P
     W  ELL width of the hybrid format
     R  backup (dense) rows of the hybrid format
@@ -25,7 +25,7 @@ The TwELL format is specified in :mod:`sparse_llm.formats.twell`, the hybrid for
 :mod:`sparse_llm.formats.hybrid`; validation and the dense reference live in :mod:`sparse_llm.formats.common`.
 """
 
-from sparse_llm.formats.common import MAX_COLS, SUPPORTED_COMPRESSION, TILE_COLS, gated_mlp_ref
+from sparse_llm.formats.common import MAX_N, SUPPORTED_COMPRESSION, TILE, gated_mlp_ref
 from sparse_llm.formats.hybrid import (
     HybridForward,
     HybridGrads,
@@ -52,7 +52,7 @@ from sparse_llm.formats.twell import (
 )
 
 __all__ = [
-    "MAX_COLS", "SUPPORTED_COMPRESSION", "TILE_COLS", "gated_mlp_ref",
+    "MAX_N", "SUPPORTED_COMPRESSION", "TILE", "gated_mlp_ref",
     "HybridForward", "HybridGrads", "HybridPacked", "HybridSaved", "hybrid_abs_sum",
     "hybrid_gated_mlp_backward_ref", "hybrid_gated_mlp_forward_ref", "hybrid_matmul", "hybrid_mul",
     "hybrid_sddmm", "hybrid_t_matmul", "pack_hybrid", "unpack_hybrid",

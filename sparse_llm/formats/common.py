@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-TILE_COLS = 256
-SUPPORTED_COMPRESSION = (2, 4, 8)
-MAX_COLS = 1 << 16  # column indices are stored in 16 bits
+from sparse_llm.formats.constants import MAX_N, TILE
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_COMPRESSION = (2, 4, 8)
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHUNK_ELEMS = 1 << 22  # bound on the gathered [chunk, K] temporaries of the SDDMM
 
 Tensor = torch.Tensor
@@ -24,7 +24,7 @@ def _check_matrix(t: object, name: str) -> Tensor:
     """Raise unless ``t`` is a 2-D floating-point tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} has dtype {t.dtype}; pass a floating tensor (bf16, fp16, fp32 or fp64), "
             f"e.g. {name}.to(torch.bfloat16)"
@@ -49,13 +49,13 @@ def _check_same(ref: Tensor, ref_name: str, t: Tensor, name: str) -> None:
 
 def _check_n_cols(n: int, name: str, twell: bool) -> None:
     """Raise unless N fits 16-bit column indices (and the TwELL tiling when ``twell``)."""
-    if n > MAX_COLS:
+    if n > MAX_N:
         raise ValueError(
-            f"{name} has N={n} columns; the formats store 16-bit column indices, so N must be <= {MAX_COLS}"
+            f"{name} has N={n} columns; the formats store 16-bit column indices, so N must be <= {MAX_N}"
         )
-    if twell and n % TILE_COLS != 0:
+    if twell and n % TILE != 0:
         raise ValueError(
-            f"{name} has N={n} columns; TwELL needs N to be a multiple of {TILE_COLS} "
+            f"{name} has N={n} columns; TwELL needs N to be a multiple of {TILE} "
             f"(pad the feedforward width or use the dense/hybrid path)"
         )
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.formats.common import (
-    MAX_COLS,
-    TILE_COLS,
+    MAX_N,
+    TILE,
     Tensor,
     accumulation_dtype,
     _check_compression,
@@ -69,8 +69,8 @@ class TwellPacked:
 
     Attributes:
         words_MS: int32 [M, S] holding uint32 words, S = n_tiles * slots_per_tile.
-        n_cols: N, the unpacked width (a multiple of TILE_COLS).
-        compression: C in SUPPORTED_COMPRESSION; slots_per_tile = TILE_COLS // C.
+        n_cols: N, the unpacked width (a multiple of TILE).
+        compression: C in SUPPORTED_COMPRESSION; slots_per_tile = TILE // C.
     """
 
     words_MS: Tensor
@@ -96,11 +96,11 @@ class TwellPacked:
 
     @property
     def n_tiles(self) -> int:
-        return self.n_cols // TILE_COLS
+        return self.n_cols // TILE
 
     @property
     def slots_per_tile(self) -> int:
-        return TILE_COLS // self.compression
+        return TILE // self.compression
 
     @property
     def segments_MTP(self) -> Tensor:
@@ -137,12 +137,12 @@ def pack_twell(gate_MN: Tensor, compression: int = 8) -> TwellPacked:
     compression = _check_compression(compression)
     m, n = gate_MN.shape
     _check_n_cols(n, "gate_MN", twell=True)
-    n_tiles, slots = n // TILE_COLS, TILE_COLS // compression
+    n_tiles, slots = n // TILE, TILE // compression
 
-    pos_MTC = (gate_MN > 0).reshape(m, n_tiles, TILE_COLS)
+    pos_MTC = (gate_MN > 0).reshape(m, n_tiles, TILE)
     rank_MTC = pos_MTC.cumsum(dim=-1) - 1  # rank of each positive inside its tile
     seg_m, seg_t, col_in_tile = (pos_MTC & (rank_MTC < slots - 1)).nonzero(as_tuple=True)
-    col_E = seg_t * TILE_COLS + col_in_tile
+    col_E = seg_t * TILE + col_in_tile
     word_E = (_bf16_bits(gate_MN[seg_m, col_E]) << 16) | col_E
 
     words_MTP = torch.zeros(m, n_tiles, slots, dtype=torch.int64, device=gate_MN.device)
@@ -168,11 +168,11 @@ def validate_twell(packed: TwellPacked) -> None:
     stored twice in a row; no stored value is negative. Meant for checking kernel output.
     """
     counts_MT = packed.counts_MT
-    if bool(((counts_MT < 0) | (counts_MT > TILE_COLS)).any()):
-        bad = ((counts_MT < 0) | (counts_MT > TILE_COLS)).nonzero()[:8].tolist()
-        raise ValueError(f"TwELL counts outside [0, {TILE_COLS}] at (row, tile) {bad}")
+    if bool(((counts_MT < 0) | (counts_MT > TILE)).any()):
+        bad = ((counts_MT < 0) | (counts_MT > TILE)).nonzero()[:8].tolist()
+        raise ValueError(f"TwELL counts outside [0, {TILE}] at (row, tile) {bad}")
     row_E, tile_E, col_E, value_E = _twell_entries(packed)
-    outside_E = col_E // TILE_COLS != tile_E
+    outside_E = col_E // TILE != tile_E
     if bool(outside_E.any()):
         e = outside_E.nonzero()[:8, 0]
         found = list(zip(row_E[e].tolist(), tile_E[e].tolist(), col_E[e].tolist(), strict=True))
@@ -197,7 +197,7 @@ def canonicalize_twell(packed: TwellPacked) -> TwellPacked:
     payload_MTQ = seg_MTP[..., 1:]  # Q = P - 1 payload slots
     n_stored_MT = seg_MTP[..., 0].clamp(max=packed.slots_per_tile - 1)
     stored_MTQ = torch.arange(payload_MTQ.shape[-1], device=seg_MTP.device) < n_stored_MT[..., None]
-    key_MTQ = torch.where(stored_MTQ, payload_MTQ & 0xFFFF, MAX_COLS)  # unused slots sort last
+    key_MTQ = torch.where(stored_MTQ, payload_MTQ & 0xFFFF, MAX_N)  # unused slots sort last
     payload_MTQ = payload_MTQ.gather(-1, key_MTQ.argsort(dim=-1, stable=True))
     canon_MTP = torch.cat([seg_MTP[..., :1], torch.where(stored_MTQ, payload_MTQ, 0)], dim=-1)
     return TwellPacked(_u32_to_i32(canon_MTP).reshape(packed.n_rows, -1), packed.n_cols, packed.compression)

@@ -12,14 +12,13 @@ every tuned constant with the measurement and command behind it.
 from __future__ import annotations
 import functools
 import math
+from sparse_llm.cuda.kernel_constants import DECODE_GROUP_M, DECODE_MAX_M, DIRECT_LIST_CAP
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, Tail
 from sparse_llm.formats.constants import TILE
 from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 
 
-DECODE_MAX_M = 64  # DECODE_MAX_M in decode_ffn.cu: the most tokens of a decode_ffn call
 
-DECODE_GROUP_M = 16  # DECODE_GROUP_M there: the most tokens a block stages in shared memory (more make groups)
 
 # decode_ffn's blocks sum their share of y in shared memory first (`decode_block_sums`) where M * ceil(K / 256) <=
 # DECODE_BLOCK_SUM_PIECES (97 KiB a block, two blocks an SM) and a token may fire more than DECODE_GLOBAL_MAX_NNZ
@@ -49,7 +48,6 @@ DECODE_MMA_GBPS = 1100.0
 # non-zeros per token and 31.8 / 36.9 / 45.8 / 56.7 at 56, against the dense block's 32-35.
 DECODE_GROUP_GATE_SHARE = 0.15
 
-DIRECT_LIST_CAP = 128  # LIST_CAP in gate_up_down.cu: most positives a token keeps on the one-warp path
 
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
 # parts, one pass per part, so that more of each part's rows stay in L2 while all tokens go over them (the walk's

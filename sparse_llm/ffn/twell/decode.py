@@ -10,17 +10,16 @@ import math
 import numpy as np
 import torch
 from sparse_llm.cuda import runtime
-from sparse_llm.ffn.twell.cost_model import DECODE_GROUP_M, DECODE_MAX_M, decode_block_sums, decode_mma_gate
+from sparse_llm.ffn.twell.cost_model import decode_block_sums, decode_mma_gate
+from sparse_llm.cuda.kernel_constants import DECODE_GROUP_M, DECODE_MAX_M, DECODE_MMA_NEURONS, DECODE_WARPS
 from sparse_llm.ffn.twell.infer_launch import as_i32
 
 
-DECODE_WARPS = 16  # DECODE_WARPS there: warps per block
 
 DECODE_BLOCKS_PER_SM = 2
 
 DECODE_FINISH_THREADS = 256  # threads per block of decode_finish (graphed calls)
 
-DECODE_MMA_NEURONS = 8  # MMA_NEURONS there
 
 def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) -> str:
     """decode_ffn's instantiation for rows of kv 256-column pieces, summing y per block or not, gates on the tensor

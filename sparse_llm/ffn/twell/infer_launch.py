@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from sparse_llm.cuda import runtime
 from sparse_llm.cuda import tensor_map
 from sparse_llm.formats.constants import SLOTS, TILE
-from sparse_llm.ffn.twell.cost_model import Columns, DENSE_ROW_NNZ, DIRECT_LIST_CAP, SPLIT_BELOW_M, column_parts, slice_width
+from sparse_llm.ffn.twell.cost_model import Columns, DENSE_ROW_NNZ, SPLIT_BELOW_M, column_parts, slice_width
+from sparse_llm.cuda.kernel_constants import DENSE_ROWS_THREADS, DIRECT_LIST_CAP, FIRST_PART, LAST_PART, ORDER_GROUP
 from sparse_llm.ffn.twell.validation import check_2d, check_operands, check_tensor
 
 
@@ -38,10 +39,8 @@ GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 TOKENS_PER_BLOCK = 1
 
 
-FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column parts (twell_common.cuh)
 
 
-DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per reserved row
 
 # The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
 # - "rows" (kernels/gate_up_down.cu): one pass; per non-zero a warp reads its w_up and w_down rows from L2.
@@ -51,7 +50,6 @@ DENSE_ROWS_THREADS = 256  # DENSE_ROWS_THREADS in dense_rows.cu: one block per r
 #   by count first, so that the 32 a warp walks together take about equally long.
 WALKS = ("rows", "slices")
 
-ORDER_GROUP = 1024  # tokens ordered by count together (order_tokens in the kernel)
 
 def _version(t: torch.Tensor) -> int:
     # Inference tensors have no version counter (reading it raises, and a raised error costs host time every call);

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from sparse_llm.cuda import tensor_map
 from sparse_llm.ffn.backend import FFNResult, Tail
 from sparse_llm.ffn.trials import best_times_ms, env_choice, log_bucket
-from sparse_llm.ffn.twell.cost_model import DECODE_MAX_M, DENSE_ROW_NNZ, column_parts, dense_row_capacity, direct_walk
+from sparse_llm.ffn.twell.cost_model import DENSE_ROW_NNZ, column_parts, dense_row_capacity, direct_walk
+from sparse_llm.cuda.kernel_constants import DECODE_MAX_M
 from sparse_llm.ffn.twell.validation import check_residual, check_inputs
 from sparse_llm.ffn.twell.infer_launch import OutputNorm, WALKS, DOWN_TRANSPOSES, check_output_norm, launch_direct_up_down, twell_gate
 from sparse_llm.ffn.twell.decode import decode_ffn

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.twell import cost_model
-from sparse_llm.ffn.twell.infer_launch import ORDER_GROUP, TOKENS_PER_BLOCK, flagged_parts, slices_down, transposed_copy
+from sparse_llm.ffn.twell.infer_launch import TOKENS_PER_BLOCK, flagged_parts, slices_down, transposed_copy
+from sparse_llm.cuda.kernel_constants import BACKUP_GRADS_THREADS, ORDER_GROUP
 from sparse_llm.ffn.twell.train_launch import launch_train_kernel, row_pieces, require_kernels, slot_entries, heavy_rows, split_compute_weights
 from sparse_llm.ffn.twell.csc import KEY_CTYPES, csc_weight_gradients, csc_index, csc_key_dtype, wgrad_scratch
 
 
-BACKUP_GRADS_THREADS = 256  # BACKUP_GRADS_THREADS in train_backward.cu (train_backup_grads)
 
 DX_SUMS_BYTES = 32 << 20  # fp32 sums the slices walk of dx holds at once (4096 tokens at K = 2048)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.backend import landed
 from sparse_llm.ffn.twell import cost_model
-from sparse_llm.ffn.twell.cost_model import DIRECT_LIST_CAP
+from sparse_llm.cuda.kernel_constants import DIRECT_LIST_CAP
 from sparse_llm.ffn.twell.infer_launch import TOKENS_PER_BLOCK, dense_heavy_rows, flagged_parts, order_slots, slices_down, split_token_up_down, transposed_copy
 
 

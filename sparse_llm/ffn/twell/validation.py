@@ -7,6 +7,7 @@ then runs it).
 
 from __future__ import annotations
 import torch
+from sparse_llm.formats.common import FLOAT_DTYPES
 from sparse_llm.formats.constants import MAX_N, TILE
 
 
@@ -101,9 +102,6 @@ def check_inputs(
 
 MAX_WIDTH = 4096  # widest ELL row the training kernels take
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def check_train_inputs(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int
 ) -> tuple[int, int, int]:
@@ -121,7 +119,7 @@ def check_train_inputs(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}; flatten tokens with x.reshape(-1, K)")
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; pass floating tensors (bf16 on the GPU)")
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
