@@ -35,7 +35,7 @@ from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
 from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.ffn.twell.backend import TwellFFN
-from sparse_llm.ffn.twell.infer_launch import direct_up_down, twell_gate, twell_up_down
+from sparse_llm.ffn.twell.infer_launch import direct_up_down, twell_gate
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 
@@ -92,8 +92,6 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
         row["twell_ms"] = time_ms(run_twell, reps=reps)
         row["dense_b2b_ms"] = time_ms(run_dense, reps=reps, drain=False)
         row["twell_b2b_ms"] = time_ms(run_twell, reps=reps, drain=False)
-        row["twell_fused_ms"] = time_ms(lambda: run_twell("fused"), reps=reps)
-        row["twell_cublas_ms"] = time_ms(lambda: run_twell("cublas"), reps=reps)
         row["dense_mJ"] = energy_mj_per_call(meter, run_dense, energy_s)
         row["twell_mJ"] = energy_mj_per_call(meter, run_twell, energy_s)
         if m <= GRAPH_MAX_M:
@@ -116,7 +114,7 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
 
 
 def calibrate(k: int, n: int) -> list[dict]:
-    """Component timings for the cost model: gate routes vs M, and the up+down kernel vs non-zeros."""
+    """Component timings for the cost model: the gate GEMMs vs M, and the direct up+down walk vs non-zeros."""
     rows = []
     with torch.inference_mode():
         for m in (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384):
@@ -124,18 +122,14 @@ def calibrate(k: int, n: int) -> list[dict]:
             rows.append({
                 "what": "gate", "M": m,
                 "torch_matmul_ms": time_ms(lambda: torch.nn.functional.linear(x, wg)),
-                "fused_ms": time_ms(lambda: twell_gate(x, wg, "fused")),
-                "cublas_pack_ms": time_ms(lambda: twell_gate(x, wg, "cublas")),
+                "fused_ms": time_ms(lambda: twell_gate(x, wg)),
             })  # fmt: skip
         for m in (1, 64, 16384):
             for nnz in (0.001, 28, 56, 112, 280):  # ~0: the fixed cost per call
                 x, wg, wu, wd = synthetic_block(m, k, n, nnz)
-                packed, gate = twell_gate(x, wg), F.linear(x, wg)
+                gate = F.linear(x, wg)
                 wt = wd.t().contiguous()
-                for what, call in (
-                    ("up_down", lambda: twell_up_down(x, packed, wu, wt)),
-                    ("direct_up_down", lambda: direct_up_down(x, gate, wu, wt)),
-                ):
+                for what, call in (("direct_up_down", lambda: direct_up_down(x, gate, wu, wt)),):
                     ms = time_ms(call)
                     gbps = m * nnz * 4 * k / (ms * 1e6)
                     rows.append({"what": what, "M": m, "nnz": nnz, "ms": ms, "GBps": gbps})
@@ -202,7 +196,7 @@ def main() -> None:
             json.dump(results, f, indent=1)
 
     print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | "
-          "twell ms, auto route (TwELL: fused / cublas) | speedup (vs compiled) | "
+          "twell ms | speedup (vs compiled) | "
           "back to back ms dense / twell (speedup) | err twell (dense) | "
           "energy mJ dense / twell | path (overflow rows) | auto | auto speedup | "
           "graph ms dense / twell (speedup) |")  # fmt: skip
@@ -211,7 +205,7 @@ def main() -> None:
         print(
             f"| {r['M']} | {r['sigma']} | {r['nnz_mean']:.0f} / {r['nnz_p99']:.0f} / {r['nnz_max']} | "
             f"{r['dense_ms']:.3f} | {r['dense_stats_ms']:.3f} | {r['dense_compiled_ms']:.3f} | "
-            f"{r['twell_ms']:.3f} ({r['twell_fused_ms']:.3f} / {r['twell_cublas_ms']:.3f}) | {r['speedup']:.2f}x "
+            f"{r['twell_ms']:.3f} | {r['speedup']:.2f}x "
             f"({r['speedup_compiled']:.2f}x) | "
             f"{r['dense_b2b_ms']:.3f} / {r['twell_b2b_ms']:.3f} ({r['speedup_b2b']:.2f}x) | "
             f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | {fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
