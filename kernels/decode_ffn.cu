@@ -117,10 +117,10 @@ __device__ __forceinline__ void gate_tile_mma(float *vals, const uint4 *x_rows, 
 }
 
 // The decode workspace for up to T tokens (fp32, T * K + 2 * T + ceil(T / DECODE_GROUP_M) words;
-// `decode_workspace_words` in sparse_llm/ffn/twell/backend.py): token t's fp32 sums of y at [t * K] (y_sum), then l1 (fp32
-// [T]), l0 (int32 [T]) and each group's count of blocks done (unsigned), each passed to the kernel as a pointer of its
-// own: kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers from its
-// loops. All zero between calls.
+// `decode_workspace_words` in sparse_llm/ffn/twell/decode.py): token t's fp32 sums of y at [t * K] (y_sum), then l1
+// (fp32 [T]), l0 (int32 [T]) and each group's count of blocks done (unsigned), each passed to the kernel as a pointer
+// of its own: kernel parameters stay in the constant bank, where pointers computed in the kernel would take registers
+// from its loops. All zero between calls.
 
 // y (bf16 [M, K]) = the fp32 sums y_sum [M, K] rounded to bf16, plus residual (bf16 [M, K], or null) added as the
 // unfused path adds it (add_residual8); with `zero`, the sums are zeroed as they are read. Piece q = columns 8q ..

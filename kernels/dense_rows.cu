@@ -1,8 +1,9 @@
-// The direct route's heavy tokens through dense GEMMs (inference). gate_up_down_light lists the tokens with more
-// gate positives than split_nnz in heavy_rows (heavy_count[0] of them, a number only the device knows). Walking
-// such a token costs two weight rows per positive; a dense row of the block costs about as much as 70 of them
-// (sparse_llm/ffn/twell/backend.py prices both). The host reserves `capacity` rows from the layer's recent density, and
-// these kernels give the first min(count, capacity) heavy tokens the dense path's arithmetic around two cuBLAS GEMMs:
+// The direct route's heavy tokens through dense GEMMs (inference). gate_up_down_light lists the tokens with more gate
+// positives than split_nnz in heavy_rows (heavy_count[0] of them, a number only the device knows). Walking such a token
+// costs two weight rows per positive; a dense row of the block costs about as much as 70 of them
+// (sparse_llm/ffn/twell/cost_model.py prices both). The host reserves `capacity` rows from the layer's recent density,
+// and these kernels give the first min(count, capacity) heavy tokens the dense path's arithmetic around two cuBLAS
+// GEMMs:
 //   gather_dense_rows : x_CK[i] = x[heavy_rows[i]]                     (zero rows past the taken ones)
 //   u_CN = x_CK w_up^T                                                 (cuBLAS)
 //   dense_rows_h      : h_CN[i] = relu(gate[heavy_rows[i]]) * u_CN[i]  (in place, bf16 as the dense path rounds it),

@@ -54,7 +54,7 @@ __host__ __device__ constexpr int light_warps_per_sm() {
 }
 // Its shared memory: the ring's slots (first: bulk copies land fastest 128-byte aligned) | the x row | the list
 // (DIRECT_LIST_CAP entries) | the ring's barriers and the residual's, padded to 128 bytes | with a residual, its row.
-// The launcher sizes it as light_smem_bytes (twell_backend.py).
+// The launcher sizes it as light_smem_bytes (sparse_llm/ffn/twell/infer_launch.py).
 template <int KV>
 __host__ __device__ constexpr int light_list_offset() {
     return (light_slots<KV>() + 1) * KV * 512;
@@ -67,8 +67,8 @@ __host__ __device__ constexpr int light_residual_offset() {
 // One warp per block (launched with 32 threads). The walk is bound per SM by the latency of its warps' random weight
 // rows, so it keeps many warps resident, each with light_slots rows in flight: w_up[n0], w_down_t[n0], w_up[n1], ...
 // come by bulk copies into the warp's ring (no registers held while they fly), and a bf16 gate row comes through the
-// same ring first. The arithmetic is up_down_entry's, in its order. Against register loads of both rows (16 warps of
-// 128 registers) the kernel is 4.6-6% faster at 28 and 56 non-zeros per token on an H100 (BENCHMARKS.md, 2026-11-27).
+// same ring first. The arithmetic is up_down_entry's, in its order; faster than register loads of both rows, which
+// hold registers while the rows fly (docs/kernels.md, measured choices).
 template <int KV, bool PACKED>
 __global__ void __launch_bounds__(32, light_warps_per_sm<KV>()) gate_up_down_light(
     const void *__restrict__ gate,               // [M, N] bf16 pre-activation x w_gate^T, or (PACKED) its TwELL words

@@ -82,8 +82,8 @@ __device__ __forceinline__ int up_barriers_offset() { return up_list_offset<KV>(
 // One warp per block (launched with 32 threads). The walk is bound per SM by its warps' random w_up rows, so it keeps
 // as many warps resident as it can, each with two rows in flight. The rows come by bulk copies into the warp's ring
 // (no registers held while they fly) and x stays in registers; the gate row comes through the same ring, both pieces
-// in flight, before the walk. Against register loads with x in shared memory (21 warps of 94 registers) the kernel is
-// 6% faster on an H100 and 11-13% on an H200, with the same bits (BENCHMARKS.md, 2026-11-27).
+// in flight, before the walk: faster than register loads with x in shared memory, with the same bits (docs/kernels.md,
+// measured choices).
 template <int KV, bool PACKED>
 __global__ void __launch_bounds__(32, KV <= 8 ? 21 : 4) gate_up_entries(
     const void *__restrict__ gate,           // [M, N] bf16 pre-activation x w_gate^T, or (PACKED) its TwELL words

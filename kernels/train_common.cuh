@@ -1,7 +1,7 @@
-// Shared helpers of the training kernels (hybrid format: ELL rows + dense backup rows; the torch
-// specification is sparse_llm/formats.py, the op is sparse_llm/ffn/twell/train_op.py). The warp-row convention and
-// its helpers (stage_row, lane_dot, axpy, ...) are in twell_common.cuh.
-// Rounding points follow formats.py: every stored or multiplied value is rounded to bf16 where the torch
+// Shared helpers of the training kernels (hybrid format: ELL rows + dense backup rows; the torch specification is
+// sparse_llm/formats/hybrid.py, the op is sparse_llm/ffn/twell/train_op.py). The warp-row convention and its helpers
+// (stage_row, lane_dot, axpy, ...) are in twell_common.cuh.
+// Rounding points follow sparse_llm/formats: every stored or multiplied value is rounded to bf16 where the torch
 // reference holds a bf16 tensor; sums are fp32.
 #ifndef TRAIN_COMMON_CUH
 #define TRAIN_COMMON_CUH

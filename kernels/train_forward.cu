@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(128, KV <= 8 ? 3 : 1) train_fwd_gate(
             heavy[m] = is_heavy;
             if (is_heavy) heavy_list[atomicAdd(heavy_count, 1)] = static_cast<int>(m);
         }
-        // Zero padding (column 0, value 0) past the entries, over the whole row of a heavy token, as formats.py
+        // Zero padding (column 0, value 0) past the entries, over the whole row of a heavy token, as sparse_llm/formats
         // lays it out: the saved state is deterministic without a separate fill.
         for (int s = is_heavy ? lane : total + lane; s < W; s += 32) {
             ell_cols[row0 + s] = 0;

@@ -1,4 +1,4 @@
-// Shared definitions of the TwELL format (see sparse_llm/formats.py for the torch specification).
+// Shared definitions of the TwELL format (see sparse_llm/formats/twell.py for the torch specification).
 //
 // The gate activations g = relu(x Wg^T) [M, N] are cut into tiles of 256 columns. Each (token, tile) owns a
 // segment of 32 uint32 words in a row-major buffer [M, (N/256) * 32]:
@@ -433,7 +433,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int s
 }
 
 // cp_async_16 of a whole 16-byte piece under an L2 cache policy. There is deliberately no zero-filling form: on an
-// H100 a cp.async with both a source size and a cache hint faults as an illegal instruction (BENCHMARKS.md).
+// H100 a cp.async with both a source size and a cache hint faults as an illegal instruction.
 __device__ __forceinline__ void cp_async_16_policy(uint32_t dst, const void *src, uint64_t policy) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
 }

@@ -49,7 +49,7 @@ constexpr int RELEASES = 8 * CLUSTER;  // a stage is free once each consumer war
 constexpr int TILE_FULL = 1, TILE_FREE = 2, TILE_PARTIES = 256 + 32 * PACKERS;
 // Dynamic shared memory: the stages, the tile buffer, the packers' lists, 2 * STAGES barriers, and slack to align the
 // stages to 1024 bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in
-// twell_backend.py.
+// sparse_llm/ffn/twell/infer_launch.py.
 [[maybe_unused]] constexpr int SMEM_BYTES = BARRIERS_OFFSET + 2 * STAGES * 8 + 1024;
 
 // A CUtensorMap (the driver's 128-byte opaque tensor map), passed by value as a __grid_constant__ parameter.

@@ -6,7 +6,7 @@
 // A warp's ring of SLOTS shared-memory slots of KV * 512 bytes (one K-wide bf16 row each, K <= 256 * KV), filled by
 // bulk copies that lane 0 starts, each slot with its own mbarrier: SLOTS rows in flight without holding registers.
 // The warp reads a slot after wait() and refills it after a __syncwarp() that follows its last read. Slots placed
-// 128-byte aligned: 16-byte aligned ones made the up walk 1.3x slower (BENCHMARKS.md, 2026-11-27).
+// 128-byte aligned: bulk copies into 16-byte aligned ones land much slower (docs/kernels.md, measured choices).
 template <int KV, int SLOTS>
 struct RowRing {
     uint4 *data;      // [SLOTS][KV * 32]
@@ -72,8 +72,8 @@ __device__ __forceinline__ int list_gate_row_ring(const __nv_bfloat16 *__restric
 
 // Lane 0's read of neuron n's fired flag (1 on the other lanes), for count_h. The rows walk and the slices up walk
 // issue it as they start an entry, so its L2 round trip overlaps the entry's rows: read where count_h needs it, it
-// stalled the warp once per entry (the rows walk's kernel 2-4% slower on heavy tails, H100, BENCHMARKS.md
-// 2026-11-27). up_down_entry (the split and TwELL walks) still reads it just before count_h.
+// stalls the warp once per entry (docs/kernels.md, measured choices). up_down_entry (the split walk of heavy tokens)
+// still reads it just before count_h.
 __device__ __forceinline__ int fired_flag(const int *__restrict__ fired, long long n, int lane) {
     return lane == 0 ? __ldcg(fired + n) : 1;
 }

@@ -22,7 +22,7 @@ import torch
 
 
 # Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
-# many rows as the layer's observed share of such tokens calls for (sparse_llm/ffn/twell/backend.py, DENSE_ROW_NNZ).
+# many rows as the layer's observed share of such tokens calls for (sparse_llm/ffn/twell/cost_model.py, DENSE_ROW_NNZ).
 HEAVY_TOKEN_NNZ = 128
 
 @dataclass(frozen=True)
@@ -44,12 +44,12 @@ class FFNResult:
         fired_N: [N] bool, neurons with h != 0 for at least one token (detached).
             These three are None where an inference call was not asked for statistics and its backend would
             have had to spend passes over h on them (the dense path); training calls always carry them.
-        path: which code path produced y (for logs), e.g. "torch", "twell", "twell+dense-rows".
+        path: which code path produced y (for logs), e.g. "torch", "twell-direct", "twell-decode".
         normed_MK: the RMSNorm of y_MK that the call's `output_norm` asked for, where the backend wrote it as it
             stored y_MK (bf16, F.rms_norm's arithmetic); None elsewhere (the caller applies the norm itself).
-        overflow_rows: tokens that could not take the sparse path and were computed densely (the TwELL routes'
-            overflows and heavy rows, the training op's backup rows): an int, or, where the call does not wait for
-            the GPU to learn it, a pinned CPU int32 [1] that an asynchronous copy fills (-1 until it lands).
+        overflow_rows: tokens that could not take the sparse path and were computed densely (the training op's
+            backup rows): an int, or, where the call does not wait for the GPU to learn it, a pinned CPU int32 [1]
+            that an asynchronous copy fills (-1 until it lands).
             `dense_rows()` reads either. The direct inference route's dense rows are not counted: their number
             never leaves the device.
     """

@@ -50,18 +50,16 @@ TRIAL_REPS = 3  # timed calls per path in a trial, after one untimed call each
 # A host-bound trial times each path's calls issued back to back by the host's clock, with a wait for the GPU around
 # each run of them (`loop_times_ms`): what a decoding loop pays per call, the host's time or the device's, whichever is
 # longer. CUDA events around single calls misread it: the dense block's events start late where the call before left
-# the GPU busy. On an H200 they put the decode kernel at 16 tokens at 0.089 ms against the dense block's 0.060, while
-# 64-call loops ran them at 71 and 94 us a call (2026-11-29). A call costs ~0.1 ms: the trial runs a few dozen, once
-# per bucket.
+# the GPU busy, which can rank the two paths the wrong way round (docs/kernels.md, tuned constants). A call costs
+# ~0.1 ms: the trial runs a few dozen, once per bucket.
 HOST_BOUND_TRIAL_ROUNDS = 5
 
 HOST_BOUND_TRIAL_CALLS = 4  # calls per run
 
 # An inference call issued from Python whose sparse and dense prices are both under this runs at the host's pace on
-# either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
-# machines against 13-38 us of device time in CUDA graphs. Which path's call costs the host less depends on the host
-# and on how many ops the call issues: the decode kernel's took 1.05-1.7x the dense block's with two launches
-# (BENCHMARKS.md 2026-11-27, 2026-11-28) and 0.76-0.79x in one (2026-11-29). Its price (device time) sees neither.
+# either path: a block of a few tokens takes the host several times its device time. Which path's call costs the host
+# less depends on the host and on how many ops the call issues, which a price (device time) does not see
+# (docs/kernels.md, tuned constants).
 HOST_BOUND_MS = 0.06
 
 # Choices a layer remembers between observations (per token count and call kind), before it forgets them all: lm-eval's
@@ -129,9 +127,8 @@ class LayerDispatcher:
         # `accepts` and the trials read besides the observation: tokens, device, dtypes, autocast, training, compiled,
         # graphed, trial offered and the current backend (SPARSE_LLM_AUTO is read when a choice is made, and holds for
         # it until the next observation or `forget_trials`). A call of a kind seen before skips the cost models and the
-        # trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an `auto` layer's
-        # such calls took 24-39 us longer than a `torch` layer's on an H200's host, and 3-14 us longer with the choice
-        # kept (BENCHMARKS.md, 2026-11-29). The backend object itself is kept: its lookup by name took 3 us of that host.
+        # trial lookup. A decoding step's few tokens issued from Python pay that host time in full, per layer and token
+        # (docs/kernels.md, CHOICES_KEPT). The backend object itself is kept: its lookup by name costs host time too.
         self._chosen: dict[tuple, FFNBackend] = {}
 
     @property

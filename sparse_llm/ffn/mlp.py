@@ -66,7 +66,7 @@ class SparseMLP(nn.Module):
         """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given: a decoder layer's residual add done here
         (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output. With
         `residual_writable` the caller gives up `residual`: the result may be written into its memory (the dense
-        path's down GEMM then adds into it, `backends.add_linear_`).
+        path's down GEMM then adds into it, `torch_backend.add_linear_`).
 
         With `next_norm` = (weight [K], eps), the next layer's input RMSNorm (F.rms_norm's arithmetic), the call
         returns (output, normed): normed is that norm of the output where the backend wrote it as it stored the

@@ -1,7 +1,7 @@
 """What holds for the micro-batches of one optimizer step, for the sparse training op to rely on.
 
 Between two updates the weights do not change, and the gradients of a step's micro-batches are summed into the
-parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell_train.twell_train_ffn`) uses both facts:
+parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell.train_op.twell_train_ffn`) uses both facts:
 
 - reuse_casts: the bf16 copies it makes of float32 master weights (and w_down's transpose) are made by the step's
   first micro-batch and reused by the others, instead of one cast of each weight per layer call.
@@ -12,7 +12,7 @@ parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell_train.
   waits for the gradient (`held_grads`). DDP's reducer reads `.grad` after the weight's AccumulateGrad node has run,
   which it still does (with no gradient to add), so it all-reduces the sums (tests/ddp_step_scope_check.py); the
   trainer turns this on for one process and under DDP, not under FSDP, whose unsharded gradients are its own.
-- graph_forwards: its forward replays one CUDA graph per layer (`train_graphs`), whose outputs the layer's next forward
+- graph_forwards: its forward replays one CUDA graph per layer (`twell.graphs`), whose outputs the layer's next forward
   rewrites. For steps whose compiled layers are CUDA graphs too (`trainer.cuda_graphs=true`), which make the same
   demand: each micro-batch's backward runs before the next micro-batch's forward.
 
@@ -67,7 +67,7 @@ def adding_into_grads() -> bool:
 
 
 def graphing_forwards() -> bool:
-    """Whether calls made now may replay their forward as a CUDA graph (`train_graphs`)."""
+    """Whether calls made now may replay their forward as a CUDA graph (`twell.graphs`)."""
     return _current is not None and _current.graph_forwards
 
 

@@ -46,12 +46,13 @@ def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
     (one pass over h instead of five, forward and backward)."""
     return torch.compile(dense_block, backend=backend)
 
+# The eager statistics pass over h (L1, L0, fired) per element of [M, N]: memory-bound, fitted on the H100 block
+# (docs/kernels.md, tuned constants).
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
 
-# A few tokens cannot keep the tensor cores busy: the dense block then streams its three weights from HBM. In CUDA
-# graphs (no host time) it took 35-39 us at K x N = 2048 x 5632 (69 MB) and 107-114 us at 4096 x 11008 (270 MB) for
-# 1-16 tokens (H100, 2026-11-26, BENCHMARKS.md): priced as a fixed cost plus the weights at a rate that puts both
-# shapes at or under their fastest calls (34.7 and 106.6 us), so that a sparse path must beat the dense block's best.
+# A few tokens cannot keep the tensor cores busy: the dense block then streams its three weights from HBM. Priced as a
+# fixed cost plus the weights at a rate that puts it at or under its fastest calls measured in CUDA graphs, so that a
+# sparse path must beat the dense block's best (docs/kernels.md, tuned constants).
 DENSE_WEIGHT_FIXED_MS = 0.010
 
 DENSE_WEIGHT_GBPS = 2800.0
@@ -62,11 +63,10 @@ def add_linear_(
     """acc_MK += F.linear(a_MJ, w_KJ, bias_K), in acc_MK's memory; returns acc_MK.
 
     On a GPU, without a bias and where the three dtypes agree, this is one GEMM that reads acc_MK in its epilogue
-    (cuBLAS's beta = 1): at 16384 x 2048 x 2048 in bf16 on an H100, 187 us against 246 us for the GEMM and then an
-    add, which is a pass of its own over [M, K] (BENCHMARKS.md, 2026-11-27). Otherwise (a bias, a bf16 product into
-    an fp32 stream under autocast, or the CPU) the GEMM and then an in-place add. On the CPU the fused form buys
-    nothing, and MKL's sgemm with beta = 1 rounds apart from the product plus the add on some CPUs (AVX-512: a third
-    of the values at 32 x 256 x 64), so the CPU keeps the stock model's bits."""
+    (cuBLAS's beta = 1), which saves the add's own pass over [M, K] (docs/kernels.md, measured choices). Otherwise (a
+    bias, a bf16 product into an fp32 stream under autocast, or the CPU) the GEMM and then an in-place add. On the CPU
+    the fused form buys nothing, and MKL's sgemm with beta = 1 rounds apart from the product plus the add on some CPUs
+    (AVX-512: a third of the values at 32 x 256 x 64), so the CPU keeps the stock model's bits."""
     if acc_MK.is_cuda and bias_K is None and acc_MK.dtype == a_MJ.dtype == w_KJ.dtype:
         return acc_MK.addmm_(a_MJ, w_KJ.t())
     return acc_MK.add_(F.linear(a_MJ, w_KJ, bias_K))
@@ -101,12 +101,11 @@ class TorchFFN(FFNBackend):
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
         # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
         # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in eager training, the
-        # statistics pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
-        # M=16384, N=5632 on an H100 (BENCHMARKS.md, "re-check after the torch-path statistics change").
-        # Compiled, that work fuses into one pass: the block trained in 5.47-5.61 ms there against 5.67 ms of
-        # GEMMs at this rate (BENCHMARKS.md, 2026-11-25 06:47), so the GEMMs alone price it. Inference calls skip
-        # the statistics unless recorded, so a sparse backend is weighed against the bare GEMMs there: the
-        # stricter comparison. Few tokens' inference streams the weights instead (DENSE_WEIGHT_GBPS).
+        # statistics pass over h (L1, L0, fired), memory-bound elementwise work (STATS_MS_PER_ELEMENT). Compiled,
+        # that work fuses into the GEMMs' neighbours and the GEMMs alone price the block (docs/kernels.md, tuned
+        # constants). Inference calls skip the statistics unless recorded, so a sparse backend is weighed against the
+        # bare GEMMs there: the stricter comparison. Few tokens' inference streams the weights instead
+        # (DENSE_WEIGHT_GBPS).
         flops = 2.0 * m * k * n * (9 if training else 3)
         statistics_ms = m * n * STATS_MS_PER_ELEMENT if training and not compiled else 0.0
         weights_ms = 0.0 if training else DENSE_WEIGHT_FIXED_MS + 3 * k * n * 2 / (DENSE_WEIGHT_GBPS * 1e6)

@@ -1,7 +1,7 @@
 """Constants of the sparse formats, defined once for the torch code and the CUDA sources.
 
-The CUDA sources see them as preprocessor defines that `sparse_llm.cuda.runtime` passes to NVRTC
-(`nvrtc_defines`), so the Python and CUDA sides cannot disagree.
+The CUDA sources see them as #define lines that `sparse_llm.cuda.runtime` puts in front of every source
+(`sparse_llm.cuda.kernel_constants.cuda_defines`), so the Python and CUDA sides cannot disagree.
 """
 
 TILE = 256  # gate columns per TwELL tile

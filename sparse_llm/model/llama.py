@@ -119,7 +119,7 @@ class FusedRopeAttention(LlamaAttention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(o_proj's output, attention weights); with `residual_BSK` (which the caller gives up) the first is
-        residual_BSK + o_proj's output, added in its memory by the projection's GEMM (`backends.add_linear_`)."""
+        residual_BSK + o_proj's output, added in its memory by the projection's GEMM (`torch_backend.add_linear_`)."""
         input_shape = hidden_states.shape[:-1]
         heads_shape = (*input_shape, -1, self.head_dim)
         q_BSHD = self.q_proj(hidden_states).view(heads_shape)
@@ -160,7 +160,7 @@ class FusedDecoderLayer(LlamaDecoderLayer):
 
     Without autograd (and outside torch.compile's tracing) the residual adds write into the residual stream's memory:
     the attention's output projection and the dense FFN path's down projection add into it by their GEMMs
-    (`backends.add_linear_`), one [M, K] pass less each per layer. The stream after the attention is the layer's
+    (`torch_backend.add_linear_`), one [M, K] pass less each per layer. The stream after the attention is the layer's
     own; its input it overwrites only with `own_input=True`, which the caller passes when it no longer needs the
     tensor it gave (not when it keeps per-layer hidden states, for example).
 
@@ -384,7 +384,7 @@ def compile_layers(model: LlamaForCausalLM, backend: str = "inductor", cuda_grap
     A layer's norms, attention (projections, rotary embedding, the attention kernel) and residual adds become a
     few fused kernels behind one host call, forward and backward; its `SparseMLP` runs eagerly in between (its
     forward is excluded from tracing: the backend choice is host-side state), so every FFN backend works as it does
-    without compiling, and the torch backend compiles its own block (`backends.dense_block`). The layers share
+    without compiling, and the torch backend compiles its own block (`torch_backend.dense_block`). The layers share
     their compiled code: the first call compiles it once (a minute or so on a GPU host, `backend="aot_eager"`
     traces without generating kernels, for debugging).
     """

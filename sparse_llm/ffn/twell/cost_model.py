@@ -22,10 +22,9 @@ from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 
 # decode_ffn's blocks sum their share of y in shared memory first (`decode_block_sums`) where M * ceil(K / 256) <=
 # DECODE_BLOCK_SUM_PIECES (97 KiB a block, two blocks an SM) and a token may fire more than DECODE_GLOBAL_MAX_NNZ
-# neurons (no hint: it may). One global atomic per firing neuron queues thousands on each output address for a dense
-# token: at K x N = 2048 x 5632, one token firing every neuron took 216 us that way, 33 us with block sums (dense
-# block 37 us); block sums cost 3-9 us more for 1-8 tokens of ~30 non-zeros (H100, 2026-11-26). Priced per pair of
-# (firing neuron, token) at DECODE_MS_PER_PAIR for 2048 columns plus DECODE_BLOCK_SUMS_MS.
+# neurons (no hint: it may): one global atomic per firing neuron would queue thousands on each output address for a
+# dense token, while block sums cost sparse tokens only a few us. Priced per pair of (firing neuron, token) at
+# DECODE_MS_PER_PAIR for 2048 columns plus DECODE_BLOCK_SUMS_MS (docs/kernels.md, tuned constants).
 DECODE_BLOCK_SUM_PIECES = 64
 
 DECODE_GLOBAL_MAX_NNZ = 512
@@ -35,29 +34,24 @@ DECODE_MS_PER_PAIR = 2.3e-6
 DECODE_BLOCK_SUMS_MS = 0.004
 
 # From this many tokens decode_ffn computes the gates of 8 neurons at a time on the tensor cores (MMA_GATE in
-# decode_ffn.cu) instead of one warp-wide dot product per token and neuron. In CUDA graphs at K x N = 2048 x 5632,
-# 28 non-zeros per token (H100, 2026-11-26): 24.6 against 29.1 us at 8 tokens, 27.9 against 48.1 at 16, but 22.8
-# against 17.9 at 4 (fewer warps stream w_gate: priced at DECODE_MMA_GBPS, measured 1.1-1.25 TB/s there, ~1.7 TB/s
-# at 4096 x 11008).
+# decode_ffn.cu) instead of one warp-wide dot product per token and neuron: faster from 8 tokens, slower below, where
+# its fewer warps stream w_gate at DECODE_MMA_GBPS (docs/kernels.md, tuned constants).
 DECODE_MMA_MIN_M = 8
 
 DECODE_MMA_GBPS = 1100.0
 
-# Each group of tokens past the first adds this share of the gate's priced time (besides its rows and pairs): in CUDA
-# graphs at K x N = 2048 x 5632 (H200, 2026-11-29) 16 / 32 / 48 / 64 tokens took 27.2 / 30.1 / 36.4 / 43.8 us at 28
-# non-zeros per token and 31.8 / 36.9 / 45.8 / 56.7 at 56, against the dense block's 32-35.
+# Each group of tokens past the first adds this share of the gate's priced time (besides its rows and pairs): the
+# groups' blocks run side by side, so a further group's pass over w_gate costs a fraction of the first's (fitted on
+# 16-64 tokens in CUDA graphs; docs/kernels.md, tuned constants).
 DECODE_GROUP_GATE_SHARE = 0.15
 
 
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
 # parts, one pass per part, so that more of each part's rows stay in L2 while all tokens go over them (the walk's
 # rate falls once its rows outgrow L2; see row_slowdown below). Each part costs the tokens' fixed work again and a
-# round trip of their fp32 sums, which more parts pay for only at higher densities. On the H100 (BENCHMARKS.md,
-# 2026-11-26), from 66 to 224 MiB of rows, two parts walked 1.08-1.32x faster than one at 56 non-zeros per token
-# and 1.00-1.16x at 28; three parts won more at 56 (up to 1.36x) but lost up to 10% at 20 non-zeros.
-# Three parts where the rows reach THREE_PART_ROW_BYTES and the layer's recent mean non-zeros per token (known to
-# the dispatch, not to the launch) reach THREE_PART_MIN_L0: 1.06-1.13x faster walks than two at 56 non-zeros over
-# 132-224 MiB of rows, 0.975-1.01x at 28.
+# round trip of their fp32 sums, which a third part repays only at higher densities: three parts where the rows reach
+# THREE_PART_ROW_BYTES and the layer's recent mean non-zeros per token (known to the dispatch, not to the launch)
+# reach THREE_PART_MIN_L0 (docs/kernels.md, tuned constants).
 ONE_PASS_ROW_BYTES = 48 * 2**20
 
 WIDE_BLOCK_PARTS = 2
@@ -67,69 +61,57 @@ THREE_PART_ROW_BYTES = 128 * 2**20
 THREE_PART_MIN_L0 = 45.0
 
 # ------------------------------------------------------------------------------------------------
-# Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
-# --calibrate at K = 2048, N = 5632 (BENCHMARKS.md, "TwELL inference: calibration").
+# Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), fitted at K = 2048, N = 5632
+# (`python scripts/bench_mlp.py --mode infer --calibrate`; docs/kernels.md, tuned constants).
 # ------------------------------------------------------------------------------------------------
 CUBLAS_GEMM_TFLOPS = 730.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.517 ms
 
-PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
+PACK_GBPS = 2100.0  # one pass that reads the bf16 gate and writes its positives: the training op's gate pass
 
-# Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2). The direct route's
-# one-warp kernel at M = 16384: 0.611 ms at 28 non-zeros per token, 1.094 ms at 56 (a marginal 7.8 TB/s); whole
-# calls 1.20-1.27 and 1.68-1.72 ms (BENCHMARKS.md, 2026-11-25 14:45-15:20). 7.5 TB/s on top of a fixed 0.16 ms
-# per 16384 tokens and the gate's read prices both within 5%, on the dear side. The kernel now takes its rows by bulk
-# copies, 5-6% faster at that shape (0.595 / 1.054 ms, H100, 2026-11-27): the fit is dearer still, not refitted, so
-# `auto` may keep a layer dense that would just win, never the reverse.
+# Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2): with a fixed cost per token
+# and the gate's read, this prices the one-warp walk and whole calls on the dear side. The walk by bulk copies runs a
+# few percent faster than the fit, which was kept: `auto` may keep a layer dense that would just win, never the
+# reverse (docs/kernels.md, tuned constants).
 UP_DOWN_GBPS = 7500.0
 
 UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
 
 # That rate holds while the walked rows mostly stay in the 50 MB L2 (K = 2048, N = 5632: 44 MiB of w_up + w_down
-# rows). Wider blocks walk rows from HBM: one pass of the direct route, H100, 2026-11-26, 28 / 56 non-zeros per token,
-# streamed 7.1 / 7.4 TB/s over 22 MiB of rows, 6.1 / 6.9 over 44, 4.6 / 5.3 over 66, 3.9-4.5 / 4.2-5.1 over 86-96,
-# 3.2-3.4 / 3.5-3.7 over 132-224 (K x N from 2048 x 2816 to 4096 x 14336; BENCHMARKS.md). Priced as: the share of
-# the rows beyond L2_ROW_BYTES comes from HBM at ROW_HBM_GBPS, and the slower of that and the L2 rate sets the pace
-# (row_slowdown; within the measurements' spread, on the dear side).
+# rows); wider blocks draw more of their rows from HBM, and the walk slows with the share that misses. Priced as: the
+# share of the rows beyond L2_ROW_BYTES comes from HBM at ROW_HBM_GBPS, and the slower of that and the L2 rate sets
+# the pace (row_slowdown; on the dear side of the rates in docs/kernels.md, tuned constants).
 L2_ROW_BYTES = 30 * 2**20
 
 ROW_HBM_GBPS = 2840.0
 
-# With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold
-# make the kernel's tail: measured up to 2.2x the uniform cost at mean 28 / max 796. The factor grows with the share
-# of the layer's non-zeros held by tokens above DENSE_ROW_NNZ (`heavy_share`) and is whole from TAIL_FULL_SHARE up:
-# the heavy tails measured (H100, mean 28-112, max 1353-2631, K x N 2048 x 5632 to 4096 x 11008) hold 0.2-0.6 of
-# their non-zeros there and are priced 1.03-1.4x their measured time; a mild tail such as mean 80 / max 142 (0.003
-# of the non-zeros above 128) runs at the uniform rate: at 2048 x 11264 2.76 ms, 1.28x faster than dense, and the
-# old price of the whole factor for any token above the threshold (4.7 ms) kept it dense.
+# With a heavy tail (some token above the dense-row threshold) the tokens just under the threshold make the kernel's
+# tail, up to TAIL_FACTOR times the even cost. The factor grows with the share of the layer's non-zeros held by tokens
+# above DENSE_ROW_NNZ (`heavy_share`) and is whole from TAIL_FULL_SHARE up, so that a mild tail (a few tokens just past
+# the threshold, which run at the even rate) does not keep a layer dense (docs/kernels.md, tuned constants).
 TAIL_FACTOR = 2.2
 
 TAIL_FULL_SHARE = 0.15
 
 HBM_GBPS = 3000.0
 
-# Python, launches and the overflow sync: a call never took less than this (M = 1 .. 64: 0.22-0.44 ms).
+# The host's time of a direct-route call (Python and launches): no call was measured to take less.
 CPU_FLOOR_MS = 0.22
 
-# The decode kernel (`decode_ffn`, up to DECODE_MAX_M tokens) with its gates as warp-wide dot products, device time
-# in CUDA graphs on the H100 (2026-11-26, 28 and 56 non-zeros per token): 14.8-14.9 / 17.7-18.4 / 28.6-29.1 /
-# 48.1-48.9 us at 1 / 4 / 8 / 16 tokens at K x N = 2048 x 5632; 37-38 / 45-48 / 68-71 / 122-124 us at 4096 x 11008.
-# Priced (`decode_ms`): a fixed cost, w_gate and the rows of the neurons some token fires streamed at DECODE_GBPS,
-# and the per-token dot products at DECODE_MS_PER_MAC per weight: 0.93-1.22x the measurements at 2048 x 5632,
-# 1.3-1.45x at 4096 x 11008 (where its dot products run faster per weight); from DECODE_MMA_MIN_M tokens the gates
-# are priced at DECODE_MMA_GBPS instead. Its host time per call was 1.05-1.7x the dense block's on most machines with
-# a memset and two launches, and 0.76-0.79x in one launch (H200, 2026-11-29): calls issued from Python are settled by
-# a trial (`dispatch.HOST_BOUND_MS`), this price serves CUDA graphs.
+# The decode kernel's device time (`decode_ms`, up to DECODE_MAX_M tokens): a fixed cost, w_gate and the rows of the
+# neurons some token fires streamed at DECODE_GBPS, and the per-token gate dot products at DECODE_MS_PER_MAC per weight
+# (from DECODE_MMA_MIN_M tokens the gates at DECODE_MMA_GBPS instead). Fitted in CUDA graphs, dear at wider blocks.
+# Calls issued from Python are host-bound and settled by a trial (`dispatch.HOST_BOUND_MS`): this price serves CUDA
+# graphs (docs/kernels.md, tuned constants).
 DECODE_FIXED_MS = 0.005
 
 DECODE_GBPS = 2500.0
 
 DECODE_MS_PER_MAC = 1.6e-10
 
-# Tokens with more gate non-zeros than this leave the one-warp path: the TwELL routes compute them with
-# dense GEMMs (at ~1.5 ns per sparse non-zero, 8 KiB at 5.5 TB/s, vs ~0.1 us per dense GEMM row, the
-# break-even is ~70; 128 leaves margin for the gather/scatter around the dense rows), the direct route
-# too, over the rows it reserved (DENSE_ROWS_*), and past them splits them over a block of warps so that no single
-# warp walks hundreds of non-zeros.
+# Tokens with more gate non-zeros than this leave the one-warp path (a dense GEMM row costs about as much as 70 sparse
+# non-zeros' weight rows; 128 leaves margin for the gather and scatter): the direct route computes them by dense GEMMs
+# over the rows it reserved (DENSE_ROWS_*), and past them splits them over a block of warps so that no single warp
+# walks hundreds of non-zeros (docs/kernels.md, tuned constants).
 DENSE_ROW_NNZ = HEAVY_TOKEN_NNZ  # 128
 
 # Tokens averaging this many gate non-zeros per tile are assumed to overflow some tile (capacity 31).
@@ -142,18 +124,17 @@ SPLIT_BELOW_M = 2048
 # gathered on the device (kernels/dense_rows.cu), as many as the host reserved from the layer's recent density;
 # heavy tokens past that capacity are split over a block of warps. The reservation: a margin times the expected count
 # plus DENSE_ROWS_ALIGN, rounded up to DENSE_ROWS_ALIGN rows; the expected count from the layer's measured share of
-# heavy tokens where known, else from the log-normal model of `lognormal_split`, which put it 0.5-1.3x the actual count
-# on the synthetic blocks (H200, 2026-11-26). A spare row costs the two GEMMs ~0.07 us; the heavy tokens past the
-# reservation are the call's tail, each walked by one block (~0.1 ms for a dozen tokens of ~1000 non-zeros).
+# heavy tokens where known, else from the log-normal model of `lognormal_split`, which can miss the count by half (hence
+# its wider margin). A spare row costs the GEMMs far less than a heavy token past the reservation, which the call's
+# tail walks on one block (docs/kernels.md, tuned constants).
 DENSE_ROWS_MARGIN = {"measured": 1.25, "modelled": 2.0}
 
 DENSE_ROWS_ALIGN = 128
 
 # Priced on top of the dense rows' GEMMs and passes (`dense_rows_ms`), in full from a heavy share of TAIL_FULL_SHARE of
-# the non-zeros: calls with heavy tails took 0.03-0.15 ms more at 16384 tokens than their light non-zeros at the walk's
-# rate, the dense rows and the gate GEMM add up to (H100, 2026-11-26, tails of sigma 0.3 and 0.5 at 28-112 non-zeros
-# per token holding 47-87% of them: the light tokens' counts spread up to the threshold, and six more launches). With
-# this the price lands at 0.98-1.04x the calls measured: on the dear side, as `auto` needs.
+# the non-zeros: heavy-tailed calls take longer than their light non-zeros, dense rows and gate GEMM add up to (the
+# light tokens' counts spread up to the threshold, and more launches); this keeps their price on the dear side
+# (docs/kernels.md, tuned constants).
 DENSE_ROWS_MS_PER_TOKEN = 0.15 / 16384
 
 SLICE_SMEM_BYTES = 227 * 1024  # shared memory per block on an H100: the slice's (N + 1) rows of KS bf16
@@ -162,23 +143,17 @@ SLICE_WIDTHS = (16, 8)  # KS, widest first (entries_down<KS> instances)
 
 SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 slices win at 56 non-zeros
 
-# Slices price, from the H100 (2026-11-26, BENCHMARKS.md; K x N from 2048 x 5632 to 4096 x 14336, 8192 to 32768
-# tokens, 20 to 112 non-zeros per token). The up walk: one w_up row per light non-zero at UP_GBPS (slower once the
-# rows outgrow L2: `row_slowdown` of N rows of K) plus reading the bf16 gate at GATE_READ_GBPS (0.349 / 0.601 ms at
-# the paper's block at 28 / 56, priced within -6% .. +9% everywhere). The down kernel: per work item (32 tokens x KS
-# columns) a fixed cost plus one per step of the item's densest token (`warp_steps`), per KS: with 8-column slices
-# an item writes half of each 32-byte sector of its tokens' output rows, and such items cost ~3x more (the partial
-# sectors appear to cost a read-modify-write). 16 columns refitted after the tokens were ordered by count (H200,
-# order + down kernels: 0.197 / 0.330 ms at the paper's block at 28 / 56, 0.18-0.19 at 8192 tokens and 56).
-# With a heavy tail the heavy tokens cost both walks the same: tails holding 0.15-0.36 of their non-zeros above
-# DENSE_ROW_NNZ walked 1.10-1.19x slower in slices than in rows (mean 28 and 56, sigma 0.3 and 0.5) while a down warp
-# waited for its densest token; with the tokens ordered by count the two tie (mean 28, sigma 0.3: 0.97-0.98 ms each,
-# H200), while the walks' prices (the rows one deliberately dear) rank them apart.
+# Slices price. The up walk: one w_up row per light non-zero at UP_GBPS (slower once the rows outgrow L2:
+# `row_slowdown` of N rows of K) plus reading the bf16 gate at GATE_READ_GBPS. The down kernel: per work item (32
+# tokens x KS columns) a fixed cost plus one per step of the item's densest token (`warp_steps`), per KS: with 8-column
+# slices an item writes half of each 32-byte sector of its tokens' output rows, and such items cost ~3x more (the
+# partial sectors appear to cost a read-modify-write). A heavy tail gives the slices walk no edge (a down warp waits
+# for its densest token), while the prices, the rows one deliberately dear, would rank the walks apart: slices only up
+# to SLICES_MAX_HEAVY_SHARE (docs/kernels.md, tuned constants).
 SLICES_MAX_HEAVY_SHARE = 0.05
 
-# The up kernel has since taken its rows and gate row by bulk copies: 0.307 / 0.557 ms (H100, 2026-11-27), the same
-# rate per row and a cheaper gate read (~2900 GB/s). The fit below still prices the former kernel, 0.04 ms dear at
-# the paper's block: `auto` may pass over the slices walk where it would now just win, never take it where it loses.
+# The up kernel by bulk copies reads the gate faster than this fit, which was kept: `auto` may pass over the slices
+# walk where it would just win, never take it where it loses (docs/kernels.md, tuned constants).
 UP_GBPS = 7700.0
 
 GATE_READ_GBPS = 1800.0
@@ -302,7 +277,7 @@ def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Ta
     column part's rows outgrow L2: `row_slowdown`, `column_parts`). In one pass the heavy tokens' non-zeros (`tail`'s
     share where measured; else the log-normal model's, an underestimate on the heavy tails measured) go to the dense
     rows; in parts they are split over warps and slow the walk (`_tail_factor`). The constants were measured on the
-    TwELL kernel, whose fixed cost per token includes the packed words the direct route does not read: a conservative
+    walk over TwELL words, whose fixed cost per token includes words the direct route does not read: a conservative
     price. From WORDS_GATE_MIN_M tokens the walk lists from TwELL words and no longer reads the gate, which this still
     prices (and so stays on the dear side)."""
     row_bytes = 2 * 2 * k  # one w_up row and one w_down row per non-zero
@@ -409,17 +384,16 @@ def dense_row_capacity(
 
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 
-# The walk of y where "slices" fits (`walk_by_slices`): on an H100 at M = 16384, K = 2048, N = 5632 the slices walk
-# (train_fwd_gate without its down half, then ordering, entry copy and entries_down) took 0.53 / 0.89 / 0.46 ms where
-# train_fwd_gate's rows walk took 0.66 / 1.17 / 0.55 ms, at 28 / 56 uniform and 60 heavy-tailed non-zeros per token.
+# The walk of y where "slices" fits (`walk_by_slices`): train_fwd_gate without its down half, then ordering, entry
+# copy and entries_down beat train_fwd_gate's rows walk at every density measured, even or heavy-tailed
+# (docs/kernels.md, tuned constants).
 FWD_WALK = "slices"
 
 # The walk of the light dx: "auto" takes slices where the caller's hint of the layer's non-zeros (`dx_by_slices`)
 # puts the light tokens' mean at DX_SLICES_MIN_LIGHT_MEAN or more with at most DX_SLICES_MAX_HEAVY_SHARE of the
-# non-zeros on heavy tokens. Two passes with fp32 sums between cost a fixed ~0.35 ms there, where the rows walk's cost
-# grows twice as fast per non-zero: rows took 0.52 / 1.04 ms at 28 / 56 non-zeros, slices 0.62 / 0.89 (same run as
-# above), so they tie near 40. Under a heavy tail the light tokens' uneven counts slow the slices passes (60 mean with
-# 32% of it on heavy tokens: 0.63 ms against rows' 0.33).
+# non-zeros on heavy tokens. Two passes with fp32 sums between cost a fixed amount, where the rows walk's cost grows
+# twice as fast per non-zero, so the two tie near 40; under a heavy tail the light tokens' uneven counts slow the
+# slices passes (docs/kernels.md, tuned constants).
 DX_WALK = "auto"
 
 DX_SLICES_MIN_LIGHT_MEAN = 40
@@ -436,17 +410,14 @@ CALIBRATION_MKN = (16384, 2048, 5632)  # the block train_estimated_ms was fitted
 TRAIN_TAIL_FACTOR = 1.4
 
 # The host's time per layer call that a model step sees. Issuing one forward + backward with the L1 loss term (a few
-# dozen torch ops and CuPy launches, and the autograd around them) took 3.1-3.2 ms, measured with the GPU kept busy
-# (`scripts/profile_mlp.py --mode train --m 4096 --host`, H100 machine). In a model the host issues one layer while
-# the GPU still runs attention and earlier layers, so only part of it shows: on the 2B shape at 24 non-zeros per
-# token, forcing the kernels made the whole training step 0.93x the torch path's at 4096 tokens per micro-batch
-# and 1.16x at 8192 (scripts/bench_model.py, BENCHMARKS.md). 2.4 ms puts the switch between the two, at about
-# 6400 tokens; below the floor the GPU would wait for the host. Since 2026-11-25 the step issues in about 1.8 ms;
-# the floor is kept (not re-measured in a model at 4096 tokens), which errs towards the dense path.
+# dozen torch ops and CuPy launches, and the autograd around them) takes the host a few ms, but in a model the host
+# issues one layer while the GPU still runs attention and earlier layers, so only part of it shows. This floor puts
+# the switch to the sparse op near 6400 tokens per micro-batch, between the 2B step's loss at 4096 and gain at 8192;
+# below it the GPU would wait for the host. It errs towards the dense path (docs/kernels.md, tuned constants).
 TRAIN_EXPOSED_HOST_MS = 2.4
 
-# Backup rows cost their nine GEMMs three times over: gathers, masks, casts and scatters around them (all tokens
-# heavy, u279: 14.7 ms measured against 4.7 ms of GEMMs; BENCHMARKS.md, 2026-11-25 15:05).
+# Backup rows cost their nine GEMMs three times over: gathers, masks, casts and scatters around them (fitted with every
+# token heavy; docs/kernels.md, tuned constants).
 BACKUP_FACTOR = 3.0
 
 def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
@@ -457,17 +428,15 @@ def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """Predicted ms of one forward + backward, or None (a shape the kernels cannot take).
 
-    The gate (cuBLAS + packing), weight rows streamed per light non-zero at the inference kernel's row rate (slower
-    where a walk's rows outgrow L2 more than at the calibration block: `_walk_slowdown`): forward w_up's, and w_down's
-    where y does not take the slices walk; backward w_down's, and w_up's and w_gate's where dx does not take it
-    (`dx_by_slices` at this density); two gathered token rows for the weight gradients. The slices walks at the
-    inference down kernel's price (`slices_down_ms`; dx: two passes and its fp32 sums through memory). Then the fp32
-    weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what the rest
-    does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at M = 16384, K = 2048,
-    N = 5632 (scripts/bench_train_mlp.py, 2026-11-26 09:55: u28 2.57 ms, u56 3.99, h60 5.04, h79 5.95, u112 7.86,
-    h154 8.33, every token heavy (u279) 14.79; the model gives 2.57, 3.98, 5.53, 6.86, 9.67, 10.79 and 14.91: the
-    denser and heavy-tailed layers are priced high, which errs towards the dense path) and on K = 4096, N = 11008
-    at M = 8192 (rows walks in two column parts: 4.65 and 6.83 ms at 29 and 57 non-zeros; priced 4.58, 7.45).
+    The gate (the cuBLAS GEMM and a pass over it), weight rows streamed per light non-zero at the inference kernel's
+    row rate (slower where a walk's rows outgrow L2 more than at the calibration block: `_walk_slowdown`): forward
+    w_up's, and w_down's where y does not take the slices walk; backward w_down's, and w_up's and w_gate's where dx
+    does not take it (`dx_by_slices` at this density); two gathered token rows for the weight gradients. The slices
+    walks at the inference down kernel's price (`slices_down_ms`; dx: two passes and its fp32 sums through memory).
+    Then the fp32 weight-gradient buffers, the dense training cost of the backup rows, and TRAIN_MS_PER_TOKEN for what
+    the rest does not cover (ELL conversion, CSC sort, casts, launches). Calibrated on the H100 at M = 16384,
+    K = 2048, N = 5632 and at M = 8192, K = 4096, N = 11008 (scripts/bench_train_mlp.py): the denser and heavy-tailed
+    layers are priced high, which errs towards the dense path (docs/kernels.md, tuned constants).
     A call never costs less than TRAIN_EXPOSED_HOST_MS, the part of the host's time to issue it that a model step
     sees: below that the GPU waits.
     """

@@ -16,15 +16,15 @@ from sparse_llm.ffn.twell.train_launch import launch_train_kernel, wgrad_slices
 # Work items of the weight-gradient kernel: a column of up to CSC_WHOLE_COLUMN entries is one item, which stores its
 # rows (no zero fill, no atomics); that is above the typical column (M * L0 / N: 81 at 16384 tokens and 28 non-zeros
 # of 5632). A longer column is cut into CSC_CHUNK-entry items that add theirs: a hot neuron is spread over many warps
-# and no item is long enough to stretch the kernel's tail (BENCHMARKS.md, 2026-11-25: whole columns up to 256
-# entries slowed these kernels in a 2B model, whose neurons fire unevenly).
+# and no item is long enough to stretch the kernel's tail, which matters in a model, whose neurons fire unevenly
+# (docs/kernels.md, tuned constants).
 CSC_CHUNK = 64
 
 CSC_WHOLE_COLUMN = 128
 
 # ... and at denser layers up to this many times the mean column (train_csc_chunks reads the mean on the device):
-# at 56 non-zeros per token of 16384 tokens the typical column has 163 entries, which a fixed 128 cut into atomically
-# added chunks on zeroed rows (BENCHMARKS.md, 2026-11-25 06:40-06:47).
+# at 56 non-zeros per token of 16384 tokens the typical column has 163 entries, which a fixed 128 would cut into
+# atomically added chunks on zeroed rows.
 CSC_WHOLE_PER_MEAN = 2
 
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)

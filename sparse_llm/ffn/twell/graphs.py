@@ -2,11 +2,11 @@
 
 With `trainer.cuda_graphs=true` torch.compile replays each decoder layer's compiled parts as CUDA graphs, and the
 sparse FFN op runs eagerly between them. Issuing it (a GEMM, a handful of CuPy launches, a dozen allocations and their
-Python) takes the host about 1 ms per layer call at 8192 tokens on an H200's host, longer than the device needs for
-the layer's forward, so in a graphed step the device idles in every forward (BENCHMARKS.md, 2026-11-29). The forward
-reads nothing back to the host, so it can be captured: `GraphedForward` runs a layer's first call eagerly (which also
-compiles the kernels and sets their shared-memory limits), captures its kernels at the second call, and from then on
-replays them: one copy of x into the graph's input and one graph launch. The heavy-token count's device-to-host copy
+Python) takes the host longer than the device needs for the layer's forward, so in a graphed step the device would
+idle in every forward (docs/performance.md, "Limits that hold today"). The forward reads nothing back to the host, so
+it can be captured: `GraphedForward` runs a layer's first call eagerly (which also compiles the kernels and sets their
+shared-memory limits), captures its kernels at the second call, and from then on replays them: one copy of x into the
+graph's input and one graph launch. The heavy-token count's device-to-host copy
 stays outside the graph, into a fresh pinned tensor per call, so that a count read late (the backward, the sparsity
 statistics) reads its own call's count.
 
@@ -57,7 +57,7 @@ class ReplayToken:
 
 
 class GraphedForward:
-    """One layer's training forward (`twell_train.forward_kernels`) as a CUDA graph, captured at its second call."""
+    """One layer's training forward (`train_launch.forward_kernels`) as a CUDA graph, captured at its second call."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None  # what the graph was made for: shapes, dtype, width, dense rows, weight addresses
@@ -68,7 +68,7 @@ class GraphedForward:
         self._compute_RK: Tensor | None = None
 
     def compute_buffer(self, w_gate_NK: Tensor, dtype: torch.dtype) -> Tensor:
-        """Where the layer's `twell_train.compute_weights` are to be written: the graph reads them at a fixed
+        """Where the layer's `train_launch.compute_weights` are to be written: the graph reads them at a fixed
         address, so the casts of every step go into this one tensor."""
 
         shape = compute_weights_shape(w_gate_NK, dtype)

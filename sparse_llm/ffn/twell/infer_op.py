@@ -14,10 +14,11 @@ Per block (kernels/ holds the CUDA sources), by one of two routes:
   For many tokens with evenly spread non-zeros the route may split the walk in two ("slices", `direct_walk`,
   kernels/gate_up_then_down.cu): an up kernel writes each token's h values, then each SM holds a slice of
   w_down's columns in shared memory and computes those columns of y for every token from it; `path` says
-  "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate as TwELL words from a wgmma GEMM whose
-  epilogue packs them (kernels/twell_gate_wgmma.cu, `twell_gate`) rather than from cuBLAS as a dense row (`_direct_gate`): the heavy tokens' gate rows are
-  rebuilt on the device for the dense paths. Where the price puts slices ahead, one timed trial per shape and density
-  settles the walk (`measured_walk`): the call that runs it waits for the GPU once.
+  "twell-slices". That walk, and the one-pass walk from WORDS_GATE_MIN_M tokens, take the gate as TwELL words from
+  a wgmma GEMM whose epilogue packs them (kernels/twell_gate_wgmma.cu, `twell_gate`) rather than from cuBLAS as a
+  dense row (`_direct_gate`): the heavy tokens' gate rows are rebuilt on the device for the dense paths. Where the
+  price puts slices ahead, one timed trial per shape and density settles the walk (`measured_walk`): the call that
+  runs it waits for the GPU once.
 - Up to DECODE_MAX_M tokens (decode steps, small batches), "auto" runs one kernel instead
   (kernels/decode_ffn.cu, `decode_ffn`): each warp takes whole neurons (8 at a time with their gates on the tensor
   cores from DECODE_MMA_MIN_M tokens), dots the neuron's gate row with every token and reads its up row and its
@@ -54,16 +55,14 @@ from sparse_llm.ffn.twell.decode import decode_ffn
 
 MLP_ROUTES = ("auto", "direct")  # twell_gated_mlp: "auto" takes decode_ffn for up to DECODE_MAX_M tokens, else "direct"
 
-# The direct route's "rows" walk lists from the fused GEMM's TwELL words (`_direct_gate`) from this many tokens. Same
-# bits as from cuBLAS's gate; same process, as a decoder layer calls it (residual added, next norm written), H100,
-# K = 2048, N = 5632 (BENCHMARKS.md, 2026-11-28): at M = 16384, 3-6% faster back to back and 0-2.5% isolated at 3-24
-# non-zeros per token; 1-2% slower isolated at 28-56, equal back to back. At M = 2048 and 8192, 3% slower.
+# The direct route's "rows" walk lists from the fused GEMM's TwELL words (`_direct_gate`) from this many tokens (same
+# bits as from cuBLAS's gate): the fused GEMM runs a little behind cuBLAS's, which the walk's smaller read repays only
+# for many tokens (docs/kernels.md, tuned constants).
 WORDS_GATE_MIN_M = 16384
 
 # Where the price puts slices ahead, the price alone cannot tell: it sees only the mean and max non-zeros per token,
-# not how unevenly the neurons fire. Rows profit from hot neurons (their rows stay in L2 and L1) and slices do not:
-# in the 2B model at 24 non-zeros per token (bench_model.py, H100, 2026-11-26) the layers' sparse kernels took 16.3 ms
-# through rows against 22.0 through slices, where on the synthetic block (neurons drawn evenly) slices ran 4-9% ahead.
+# not how unevenly the neurons fire. Rows profit from hot neurons (their rows stay in L2 and L1) and slices do not, so
+# a model's layers can rank the walks the other way from the synthetic block (docs/kernels.md, tuned constants).
 # So by default ("measured") the first such call at a shape and density times both walks on its own tokens, and calls
 # at that shape and density keep the faster (`measured_walk`); SPARSE_LLM_TWELL_WALK=priced trusts the price
 # (deterministic: the two walks round h differently).
@@ -159,10 +158,10 @@ def twell_gated_mlp(
 def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The direct route's gate for its walk: (gate_MN, packed_MS). The walks list from the fused GEMM's TwELL words
     (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
-    the GEMM its write (the slices block 0-5% faster at 28 and 56 non-zeros with the same bits, H100, BENCHMARKS.md
-    2026-11-28); gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Otherwise, and for
-    operands the copy engine cannot read (not `tensor_map.mappable`, e.g. not 16-byte aligned), the walk reads
-    cuBLAS's bf16 pre-activation [M, N] (packed_MS None)."""
+    the GEMM its write (same bits; docs/kernels.md, measured choices); gate_MN is then only a buffer for the heavy
+    tokens' rows, written on the device. Otherwise, and for operands the copy engine cannot read (not
+    `tensor_map.mappable`, e.g. not 16-byte aligned), the walk reads cuBLAS's bf16 pre-activation [M, N] (packed_MS
+    None)."""
     words = walk == "slices" or x_MK.shape[0] >= WORDS_GATE_MIN_M
     if words and tensor_map.mappable(x_MK) and tensor_map.mappable(w_gate_NK):
         gate_MN = torch.empty(x_MK.shape[0], w_gate_NK.shape[0], dtype=torch.bfloat16, device=x_MK.device)

@@ -170,8 +170,7 @@ def backup_backward(
     g and u are recomputed from the tokens' x rows (the forward keeps no [R, N] rows and never learns R). Between
     cuBLAS GEMMs one kernel (`train_backup_grads`) does the pointwise steps, and the weight gradients are
     accumulated by the GEMMs themselves in fp32: a dozen launches where torch ops took about 35, which the host
-    issues for every layer with heavy tokens, on a backward that can be waiting on the host (BENCHMARKS.md,
-    2026-11-27).
+    issues for every layer with heavy tokens, on a backward that can be waiting on the host.
 
     torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
     """

@@ -106,7 +106,7 @@ def backup_gate_up(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.T
     return g_RN, torch.where(g_RN != 0, F.linear(x_RK, w_up_NK), 0)
 
 def new_counts_host() -> torch.Tensor:
-    """A pinned CPU int32 [1] for the heavy-token count, -1 until its copy lands (`backends.landed`)."""
+    """A pinned CPU int32 [1] for the heavy-token count, -1 until its copy lands (`ffn.backend.landed`)."""
     return torch.full((1,), -1, dtype=torch.int32, pin_memory=True)
 
 def forward_kernels(
@@ -124,7 +124,7 @@ def forward_kernels(
     i32, bf16 = torch.int32, torch.bfloat16
     w_gate_NK, w_up_NK, w_down_t_NK = split_compute_weights(w_compute_RK, w_gate_NK, w_up_NK)
     # Three allocations, not views of one: outputs of a custom op must not alias each other. The kernel writes
-    # their zero padding (value 0, column 0, as in formats.py), so the state is deterministic.
+    # their zero padding (value 0, column 0, as in sparse_llm/formats), so the state is deterministic.
     ell_cols_MW = torch.empty(m, width, dtype=i32, device=device)
     ell_g_MW = torch.empty(m, width, dtype=bf16, device=device)
     ell_u_MW = torch.empty(m, width, dtype=bf16, device=device)

@@ -50,15 +50,15 @@ has train_fwd_gate, train_bwd_sddmm and train_bwd_dx walk it in column parts, on
 its part's rows only; y's and dx's fp32 sums are carried from part to part, so the results are the one-pass bits.
 
 Host sync: none in the forward. The heavy-token count goes to pinned host memory by an asynchronous copy;
-the backward reads it (backends.landed) to size the heavy rows' GEMMs. For most layers of a model that copy landed
+the backward reads it (`ffn.backend.landed`) to size the heavy rows' GEMMs. For most layers of a model that copy landed
 long before the layer's backward is issued, so the read waits for nothing. Where it has not (the last layer, whose
 backward comes first; a backward issued right after its forward; a gradient-checkpointed layer's recompute), the
 read waits for the copy alone, after the light tokens' backward kernels are queued, so they run while the host
 waits. The host then has nothing queued ahead of them: in a step of several micro-batches its lead is lost once
-per micro-batch, and the step follows the host wherever the host's forward is slower than the device's
-(BENCHMARKS.md, 2026-11-28, on an H200). Since the forward reads nothing back, graphed training steps capture it as
-one CUDA graph per layer (`train_graphs`, `step_scope.optimizer_step(graph_forwards=True)`): the host then issues a 2B
-forward in less time than the device runs it (BENCHMARKS.md, 2026-11-29 10:35).
+per micro-batch, and the step follows the host wherever the host's forward is slower than the device's. Since the
+forward reads nothing back, graphed training steps capture it as one CUDA graph per layer (`graphs`,
+`step_scope.optimizer_step(graph_forwards=True)`): the host then issues a 2B forward in less time than the device runs
+it (docs/performance.md, "2B training step").
 The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
 path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
 Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
@@ -69,14 +69,13 @@ rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: t
 28 KiB at K = 2048, on CUDA cores. Dense training does 9 * 2 * K * N flops per token on tensor cores, so
 with the gate GEMM (1/9 of that) paid on both paths the break-even is (8 N / 7) * B / F non-zeros per
 token for a row bandwidth of B bytes/s and a tensor-core rate of F flop/s (K cancels): about 49 at
-N = 5632, B = 5.5 TB/s, F = 720 TFLOP/s. On an H100 warps stream random 4 KiB rows from L2 at about 7.5 TB/s at
-best (a scratch kernel doing nothing else, BENCHMARKS.md 2026-11-25); the kernels' walks reach 5.7-7.2 TB/s, and
-the 28-non-zero block reached 2.32x (2.70 ms against 6.25 ms). Reuse of weight rows across tokens (real
+N = 5632, B = 5.5 TB/s, F = 720 TFLOP/s. B is bounded by the rate at which warps stream random rows from L2, which
+the kernels' walks come close to (docs/kernels.md, measured choices). Reuse of weight rows across tokens (real
 activations are correlated, the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
 Determinism: the weight gradients of columns longer than `csc_whole_column` entries are summed with fp32
 atomics, so their summation order varies run to run. The forward's outputs are deterministic (ELL rows in
-ascending columns, zero padding, as in formats.py; each heavy token reduced in a fixed order), as
+ascending columns, zero padding, as in sparse_llm/formats; each heavy token reduced in a fixed order), as
 torch.compile and opcheck require: the heavy tokens leave the op as flags, not as the kernel's list (whose
 order is that of arrival); the backward lists them with nonzero_static, sized by the landed count.
 
@@ -302,7 +301,7 @@ def twell_train_ffn(
             of warps, the backward computes their gradients with cuBLAS on their rows.
         l0_hint: the layer's recent (mean, max) non-zeros per token, or None: picks the backward's dx walk
             (`dx_by_slices`); the results do not depend on it beyond fp32 summation order.
-        tail: the layer's recent shares of heavy tokens (`backends.Tail`), or None.
+        tail: the layer's recent shares of heavy tokens (`ffn.backend.Tail`), or None.
         dense_rows: how many heavy tokens the forward takes through dense GEMMs over their gathered rows (the rest
             are split over blocks of warps), or None: as many as the inference route reserves from l0_hint and tail
             (`dense_row_capacity`; 0 without a hint). The results do not depend on it beyond rounding. Which heavy
