@@ -17,8 +17,8 @@ import copy
 
 import torch
 from accelerate import Accelerator
-from bench_model import SIZES, size_config
 
+from sparse_llm.bench.model_setup import SIZES, size_config
 from sparse_llm.bench.timing import relative_error
 from sparse_llm.training.config import TrainConfig
 from sparse_llm.ffn.dispatch import KERNEL_CHOICES
