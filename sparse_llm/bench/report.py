@@ -37,8 +37,8 @@ Every benchmark and profiling script in scripts/ writes one JSON record per run 
 newest record is shown, with the hardware, the settings and the exact command above its table. Columns are the
 record's own keys; times are in ms unless a column says otherwise, ratios are dense time over sparse time (above 1:
 the sparse path is faster). Per-layer statistics, time breakdowns and other detail stay in the record file linked
-under each heading. A record with a "source" was transcribed from the project's earlier benchmark log, with the
-numbers, hardware and command as written there."""
+under each heading. A record with a "source" was transcribed from BENCHMARKS.md, the benchmark log this page
+replaces (in the git history), with the numbers, hardware and command as written there."""
 
 
 def hardware_name(record: Mapping[str, Any]) -> str:
@@ -53,19 +53,24 @@ def table_key(record: Mapping[str, Any]) -> tuple[str, str, str]:
 
 
 def newest_records(records: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(file name, record) of the newest record per `table_key` (by time, then file name), sorted by that key."""
+    """(file name, record) of the newest record per `table_key` (by time, then file name), sorted by bench and
+    hardware, the newest first within them."""
     newest: dict[tuple[str, str, str], tuple[str, Mapping[str, Any]]] = {}
     for name, record in records.items():
         key = table_key(record)
         if key not in newest or (record["time"], name) > (newest[key][1]["time"], newest[key][0]):
             newest[key] = (name, record)
-    return [newest[key] for key in sorted(newest)]
+    by_time = sorted(newest.values(), key=lambda item: (item[1]["time"], item[0]), reverse=True)
+    return sorted(by_time, key=lambda item: table_key(item[1])[:2])
 
 
 def cell(value: Any) -> str:
-    """A table cell: "-" for a missing value, numbers to 6 significant digits, text with its pipes escaped."""
+    """A table cell: "-" for a missing value, numbers to 6 significant digits, text with its pipes escaped ("" for
+    the empty text)."""
     if value is None:
         return "-"
+    if value == "":
+        return '""'
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -95,9 +100,18 @@ def results_table(rows: list[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
 
 
 def settings_line(settings: Mapping[str, Any]) -> str:
+    """`key value` pairs in the record's order, lists joined by commas, a nested mapping in parentheses; settings
+    left unset (None) are not shown."""
     parts = []
     for key, value in settings.items():
-        shown = ",".join(cell(v) for v in value) if isinstance(value, list) else cell(value)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            shown = ",".join(cell(v) for v in value)
+        elif isinstance(value, Mapping):
+            shown = "(" + ", ".join(f"{k} {cell(v)}" for k, v in value.items()) + ")"
+        else:
+            shown = cell(value)
         parts.append(f"{key} {shown}")
     return "; ".join(parts)
 
@@ -115,7 +129,7 @@ def record_section(name: str, record: Mapping[str, Any]) -> list[str]:
     """The heading, context lines and table of one record."""
     commit = record.get("commit")
     lines = [
-        f"### {hardware_name(record)}: {record['time'].replace('T', ' ').replace('Z', ' UTC')}",
+        f"### {hardware_name(record)}, {record['time'].replace('T', ' ').replace('Z', ' UTC')}",
         "",
         f"- Hardware: {hardware_line(record['hardware'])}",
         f"- Settings: {settings_line(record['settings'])}",
