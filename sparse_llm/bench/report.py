@@ -37,8 +37,9 @@ Every benchmark and profiling script in scripts/ writes one JSON record per run 
 newest record is shown, with the hardware, the settings and the exact command above its table. Columns are the
 record's own keys; times are in ms unless a column says otherwise, ratios are dense time over sparse time (above 1:
 the sparse path is faster). Per-layer statistics, time breakdowns and other detail stay in the record file linked
-under each heading. A record with a "source" was transcribed from BENCHMARKS.md, the benchmark log this page
-replaces (in the git history), with the numbers, hardware and command as written there."""
+under each heading. A record with a "source" was transcribed from BENCHMARKS.md, the dated benchmark log this page
+replaces, with the numbers, hardware and command as written there; a comment in the code that cites this page with a
+date and time cites a section of that log, which `git log -- BENCHMARKS.md` finds."""
 
 
 def hardware_name(record: Mapping[str, Any]) -> str:

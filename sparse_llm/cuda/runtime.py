@@ -87,7 +87,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """None if the CUDA kernels can run on `device` (default: current CUDA device), else why not."""
     if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
         # A CUDA tensor's device, asked on every layer call: with CUDA initialised the GPU is there, and the answer
-        # for its index is cached (0.9 against 2.1 us a call on an H200's host, BENCHMARKS.md 2026-11-29).
+        # for its index is cached (0.9 against 2.1 us a call on an H200's host, docs/benchmarks.md 2026-11-29).
         if torch.cuda.is_initialized():
             return _cuda_device_reason(device.index)
     if not torch.cuda.is_available():

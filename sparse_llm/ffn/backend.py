@@ -201,7 +201,7 @@ def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
 STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
 # A few tokens cannot keep the tensor cores busy: the dense block then streams its three weights from HBM. In CUDA
 # graphs (no host time) it took 35-39 us at K x N = 2048 x 5632 (69 MB) and 107-114 us at 4096 x 11008 (270 MB) for
-# 1-16 tokens (H100, 2026-11-26, BENCHMARKS.md): priced as a fixed cost plus the weights at a rate that puts both
+# 1-16 tokens (H100, 2026-11-26, docs/benchmarks.md): priced as a fixed cost plus the weights at a rate that puts both
 # shapes at or under their fastest calls (34.7 and 106.6 us), so that a sparse path must beat the dense block's best.
 DENSE_WEIGHT_FIXED_MS = 0.010
 DENSE_WEIGHT_GBPS = 2800.0
@@ -214,7 +214,7 @@ def add_linear_(
 
     On a GPU, without a bias and where the three dtypes agree, this is one GEMM that reads acc_MK in its epilogue
     (cuBLAS's beta = 1): at 16384 x 2048 x 2048 in bf16 on an H100, 187 us against 246 us for the GEMM and then an
-    add, which is a pass of its own over [M, K] (BENCHMARKS.md, 2026-11-27). Otherwise (a bias, a bf16 product into
+    add, which is a pass of its own over [M, K] (docs/benchmarks.md, 2026-11-27). Otherwise (a bias, a bf16 product into
     an fp32 stream under autocast, or the CPU) the GEMM and then an in-place add. On the CPU the fused form buys
     nothing, and MKL's sgemm with beta = 1 rounds apart from the product plus the add on some CPUs (AVX-512: a third
     of the values at 32 x 256 x 64), so the CPU keeps the stock model's bits."""
@@ -255,9 +255,9 @@ class TorchFFN(FFNBackend):
         # Dense cost does not depend on sparsity. Three GEMMs forward (2mkn flops each), six more backward,
         # at 600 TFLOP/s, a sustained bf16 rate of an H100 on GEMMs of these sizes; plus, in eager training, the
         # statistics pass over h (L1, L0, fired), memory-bound elementwise work measured at 0.85 ms for
-        # M=16384, N=5632 on an H100 (BENCHMARKS.md, "re-check after the torch-path statistics change").
+        # M=16384, N=5632 on an H100 (docs/benchmarks.md, "re-check after the torch-path statistics change").
         # Compiled, that work fuses into one pass: the block trained in 5.47-5.61 ms there against 5.67 ms of
-        # GEMMs at this rate (BENCHMARKS.md, 2026-11-25 06:47), so the GEMMs alone price it. Inference calls skip
+        # GEMMs at this rate (docs/benchmarks.md, 2026-11-25 06:47), so the GEMMs alone price it. Inference calls skip
         # the statistics unless recorded, so a sparse backend is weighed against the bare GEMMs there: the
         # stricter comparison. Few tokens' inference streams the weights instead (DENSE_WEIGHT_GBPS).
         flops = 2.0 * m * k * n * (9 if training else 3)

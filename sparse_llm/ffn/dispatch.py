@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "torch", "twell")
 # The environment variable that allowed `auto` to train on the sparse kernels before `train_kernels` replaced it.
-# Older commands (BENCHMARKS.md) still set it; it does nothing now, which a user copying them should hear.
+# Older commands (docs/benchmarks.md) still set it; it does nothing now, which a user copying them should hear.
 RETIRED_OPT_IN_ENV = "SPARSE_LLM_TWELL_TRAIN"
 # A sparse path must beat the dense one by this factor before a layer switches to it.
 SWITCH_MARGIN = 0.95
@@ -60,7 +60,7 @@ HOST_BOUND_TRIAL_CALLS = 4  # calls per run
 # either path. One gated block of 1-16 tokens took 66-161 us a call isolated or back to back on H100 and H200
 # machines against 13-38 us of device time in CUDA graphs. Which path's call costs the host less depends on the host
 # and on how many ops the call issues: the decode kernel's took 1.05-1.7x the dense block's with two launches
-# (BENCHMARKS.md 2026-11-27, 2026-11-28) and 0.76-0.79x in one (2026-11-29). Its price (device time) sees neither.
+# (docs/benchmarks.md 2026-11-27, 2026-11-28) and 0.76-0.79x in one (2026-11-29). Its price (device time) sees neither.
 HOST_BOUND_MS = 0.06
 # Choices a layer remembers between observations (per token count and call kind), before it forgets them all: lm-eval's
 # calls bring a new token count each, a decoding loop the same few again and again.
@@ -196,7 +196,8 @@ class LayerDispatcher:
         # it until the next observation or `forget_trials`). A call of a kind seen before skips the cost models and the
         # trial lookup. A decoding step's few tokens issued from Python pay that host time in full: an `auto` layer's
         # such calls took 24-39 us longer than a `torch` layer's on an H200's host, and 3-14 us longer with the choice
-        # kept (BENCHMARKS.md, 2026-11-29). The backend object itself is kept: its lookup by name took 3 us of that host.
+        # kept (docs/benchmarks.md, 2026-11-29). The backend object itself is kept: its lookup by name took 3 us of
+        # that host.
         self._chosen: dict[tuple, FFNBackend] = {}
 
     @property

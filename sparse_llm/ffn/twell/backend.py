@@ -119,7 +119,7 @@ FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk column par
 # The direct route walks a block whose w_up + w_down rows exceed ONE_PASS_ROW_BYTES in WIDE_BLOCK_PARTS column
 # parts, one pass per part, so that more of each part's rows stay in L2 while all tokens go over them (the walk's
 # rate falls once its rows outgrow L2; see row_slowdown below). Each part costs the tokens' fixed work again and a
-# round trip of their fp32 sums, which more parts pay for only at higher densities. On the H100 (BENCHMARKS.md,
+# round trip of their fp32 sums, which more parts pay for only at higher densities. On the H100 (docs/benchmarks.md,
 # 2026-11-26), from 66 to 224 MiB of rows, two parts walked 1.08-1.32x faster than one at 56 non-zeros per token
 # and 1.00-1.16x at 28; three parts won more at 56 (up to 1.36x) but lost up to 10% at 20 non-zeros.
 # Three parts where the rows reach THREE_PART_ROW_BYTES and the layer's recent mean non-zeros per token (known to
@@ -132,7 +132,7 @@ THREE_PART_MIN_L0 = 45.0
 
 # ------------------------------------------------------------------------------------------------
 # Cost model of one call, in ms on an H100 80GB HBM3 (SXM, 132 SMs), from scripts/bench_mlp.py
-# --calibrate at K = 2048, N = 5632 (BENCHMARKS.md, "TwELL inference: calibration").
+# --calibrate at K = 2048, N = 5632 (docs/benchmarks.md, "TwELL inference: calibration").
 # ------------------------------------------------------------------------------------------------
 CUBLAS_GEMM_TFLOPS = 730.0  # torch bf16 GEMM [16384, 2048] x [2048, 5632]: 0.517 ms
 PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 MB written
@@ -142,12 +142,12 @@ PACK_GBPS = 2100.0  # packing kernel, same shape: 0.108 ms for 185 MB read + 46 
 FUSED_GATE_MIN_M = 1 << 62
 # The direct route's "rows" walk lists from the fused GEMM's TwELL words (`_direct_gate`) from this many tokens. Same
 # bits as from cuBLAS's gate; same process, as a decoder layer calls it (residual added, next norm written), H100,
-# K = 2048, N = 5632 (BENCHMARKS.md, 2026-11-28): at M = 16384, 3-6% faster back to back and 0-2.5% isolated at 3-24
-# non-zeros per token; 1-2% slower isolated at 28-56, equal back to back. At M = 2048 and 8192, 3% slower.
+# K = 2048, N = 5632 (docs/benchmarks.md, 2026-11-28): at M = 16384, 3-6% faster back to back and 0-2.5% isolated at
+# 3-24 non-zeros per token; 1-2% slower isolated at 28-56, equal back to back. At M = 2048 and 8192, 3% slower.
 WORDS_GATE_MIN_M = 16384
 # Weight-row bytes per ms of the sparse walks (2 rows of K bf16 per non-zero, from L2). The direct route's
 # one-warp kernel at M = 16384: 0.611 ms at 28 non-zeros per token, 1.094 ms at 56 (a marginal 7.8 TB/s); whole
-# calls 1.20-1.27 and 1.68-1.72 ms (BENCHMARKS.md, 2026-11-25 14:45-15:20). 7.5 TB/s on top of a fixed 0.16 ms
+# calls 1.20-1.27 and 1.68-1.72 ms (docs/benchmarks.md, 2026-11-25 14:45-15:20). 7.5 TB/s on top of a fixed 0.16 ms
 # per 16384 tokens and the gate's read prices both within 5%, on the dear side. The kernel now takes its rows by bulk
 # copies, 5-6% faster at that shape (0.595 / 1.054 ms, H100, 2026-11-27): the fit is dearer still, not refitted, so
 # `auto` may keep a layer dense that would just win, never the reverse.
@@ -156,7 +156,7 @@ UP_DOWN_MS_PER_TOKEN = 0.16 / 16384
 # That rate holds while the walked rows mostly stay in the 50 MB L2 (K = 2048, N = 5632: 44 MiB of w_up + w_down
 # rows). Wider blocks walk rows from HBM: one pass of the direct route, H100, 2026-11-26, 28 / 56 non-zeros per token,
 # streamed 7.1 / 7.4 TB/s over 22 MiB of rows, 6.1 / 6.9 over 44, 4.6 / 5.3 over 66, 3.9-4.5 / 4.2-5.1 over 86-96,
-# 3.2-3.4 / 3.5-3.7 over 132-224 (K x N from 2048 x 2816 to 4096 x 14336; BENCHMARKS.md). Priced as: the share of
+# 3.2-3.4 / 3.5-3.7 over 132-224 (K x N from 2048 x 2816 to 4096 x 14336; docs/benchmarks.md). Priced as: the share of
 # the rows beyond L2_ROW_BYTES comes from HBM at ROW_HBM_GBPS, and the slower of that and the L2 rate sets the pace
 # (row_slowdown; within the measurements' spread, on the dear side).
 L2_ROW_BYTES = 30 * 2**20
@@ -233,7 +233,7 @@ SLICE_SMEM_BYTES = 227 * 1024  # shared memory per block on an H100: the slice's
 SLICE_WIDTHS = (16, 8)  # KS, widest first (entries_down<KS> instances)
 ORDER_GROUP = 1024  # tokens ordered by count together (order_tokens in the kernel)
 SLICES_MIN_M = 8192  # at 4096 tokens the two walks tie (0.97-1.01x), from 8192 slices win at 56 non-zeros
-# Slices price, from the H100 (2026-11-26, BENCHMARKS.md; K x N from 2048 x 5632 to 4096 x 14336, 8192 to 32768
+# Slices price, from the H100 (2026-11-26, docs/benchmarks.md; K x N from 2048 x 5632 to 4096 x 14336, 8192 to 32768
 # tokens, 20 to 112 non-zeros per token). The up walk: one w_up row per light non-zero at UP_GBPS (slower once the
 # rows outgrow L2: `row_slowdown` of N rows of K) plus reading the bf16 gate at GATE_READ_GBPS (0.349 / 0.601 ms at
 # the paper's block at 28 / 56, priced within -6% .. +9% everywhere). The down kernel: per work item (32 tokens x KS
@@ -1332,7 +1332,7 @@ def twell_gated_mlp(
 def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The direct route's gate for its walk: (gate_MN, packed_MS). The walks list from the fused GEMM's TwELL words
     (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
-    the GEMM its write (the slices block 0-5% faster at 28 and 56 non-zeros with the same bits, H100, BENCHMARKS.md
+    the GEMM its write (the slices block 0-5% faster at 28 and 56 non-zeros with the same bits, H100, docs/benchmarks.md
     2026-11-28); gate_MN is then only a buffer for the heavy tokens' rows, written on the device. Otherwise, and for
     operands the copy engine cannot read (not `tensor_map.mappable`, e.g. not 16-byte aligned), the walk reads
     cuBLAS's bf16 pre-activation [M, N] (packed_MS None)."""

@@ -3,10 +3,10 @@
 With `trainer.cuda_graphs=true` torch.compile replays each decoder layer's compiled parts as CUDA graphs, and the
 sparse FFN op runs eagerly between them. Issuing it (a GEMM, a handful of CuPy launches, a dozen allocations and their
 Python) takes the host about 1 ms per layer call at 8192 tokens on an H200's host, longer than the device needs for
-the layer's forward, so in a graphed step the device idles in every forward (BENCHMARKS.md, 2026-11-29). The forward
-reads nothing back to the host, so it can be captured: `GraphedForward` runs a layer's first call eagerly (which also
-compiles the kernels and sets their shared-memory limits), captures its kernels at the second call, and from then on
-replays them: one copy of x into the graph's input and one graph launch. The heavy-token count's device-to-host copy
+the layer's forward, so in a graphed step the device idles in every forward (docs/benchmarks.md, 2026-11-29). The
+forward reads nothing back to the host, so it can be captured: `GraphedForward` runs a layer's first call eagerly (which
+also compiles the kernels and sets their shared-memory limits), captures its kernels at the second call, and from then
+on replays them: one copy of x into the graph's input and one graph launch. The heavy-token count's device-to-host copy
 stays outside the graph, into a fresh pinned tensor per call, so that a count read late (the backward, the sparsity
 statistics) reads its own call's count.
 

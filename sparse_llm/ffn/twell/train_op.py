@@ -5,14 +5,14 @@ tests/gpu/test_twell_train.py passes (exact gradients), a 300-step train.py run 
 0.032 of the dense run's loss, and one block at M = 16384, K = 2048, N = 5632 trains 2.42x faster than the
 trainer's eager dense path at 28 non-zeros per token (1.87x faster than that path compiled) and 1.56x at 56, with
 0.28x of its peak memory during forward + backward (the block timed alone, steps issued back to back;
-BENCHMARKS.md, 2026-11-26 09:30). `kernel=auto` picks this path only on request (`LayerDispatcher.train_kernels`,
+docs/benchmarks.md, 2026-11-26 09:30). `kernel=auto` picks this path only on request (`LayerDispatcher.train_kernels`,
 train.py's `train_kernels=true`), because at small micro-batches the host cannot keep up. At M = 8192 the host needs
 1.6-2.25 ms (by machine) to issue one forward + backward with the loss around it (a few dozen torch ops and CuPy
 launches, and the autograd around them) for 1.7-1.9 ms of kernels (scripts/profile_mlp.py --host). The forward
 reads nothing back (see "Host sync"); 2B model end to end at 4 x 2048 tokens per micro-batch with compiled decoder
 layers: 1.24x less device time than the dense path with its MLP block compiled too, 1.18-1.25x less wall-clock
 time (the step waits for the host), and 1.358x the dense path's throughput when each runs its largest micro-batch
-(8 x 2048 tokens against 6; BENCHMARKS.md, 2026-11-25 16:10-16:50). A forced `kernel=twell` calls
+(8 x 2048 tokens against 6; docs/benchmarks.md, 2026-11-25 16:10-16:50). A forced `kernel=twell` calls
 `twell_train_ffn` regardless.
 
 The op computes, for tokens x [M, K] and nn.Linear weights w_gate, w_up [N, K], w_down [K, N]:
@@ -70,9 +70,9 @@ backward comes first; a backward issued right after its forward; a gradient-chec
 read waits for the copy alone, after the light tokens' backward kernels are queued, so they run while the host
 waits. The host then has nothing queued ahead of them: in a step of several micro-batches its lead is lost once
 per micro-batch, and the step follows the host wherever the host's forward is slower than the device's
-(BENCHMARKS.md, 2026-11-28, on an H200). Since the forward reads nothing back, graphed training steps capture it as
+(docs/benchmarks.md, 2026-11-28, on an H200). Since the forward reads nothing back, graphed training steps capture it as
 one CUDA graph per layer (`train_graphs`, `step_scope.optimizer_step(graph_forwards=True)`): the host then issues a 2B
-forward in less time than the device runs it (BENCHMARKS.md, 2026-11-29 10:35).
+forward in less time than the device runs it (docs/benchmarks.md, 2026-11-29 10:35).
 The heavy tokens' forward reads the bf16 gate row and skips the bf16 rounding of u and h that the light
 path applies (the inference kernel's arithmetic); the backward recomputes their g from an R-row GEMM.
 Both differences are below one bf16 rounding. scripts/bench_train_mlp.py reports host wall-clock per step
@@ -84,7 +84,7 @@ rows (forward: w_up, w_down; backward: w_down, w_up, w_gate; weight gradients: t
 with the gate GEMM (1/9 of that) paid on both paths the break-even is (8 N / 7) * B / F non-zeros per
 token for a row bandwidth of B bytes/s and a tensor-core rate of F flop/s (K cancels): about 49 at
 N = 5632, B = 5.5 TB/s, F = 720 TFLOP/s. On an H100 warps stream random 4 KiB rows from L2 at about 7.5 TB/s at
-best (a scratch kernel doing nothing else, BENCHMARKS.md 2026-11-25); the kernels' walks reach 5.7-7.2 TB/s, and
+best (a scratch kernel doing nothing else, docs/benchmarks.md 2026-11-25); the kernels' walks reach 5.7-7.2 TB/s, and
 the 28-non-zero block reached 2.32x (2.70 ms against 6.25 ms). Reuse of weight rows across tokens (real
 activations are correlated, the synthetic ones are not) or tensor-core tiles are the ways past this bound.
 
@@ -155,13 +155,13 @@ MAX_WIDTH = 4096
 # Work items of the weight-gradient kernel: a column of up to CSC_WHOLE_COLUMN entries is one item, which stores its
 # rows (no zero fill, no atomics); that is above the typical column (M * L0 / N: 81 at 16384 tokens and 28 non-zeros
 # of 5632). A longer column is cut into CSC_CHUNK-entry items that add theirs: a hot neuron is spread over many warps
-# and no item is long enough to stretch the kernel's tail (BENCHMARKS.md, 2026-11-25: whole columns up to 256
+# and no item is long enough to stretch the kernel's tail (docs/benchmarks.md, 2026-11-25: whole columns up to 256
 # entries slowed these kernels in a 2B model, whose neurons fire unevenly).
 CSC_CHUNK = 64
 CSC_WHOLE_COLUMN = 128
 # ... and at denser layers up to this many times the mean column (train_csc_chunks reads the mean on the device):
 # at 56 non-zeros per token of 16384 tokens the typical column has 163 entries, which a fixed 128 cut into atomically
-# added chunks on zeroed rows (BENCHMARKS.md, 2026-11-25 06:40-06:47).
+# added chunks on zeroed rows (docs/benchmarks.md, 2026-11-25 06:40-06:47).
 CSC_WHOLE_PER_MEAN = 2
 CSC_COLUMNS_THREADS = 256  # threads per block of train_csc_columns (one per sorted entry, grid-stride)
 CSC_COLUMNS_MAX_BLOCKS = 4096
@@ -198,12 +198,12 @@ TRAIN_TAIL_FACTOR = 1.4
 # (`scripts/profile_mlp.py --mode train --m 4096 --host`, H100 machine). In a model the host issues one layer while
 # the GPU still runs attention and earlier layers, so only part of it shows: on the 2B shape at 24 non-zeros per
 # token, forcing the kernels made the whole training step 0.93x the torch path's at 4096 tokens per micro-batch
-# and 1.16x at 8192 (scripts/bench_model.py, BENCHMARKS.md). 2.4 ms puts the switch between the two, at about
+# and 1.16x at 8192 (scripts/bench_model.py, docs/benchmarks.md). 2.4 ms puts the switch between the two, at about
 # 6400 tokens; below the floor the GPU would wait for the host. Since 2026-11-25 the step issues in about 1.8 ms;
 # the floor is kept (not re-measured in a model at 4096 tokens), which errs towards the dense path.
 TRAIN_EXPOSED_HOST_MS = 2.4
 # Backup rows cost their nine GEMMs three times over: gathers, masks, casts and scatters around them (all tokens
-# heavy, u279: 14.7 ms measured against 4.7 ms of GEMMs; BENCHMARKS.md, 2026-11-25 15:05).
+# heavy, u279: 14.7 ms measured against 4.7 ms of GEMMs; docs/benchmarks.md, 2026-11-25 15:05).
 BACKUP_FACTOR = 3.0
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -900,7 +900,7 @@ def _backup_backward(
     g and u are recomputed from the tokens' x rows (the forward keeps no [R, N] rows and never learns R). Between
     cuBLAS GEMMs one kernel (`train_backup_grads`) does the pointwise steps, and the weight gradients are
     accumulated by the GEMMs themselves in fp32: a dozen launches where torch ops took about 35, which the host
-    issues for every layer with heavy tokens, on a backward that can be waiting on the host (BENCHMARKS.md,
+    issues for every layer with heavy tokens, on a backward that can be waiting on the host (docs/benchmarks.md,
     2026-11-27).
 
     torch reference: the backup branch of formats.hybrid_gated_mlp_backward_ref.
