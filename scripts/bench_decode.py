@@ -40,8 +40,8 @@ from sparse_llm.bench.model_setup import (
 )
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import Clock, hardware_summary
-from sparse_llm.generation.decoding import SETUP_STEPS, DecodeSteps
 from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.generation.decoding import SETUP_STEPS, DecodeSteps
 from sparse_llm.model.llama import sparse_mlps
 
 KERNELS = (STOCK, "torch", "auto")
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
     for batch in args.batch_list:
         rows += bench(model, prompts_BS[:batch], args.kernel_list, observed, args)
         print("\n".join(table(rows[-len(args.kernel_list) :])[2:]), flush=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     report = "\n".join([
         f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
         "",

@@ -37,8 +37,6 @@ from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import energy_mj_per_call, graph_ms, relative_error, time_ms
 from sparse_llm.ffn.backend import TorchFFN, dense_block
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
-from sparse_llm.formats import gated_mlp_ref
-from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.ffn.twell.backend import (
     TwellFFN,
     direct_up_down,
@@ -47,7 +45,8 @@ from sparse_llm.ffn.twell.backend import (
     twell_gated_mlp,
     twell_up_down,
 )
-
+from sparse_llm.formats import gated_mlp_ref
+from sparse_llm.telemetry.energy import EnergyMeter
 
 GRAPH_MAX_M = 64  # decode sizes: also timed as CUDA graphs
 GRAPH_LAYERS = 4  # blocks of distinct weights per graph: 4 x 69 MB at the paper's shape, beyond the H100's 50 MB L2

@@ -125,7 +125,7 @@ def report_header(
 ) -> list[str]:
     cfg = model.config
     what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random-init {args.size}"
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     inputs = f"token file {args.tokens}" if args.tokens else f"uniform random token ids (seed {args.seed})"
     if shifts is not None:
         sparsity = f"made sparse with --density-l0 {args.density_l0} (gate shifts {min(shifts):.2f}-{max(shifts):.2f})"

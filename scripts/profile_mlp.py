@@ -33,7 +33,12 @@ from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import wall_ms
 from sparse_llm.ffn.backend import dense_block
 from sparse_llm.ffn.twell.backend import synthetic_block, twell_gated_mlp
-from sparse_llm.ffn.twell.train_op import DEFAULT_WIDTH, twell_train_backward_op, twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.twell.train_op import (
+    DEFAULT_WIDTH,
+    twell_train_backward_op,
+    twell_train_ffn,
+    twell_train_forward_op,
+)
 
 L1_COEFF = 2e-5
 

@@ -13,6 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from sparse_llm.bench.measure import MeasureOptions, VariantResult, bench_train
+from sparse_llm.bench.model_setup import make_sparse, set_kernel
+from sparse_llm.bench.tables import device_table, forward_ceiling, render_report
 from sparse_llm.bench.timing import (
     PeakMemory,
     SectionTimer,
@@ -24,9 +27,6 @@ from sparse_llm.bench.timing import (
     time_ms,
     wall_ms,
 )
-from sparse_llm.bench.measure import MeasureOptions, VariantResult, bench_train
-from sparse_llm.bench.model_setup import make_sparse, set_kernel
-from sparse_llm.bench.tables import device_table, forward_ceiling, render_report
 from sparse_llm.bench.train_step import TrainStep
 from sparse_llm.ffn.mlp import recording_statistics
 from sparse_llm.model.llama import ModelConfig, build_model, sparse_mlps
