@@ -5,7 +5,7 @@ each step issued eagerly and replayed as a CUDA graph (sparse_llm.generation.dec
     python scripts/bench_decode.py --checkpoint outputs/<run>/final --batches 1,8
     python scripts/bench_decode.py --size tiny --batches 1,2 --prompt-len 16 --steps 4 --device cpu   # smoke run
 
-The model and its sparsity are built as scripts/bench_model.py builds them (--density-l0: a random-init model given
+The model and its sparsity are built as scripts/bench_model.py builds them (sparse_llm/bench/model_setup.py) (--density-l0: a random-init model given
 ~T positive gate pre-activations per token, calibrated on random prompts). Per batch of B prompts of --prompt-len
 random tokens: prefill, one eager step and one captured step, then --steps steps timed with CUDA events, each
 feeding the arg-max of the last logits (greedy decoding, its arg-max included); the median over --reps such runs, as
@@ -20,30 +20,28 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from bench_model import (
+
+from sparse_llm.bench.arguments import add_model_source, add_record_dir, check_model_source
+from sparse_llm.bench.model_setup import (
     CALIBRATION_TOKENS,
     STOCK,
     LayerStats,
-    add_model_source,
-    check_model_source,
     layer_stats,
     load_model,
     make_sparse,
     set_kernel,
 )
-
+from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import Clock, hardware_summary
-from sparse_llm.generation.decoding import SETUP_STEPS, DecodeSteps
 from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.generation.decoding import SETUP_STEPS, DecodeSteps
 from sparse_llm.model.llama import sparse_mlps
 
 KERNELS = (STOCK, "torch", "auto")
@@ -112,18 +110,25 @@ def prompt_l0(model, prompts_BS: torch.Tensor) -> list[LayerStats]:
     return layer_stats(model)
 
 
+def dense_ratios(rows: list[StepTiming]) -> list[tuple[float | None, float | None]]:
+    """Each row's speed (its fastest ms per step) over the `torch` and the `stock` row's of the same batch; None
+    where that row was not run."""
+    dense = {(r.kernel, r.batch): r for r in rows if r.kernel in (STOCK, "torch")}
+    ratios = []
+    for r in rows:
+        pair = [dense.get((base, r.batch)) for base in ("torch", STOCK)]
+        ratios.append(tuple(None if other is None else other.fastest_ms / r.fastest_ms for other in pair))
+    return ratios
+
+
 def table(rows: list[StepTiming]) -> list[str]:
     """Markdown rows: ms per step eager and replayed, tokens/s, and the replayed speed vs the dense paths."""
-    dense = {(r.kernel, r.batch): r for r in rows if r.kernel in (STOCK, "torch")}
     lines = [
         "| batch | FFN | eager ms/step | eager vs torch | graph ms/step | tokens/s | vs torch | vs stock | FFN paths |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ratios = []
-        for base in ("torch", STOCK):
-            other = dense.get((base, r.batch))
-            ratios.append("-" if other is None else f"{other.fastest_ms / r.fastest_ms:.2f}x")
+    for r, pair in zip(rows, dense_ratios(rows), strict=True):
+        ratios = ["-" if ratio is None else f"{ratio:.2f}x" for ratio in pair]
         graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
         paths = ", ".join(f"{p} x{n}" for p, n in r.paths.items()) or "LlamaMLP"
         eager_vs = "-" if r.eager_vs_torch is None else f"{r.eager_vs_torch:.3f}x"
@@ -148,8 +153,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=64, help="timed decoding steps per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per case (the median is reported)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {list(KERNELS)}")
-    parser.add_argument("--markdown", default=None, help="append the report to this file (e.g. BENCHMARKS.md)")
-    parser.add_argument("--json", default=None, help="write every measurement here")
+    add_record_dir(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
@@ -166,9 +170,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     device = torch.device(args.device)
-    model = load_model(args, device)
+    model = load_model(device, checkpoint=args.checkpoint, size=args.size, vocab_size=args.vocab_size, seed=args.seed)
     if args.prompt_len + args.steps + SETUP_STEPS > model.config.max_position_embeddings:
         raise SystemExit(f"--prompt-len + --steps + {SETUP_STEPS} exceeds the model's context of "
                          f"{model.config.max_position_embeddings}")
@@ -183,23 +188,29 @@ def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
     for batch in args.batch_list:
         rows += bench(model, prompts_BS[:batch], args.kernel_list, observed, args)
         print("\n".join(table(rows[-len(args.kernel_list) :])[2:]), flush=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     report = "\n".join([
         f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
         "",
         f"Hardware: {hardware_summary(device)}. Settings: `python scripts/bench_decode.py "
-        f"{' '.join(sys.argv[1:] if argv is None else argv)}` (prompts of {args.prompt_len} random tokens, "
+        f"{' '.join(argv)}` (prompts of {args.prompt_len} random tokens, "
         f"{args.steps} timed steps, median of {args.reps} runs, the kernels in turn).",
         l0_line(observed),
         "",
         *table(rows),
     ])
     print("\n" + report, flush=True)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n\n" + report + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    results = [
+        {**asdict(r), "tokens_per_s": r.batch * 1000 / r.fastest_ms, "vs_torch": vs_torch, "vs_stock": vs_stock}
+        for r, (vs_torch, vs_stock) in zip(rows, dense_ratios(rows), strict=True)
+    ]
+    settings = {
+        "checkpoint": args.checkpoint, "size": args.size, "vocab_size": args.vocab_size, "density_l0": args.density_l0,
+        "batches": args.batch_list, "prompt_len": args.prompt_len, "steps": args.steps, "reps": args.reps,
+        "kernels": args.kernel_list, "seed": args.seed,
+    }  # fmt: skip
+    layers = [asdict(stats) for stats in observed]
+    write_record(args.record_dir, make_record("bench_decode", settings, results, device, argv, prompt_l0=layers))
     return rows
 
 

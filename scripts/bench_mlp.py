@@ -1,8 +1,8 @@
 """Benchmark one gated MLP block: dense torch vs the twell backend, on one GPU.
 
-    python scripts/bench_mlp.py --mode infer                 # the BENCHMARKS.md table (H100: ~3 min)
+    python scripts/bench_mlp.py --mode infer                 # the docs/benchmarks.md table (H100: ~3 min)
     python scripts/bench_mlp.py --mode infer --calibrate     # also the cost-model calibration tables
-    python scripts/bench_mlp.py --mode train [--cases u28 u56]  # the training block: scripts/bench_train_mlp.py
+    python scripts/bench_mlp.py --mode train [--cases u28 u56]  # the training block, as scripts/bench_train_mlp.py
 
 Per case: dense torch ms (three F.linear + relu + mul, no statistics; also compiled by inductor) and twell ms (no
 statistics either: `statistics=False`; medians of CUDA-event timings after warm-up, same process; each call waited for,
@@ -25,20 +25,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.ffn.torch_backend import TorchFFN, dense_block
+from sparse_llm.bench import train_block
+from sparse_llm.bench.arguments import add_record_dir
+from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import energy_mj_per_call, graph_ms, relative_error, time_ms
+from sparse_llm.ffn.torch_backend import TorchFFN, dense_block
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
-from sparse_llm.telemetry.energy import EnergyMeter
-from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.ffn.twell.backend import TwellFFN
 from sparse_llm.ffn.twell.infer_launch import direct_up_down, twell_gate
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
-
+from sparse_llm.formats import gated_mlp_ref
+from sparse_llm.telemetry.energy import EnergyMeter
 
 GRAPH_MAX_M = 64  # decode sizes: also timed as CUDA graphs
 GRAPH_LAYERS = 4  # blocks of distinct weights per graph: 4 x 69 MB at the paper's shape, beyond the H100's 50 MB L2
@@ -140,14 +144,27 @@ def fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
 
-def main() -> None:
+def run_training_block(args: argparse.Namespace, train_options: list[str]) -> None:
+    """--mode train: the training block of scripts/bench_train_mlp.py at this shape, with its options, recorded as
+    that script's run."""
+    parser = argparse.ArgumentParser(prog="bench_mlp.py --mode train")
+    train_block.add_options(parser)
+    train_args = parser.parse_args(train_options)
+    rows = train_block.run_cases(args.m, args.k, args.n, train_args.cases, train_args.reps, train_args.out)
+    settings = {"m": args.m, "k": args.k, "n": args.n, "cases": train_args.cases, "reps": train_args.reps}
+    argv = ["--m", str(args.m), "--k", str(args.k), "--n", str(args.n), *train_options]
+    write_record(args.record_dir, make_record("bench_train_mlp", settings, rows, "cuda", argv))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--mode", choices=["infer", "train"], default="infer",
-        help="train: forward + backward with the L1 term, by scripts/bench_train_mlp.py (which takes --m, --k, --n "
-        "and its own options: --cases, --reps, --out)",
+        help="train: forward + backward with the L1 term, as scripts/bench_train_mlp.py (at --m, --k, --n, with its "
+        "own options: --cases, --reps, --out)",
     )  # fmt: skip
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=2048)
@@ -158,12 +175,10 @@ def main() -> None:
     parser.add_argument("--decode-nnz", default="28,56,112")
     parser.add_argument("--energy-seconds", type=float, default=1.0)
     parser.add_argument("--calibrate", action="store_true")
-    parser.add_argument("--json", default=None, help="write all rows here")
-    args, train_options = parser.parse_known_args()
+    add_record_dir(parser)
+    args, train_options = parser.parse_known_args(argv)
     if args.mode == "train":
-        import bench_train_mlp  # scripts/, on the path when this file runs as a script
-
-        bench_train_mlp.main(["--m", str(args.m), "--k", str(args.k), "--n", str(args.n), *train_options])
+        run_training_block(args, train_options)
         return
     if train_options:
         parser.error(f"unrecognized arguments: {' '.join(train_options)}")
@@ -191,9 +206,12 @@ def main() -> None:
         row = bench_case(m, args.k, args.n, nnz, sigma, meter, args.energy_seconds)
         results["cases"].append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    settings = {
+        "m": args.m, "k": args.k, "n": args.n, "nnz": args.nnz, "sigmas": args.sigmas, "decode_m": args.decode_m,
+        "decode_nnz": args.decode_nnz, "energy_seconds": args.energy_seconds, "calibrate": args.calibrate,
+    }  # fmt: skip
+    record = make_record("bench_mlp", settings, results["cases"], device, argv, calibration=results["calibration"])
+    write_record(args.record_dir, record)
 
     print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | "
           "twell ms | speedup (vs compiled) | "

@@ -17,12 +17,12 @@ import copy
 
 import torch
 from accelerate import Accelerator
-from bench_model import SIZES, size_config
 
+from sparse_llm.bench.model_setup import SIZES, size_config
 from sparse_llm.bench.timing import relative_error
-from sparse_llm.training.config import TrainConfig
 from sparse_llm.ffn.dispatch import KERNEL_CHOICES
 from sparse_llm.model.llama import build_model
+from sparse_llm.training.config import TrainConfig
 from sparse_llm.training.trainer import make_accelerator, make_optimizer, plain_tensor
 
 

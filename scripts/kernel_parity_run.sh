@@ -10,6 +10,6 @@ COMMON=(model.hidden_size=1024 model.intermediate_size=2816 model.num_layers=4 m
 python train.py "${COMMON[@]}" kernel=torch run_name=parity_torch
 python train.py "${COMMON[@]}" kernel=twell run_name=parity_twell
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
-python scripts/compare_runs.py outputs/parity_torch outputs/parity_twell --markdown BENCHMARKS.md \
+python scripts/compare_runs.py outputs/parity_torch outputs/parity_twell \
   --title "Training with the sparse kernels vs the dense path: loss parity" \
   --note "$GPU, bf16 autocast, same seed and data, ${COMMON[*]}."

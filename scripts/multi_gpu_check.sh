@@ -3,7 +3,7 @@
 # an FSDP resume.
 #   [STEPS=300] [REPEATS=3] [LOG_EVERY=25] [RESUME=1] bash scripts/multi_gpu_check.sh [extra overrides...]  (>= 2 GPUs)
 # Run directories: outputs/mgpu_{one,ddp,fsdp}_r<k> and outputs/mgpu_fsdp_resumed; the tables are printed and
-# appended to BENCHMARKS.md.
+# recorded in docs/records/ (python scripts/bench_report.py adds them to docs/benchmarks.md).
 # Duration on 2x H100: each launch spends 40-70 s starting and saving checkpoints beyond its steps (one GPU ~114k
 # tokens/s, DDP ~213k, FSDP ~235k at 32k tokens a step), so the defaults take about 20 minutes; with STEPS=40
 # REPEATS=2 the six runs and the resume to its last steps took 9.3 minutes (2026-11-27).
@@ -40,5 +40,5 @@ if [ "${RESUME:-1}" = 1 ]; then
 fi
 
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
-python scripts/compare_runs.py "${RUNS[@]}" --markdown BENCHMARKS.md --title "Multi-GPU training: 1 GPU vs DDP vs FSDP" \
+python scripts/compare_runs.py "${RUNS[@]}" --title "Multi-GPU training: 1 GPU vs DDP vs FSDP" \
   --note "2x $GPU, bf16, ${COMMON[*]}; $REPEATS runs of each configuration; mgpu_fsdp_resumed (if run): mgpu_fsdp_r1 restarted from step $((STEPS / 2))."

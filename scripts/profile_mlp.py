@@ -20,15 +20,18 @@ import cProfile
 import functools
 import pathlib
 import pstats
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparse_llm.ffn.torch_backend import dense_block
+from sparse_llm.bench.arguments import add_record_dir
+from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import wall_ms
+from sparse_llm.ffn.torch_backend import dense_block
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH
@@ -161,7 +164,8 @@ def sparse_train_outputs(leaves, dense_rows: int):
     return result.y_MK, result.l1_sum
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("infer", "train", "both"), default="both")
     parser.add_argument("--m", type=int, default=16384)
@@ -173,9 +177,11 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="also the host's time per call, by Python function")
     parser.add_argument("--dense-rows", type=str, default="0",
                         help="comma-separated: training's heavy tokens through dense GEMM rows, this many (a case each)")
-    args = parser.parse_args()
+    add_record_dir(parser)
+    args = parser.parse_args(argv)
     modes = ("infer", "train") if args.mode == "both" else (args.mode,)
     print(f"# {torch.cuda.get_device_name()}, M={args.m} K={args.k} N={args.n} bf16, sigma={args.sigma}")
+    results = []  # per case: its kernels' device time and the wall-clock time, each kernel in the record
     for nnz in (float(v) for v in args.nnz.split(",")):
         x, wg, wu, wd = synthetic_block(args.m, args.k, args.n, nnz, args.sigma)
         cases = []  # (title, forward, backward of the forward's output or None)
@@ -195,11 +201,21 @@ def main() -> None:
         for title, forward, backward in cases:
             step = forward if backward is None else lambda f=forward, b=backward: b(f())
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
-                print_table(f"{title}, nnz {nnz:g}", kernel_table(step, args.iters), wall_ms(step, args.iters))
+                kernels, wall = kernel_table(step, args.iters), wall_ms(step, args.iters)
+                print_table(f"{title}, nnz {nnz:g}", kernels, wall)
+                results.append({
+                    "case": title, "nnz": nnz, "kernel_ms": sum(ms for _, _, ms in kernels), "wall_ms": wall,
+                    "kernels": [{"name": name, "calls": calls, "ms": ms} for name, calls, ms in kernels],
+                })  # fmt: skip
                 if args.host:
                     print_host_profile(f"{title}, nnz {nnz:g}", forward, backward)
                     if title.startswith("train twell"):
                         print_op_issue(x, wg, wu, wd, dy)
+    settings = {
+        "mode": args.mode, "m": args.m, "k": args.k, "n": args.n, "nnz": args.nnz, "sigma": args.sigma,
+        "iters": args.iters, "dense_rows": args.dense_rows,
+    }  # fmt: skip
+    write_record(args.record_dir, make_record("profile_mlp", settings, results, "cuda", argv))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python scripts/profile_train_step.py --checkpoint outputs/<run>/final --tokens data/embedded --accumulate 8
     python scripts/profile_train_step.py --size tiny --seq-len 64 --train-batch 2 --accumulate 2   # CPU smoke run
 
-A step is bench_model.py's training step (`TrainStep`: fp32 master weights, bf16 autocast on a GPU, the L1 term,
+A step is bench_model.py's training step (`sparse_llm.bench.train_step.TrainStep`: fp32 master weights, bf16 autocast on a GPU, the L1 term,
 backward, gradient clipping, AdamW), run --steps times after --warmup, back to back as the trainer issues them.
 Per FFN path (--kernels, each layer forced onto it) and per micro-batch, medians over the timed steps:
 - host forward / backward ms: the host's wall-clock time to issue that phase. It includes any wait: a full launch
@@ -28,12 +28,9 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM
 
-from bench_model import (  # scripts/, on the path when this file runs as a script
+from sparse_llm.bench.arguments import add_model_source, add_record_dir, check_cuda_graphs, check_model_source
+from sparse_llm.bench.model_setup import (
     CALIBRATION_TOKENS,
-    TrainStep,
-    add_model_source,
-    check_cuda_graphs,
-    check_model_source,
     free_memory,
     kernel_unavailable_reason,
     load_model,
@@ -41,12 +38,19 @@ from bench_model import (  # scripts/, on the path when this file runs as a scri
     make_sparse,
     set_kernel,
 )
-from sparse_llm.ffn.backend import HostWaits
+from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import PeakMemory
+from sparse_llm.bench.train_step import TrainStep
+from sparse_llm.ffn.backend import HostWaits
 from sparse_llm.model.llama import compile_layers
 from sparse_llm.training.trainer import FrozenHeap
 
 KERNELS = ("torch", "twell")
+# The options that define a measurement, recorded with its results.
+SETTINGS = (
+    "checkpoint", "size", "vocab_size", "tokens", "density_l0", "train_batch", "seq_len", "accumulate", "kernels",
+    "compile", "cuda_graphs", "no_step_scope", "warmup", "steps", "l1", "seed",
+)  # fmt: skip
 
 
 @dataclass
@@ -89,9 +93,9 @@ def step_phases(step: TrainStep, cuda: bool) -> list[tuple[str, Phase]]:
 
 def profile_kernel(
     model: LlamaForCausalLM, master: dict[str, torch.Tensor], ids: torch.Tensor, kernel: str, args: argparse.Namespace
-) -> list[str]:
-    """Markdown lines: the per-phase table of `kernel`'s training step on ids [B, T] from the weights `master`, and
-    its step times."""
+) -> tuple[list[str], list[dict[str, object]]]:
+    """The per-phase table of `kernel`'s training step on ids [B, T] from the weights `master` and its step times, as
+    (markdown lines, record rows: one per phase, then one for the whole step)."""
     cuda = ids.device.type == "cuda"
     model.load_state_dict(master)
     model.train()
@@ -117,24 +121,38 @@ def profile_kernel(
                     runs.append(timed_phase(lambda: step_phases(step, cuda), cuda))
     finally:
         model.zero_grad(set_to_none=True)
-        if args.cuda_graphs:  # drop this path's graphs and their memory pools with the compiled code (bench_model)
+        if args.cuda_graphs:  # drop this path's graphs and their memory pools with the compiled code (as bench_model)
             torch._dynamo.reset()
         free_memory(model, ids.device)
 
-    def median(values: list[float | None]) -> str:
-        return "-" if None in values else f"{statistics.median(values):.1f}"
+    def median(values: list[float | None]) -> float | None:
+        return None if None in values else statistics.median(values)
+
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
 
     lines = [
         f"| {kernel}: phase | host ms | of which count waits ms | device ms |",
         "|---|---|---|---|",
     ]
+    rows: list[dict[str, object]] = []
     for i, (name, _) in enumerate(runs[0][0]):
         phases = [run[0][i][1] for run in runs]
-        lines.append(
-            f"| {name} | {median([p.host_ms for p in phases])} | {median([p.wait_ms for p in phases])} | "
-            f"{median([p.device_ms() for p in phases])} |"
-        )
+        row = {
+            "kernel": kernel,
+            "phase": name,
+            "host_ms": median([p.host_ms for p in phases]),
+            "count_wait_ms": median([p.wait_ms for p in phases]),
+            "device_ms": median([p.device_ms() for p in phases]),
+        }
+        rows.append(row)
+        lines.append(f"| {name} | {shown(row['host_ms'])} | {shown(row['count_wait_ms'])} | {shown(row['device_ms'])} |")
     steps = [span.device_ms() if cuda else span.host_ms for _, span in runs]
+    rows.append({
+        "kernel": kernel, "phase": "whole step", "host_ms": median([span.host_ms for _, span in runs]),
+        "device_ms": median([span.device_ms() for _, span in runs]), "peak_gib": peak.gib,
+        "reserved_gib": peak.reserved_gib, "step_ms": steps, "warmup_s": warmup_s,
+    })  # fmt: skip
     clock = "CUDA events" if cuda else "host"
     lines.append(f"\n{kernel}: step ms ({clock}), each timed step: {', '.join(f'{ms:.1f}' for ms in steps)}")
     work = " (compiling the layers, recording their CUDA graphs)" if args.cuda_graphs else ""
@@ -145,7 +163,7 @@ def profile_kernel(
     if peak.gib is not None:
         lines.append(f"{kernel}: peak memory over the timed steps {peak.gib:.1f} GiB in tensors, "
                      f"{peak.reserved_gib:.1f} GiB reserved (the reserve also holds CUDA graphs' pools)")  # fmt: skip
-    return lines
+    return lines, rows
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -169,13 +187,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--no-step-scope",
         action="store_true",
         help="run the micro-batches outside step_scope.optimizer_step: the training op casts its weights per "
-        "micro-batch and hands its weight gradients to autograd (as before 2026-11-29; for an A/B)",
+        "micro-batch and hands its weight gradients to autograd (for an A/B)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    add_record_dir(parser)
     args = parser.parse_args(argv)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in args.kernels if k not in KERNELS]
@@ -193,12 +212,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # as bench_model: fp32 leftovers stay fp32
-    model = load_model(args, device)
-    ids = make_inputs(args, args.train_batch, model.config.vocab_size).to(device)
+    model = load_model(device, checkpoint=args.checkpoint, size=args.size, vocab_size=args.vocab_size, seed=args.seed)
+    vocab = model.config.vocab_size
+    ids = make_inputs(args.train_batch, args.seq_len, vocab, tokens=args.tokens, seed=args.seed).to(device)
     if args.density_l0 is not None:
         make_sparse(model, args.density_l0, ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
     if args.compile:
@@ -212,10 +233,17 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}"
           f"{'no step scope, ' if args.no_step_scope else ''}{device}",
           flush=True)  # fmt: skip
+    results: list[dict[str, object]] = []
     for kernel in args.kernels:
         reason = kernel_unavailable_reason(kernel, model, device)
-        lines = [f"{kernel}: skipped ({reason})"] if reason else profile_kernel(model, master, ids, kernel, args)
+        if reason:
+            lines, rows = [f"{kernel}: skipped ({reason})"], [{"kernel": kernel, "skipped": reason}]
+        else:
+            lines, rows = profile_kernel(model, master, ids, kernel, args)
         print("\n" + "\n".join(lines), flush=True)
+        results += rows
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    write_record(args.record_dir, make_record("profile_train_step", settings, results, device, argv))
 
 
 if __name__ == "__main__":

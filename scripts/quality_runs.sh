@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Dense vs sparse quality at one model shape, same seed and data: train.py with l1=0, with each l1 of $L1S, and
 # with l1=$REINIT_L1 plus dead-neuron re-initialisation (paper eq. 6, every $WINDOW steps); eval.py scores the
-# final checkpoints side by side; scripts/compare_runs.py appends the training and quality tables to
-# BENCHMARKS.md (title from $TITLE). A SIGTERM stops every run at a checkpoint; re-running resumes unfinished
+# final checkpoints side by side; scripts/compare_runs.py prints the training and quality tables and records them
+# in docs/records/ (title from $TITLE; python scripts/bench_report.py adds them to docs/benchmarks.md). A SIGTERM stops every run at a checkpoint; re-running resumes unfinished
 # runs from their last checkpoint and skips finished ones. PARALLEL=1 trains all runs at once (small models leave
 # most of a large GPU idle). TASKS is eval.py's tasks= (none: held-out perplexity and sparsity only, for machines
 # without lm-eval).
 #   [STEPS=2000] [L1S="2e-5"] [REINIT_L1=<last of L1S>] [WINDOW=100] [PREFIX=quality] [PARALLEL=0] [TASKS=embedded] \
 #     bash scripts/quality_runs.sh [train.py overrides...]
-# The 91M-parameter runs of BENCHMARKS.md (five runs sharing one H100: about 10 minutes of training; data/docs
+# The 91M-parameter runs of docs/benchmarks.md (five runs sharing one H100: about 10 minutes of training; data/docs
 # from scripts/build_doc_corpus.py and scripts/tokenize_corpus.py):
 #   STEPS=600 L1S="2e-5 2e-4 1e-3" PARALLEL=1 bash scripts/quality_runs.sh data=tokens 'data.paths=[data/docs.bin]' \
 #     model.hidden_size=768 model.intermediate_size=2048 model.num_layers=12 model.num_heads=12 \
@@ -68,6 +68,6 @@ for run in "${RUNS[@]}"; do dirs+=("outputs/${run%%|*}") finals+=("outputs/${run
 python eval.py checkpoint="${finals[0]}" "compare=[$(IFS=,; echo "${finals[*]:1}")]" tasks="$TASKS" \
   out="outputs/${PREFIX}_eval" logging.wandb=false
 DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
-python scripts/compare_runs.py "${dirs[@]}" --eval "outputs/${PREFIX}_eval/results.json" --markdown BENCHMARKS.md \
+python scripts/compare_runs.py "${dirs[@]}" --eval "outputs/${PREFIX}_eval/results.json" \
   --title "$TITLE" \
   --note "$DEVICE. \`STEPS=$STEPS L1S=\"$L1S\" REINIT_L1=$REINIT_L1 WINDOW=$WINDOW bash scripts/quality_runs.sh $*\`; the reinit run also has sparsity.reinit_dead=true sparsity.dead_window_steps=$WINDOW. Held-out = the validation documents of the training data; never fired = share of FFN neurons with no non-zero on the held-out tokens."

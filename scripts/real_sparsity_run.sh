@@ -11,7 +11,7 @@
 # TRAIN_KERNELS: train.py's train_kernels (layers train on the sparse kernels once sparse enough) and bench_model's
 # --train-kernels.
 # Watch l0/mean in outputs/$RUN/metrics.jsonl: raise L1 if it stays above ~40, lower it if it falls under ~24.
-# Seen on an H100 (BENCHMARKS.md), SIZE=1b STEPS=200 GLOBAL_BATCH=8 on data/docs: L1=2e-4 settles at 25-30
+# Seen on an H100, SIZE=1b STEPS=200 GLOBAL_BATCH=8 on data/docs: L1=2e-4 settles at 25-30
 # non-zeros/token (99.5%) from step 150, 36% of the neurons dead; L1=1e-3 fell to ~2 with 70-88% dead.
 # SIZE=2b STEPS=200 GLOBAL_BATCH=8 L1=5e-4 (4 min on an H100 with the training kernels): L0 17-25 at step 200 in
 # four runs, 24.4-30.3 on bench_model's inputs, 27-42% dead; L1=4e-4 seed=1: 30 at step 200.
@@ -38,4 +38,4 @@ if [ ! -d "outputs/$RUN/final" ]; then
     logging.wandb=false logging.progress_bar=false "$@"
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
-python scripts/bench_model.py --checkpoint "outputs/$RUN/final" --tokens "$TOKENS" $BENCH_ARGS --markdown BENCHMARKS.md
+python scripts/bench_model.py --checkpoint "outputs/$RUN/final" --tokens "$TOKENS" $BENCH_ARGS

@@ -1,6 +1,9 @@
-"""CPU tests of the model-level benchmark (scripts/bench_model.py) and its helpers (sparse_llm/bench/timing.py)."""
+"""CPU tests of the model-level benchmark (scripts/bench_model.py), its library (sparse_llm/bench/model_setup.py,
+measure.py, tables.py, train_step.py) and the measurement helpers (sparse_llm/bench/timing.py)."""
 
 import json
+import os
+import runpy
 import subprocess
 import sys
 import time
@@ -10,6 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from sparse_llm.bench.measure import MeasureOptions, VariantResult, bench_train
+from sparse_llm.bench.model_setup import make_sparse, set_kernel
+from sparse_llm.bench.tables import device_table, forward_ceiling, render_report
 from sparse_llm.bench.timing import (
     PeakMemory,
     SectionTimer,
@@ -21,16 +27,25 @@ from sparse_llm.bench.timing import (
     time_ms,
     wall_ms,
 )
-from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.bench.train_step import TrainStep
 from sparse_llm.ffn.mlp import recording_statistics
 from sparse_llm.model.llama import ModelConfig, build_model, sparse_mlps
-
-from script_modules import load_script
+from sparse_llm.telemetry.energy import EnergyMeter
 
 ROOT = Path(__file__).resolve().parents[1]
-bench_model = load_script("bench_model")
+# The command-line half: main, parse_args, report_header.
+bench_model = runpy.run_path(str(ROOT / "scripts" / "bench_model.py"))
+# Scripts run in a subprocess import this checkout's package.
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 TINY = "--size tiny --seq-len 16 --batch 2 --reps 1 --warmup 0 --device cpu".split()
+
+
+@pytest.fixture(autouse=True)
+def _records_in_tmp(tmp_path, monkeypatch):
+    """Runs that are not given a --record-dir write their record under the test's own folder, not the checkout's
+    docs/records/."""
+    monkeypatch.chdir(tmp_path)
 
 
 class Sleeper(nn.Module):
@@ -110,7 +125,7 @@ def test_make_sparse_gives_the_target_l0_in_every_layer():
     dense_l0 = [m.last_result.l0_M.float().mean().item() for m in sparse_mlps(model)]
     assert min(dense_l0) > 100  # random init: about half of the 512 gates are positive
 
-    shifts = bench_model.make_sparse(model, 12.0, ids)
+    shifts = make_sparse(model, 12.0, ids)
     assert len(shifts) == 3 and min(shifts) > 0
     with torch.no_grad(), recording_statistics(model):
         out = model.model(input_ids=ids, output_hidden_states=True)
@@ -120,16 +135,15 @@ def test_make_sparse_gives_the_target_l0_in_every_layer():
     for hidden in out.hidden_states[:-1]:  # the last entry is after the final norm
         assert torch.allclose(hidden[..., 0], torch.full_like(hidden[..., 0], model.config.initializer_range))
     with pytest.raises(ValueError, match="--density-l0"):
-        bench_model.make_sparse(model, 400.0, ids)
+        make_sparse(model, 400.0, ids)
 
 
-def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
-    markdown = tmp_path / "BENCHMARKS.md"
-    markdown.write_text("# Benchmarks\n")
-    results = bench_model.main(
+def test_cpu_smoke_run_prints_the_report_and_writes_a_record(tmp_path, capsys):
+    records = tmp_path / "records"
+    results = bench_model["main"](
         TINY
         + ["--density-l0", "24", "--max-train-batch", "4"]
-        + ["--markdown", str(markdown), "--json", str(tmp_path / "r.json"), "--profile-dir", str(tmp_path / "prof")]
+        + ["--record-dir", str(records), "--profile-dir", str(tmp_path / "prof")]
     )
     by_key = {(r.mode, r.kernel): r for r in results}
     assert set(by_key) == {
@@ -161,31 +175,37 @@ def test_cpu_smoke_run_prints_and_appends_the_report(tmp_path, capsys):
     assert sum(layer.l0_mean for layer in fwd) / 4 == pytest.approx(24.0, abs=1.0)  # calibrated on these tokens
     assert all(layer.l0_max >= layer.l0_p99 >= 0 for layer in fwd)
 
-    printed = capsys.readouterr().out
-    text = markdown.read_text()
-    assert text.startswith("# Benchmarks\n")
+    text = capsys.readouterr().out
     assert "## Model-level benchmark: random-init tiny" in text and "Hardware: CPU" in text
     assert "Settings: `python scripts/bench_model.py --size tiny" in text
     for row in ("| forward | torch | 2 |", "| train | auto | 2 |", "| forward | twell | 2 | skipped:"):
-        assert row in text and row in printed
+        assert row in text
     assert "| layer | forward L0 mean / p99 / max |" in text
     assert "Forward ceiling: with the FFN past its gate GEMM free, the `torch` forward" in text
     assert by_key["train (largest fit)", "auto"].batch == 4  # nothing runs out of memory on a CPU
     assert "| train (largest fit) | auto | 4 |" in text
-    assert len(json.loads((tmp_path / "r.json").read_text())) == 11
+    (record_file,) = records.glob("bench_model-*.json")
+    record = json.loads(record_file.read_text())
+    assert record["bench"] == "bench_model" and record["command"].startswith("python scripts/bench_model.py --size tiny")
+    assert record["hardware"]["gpu"] is None and record["settings"]["density_l0"] == 24.0
+    assert record["settings"]["model"]["layers"] == 4
+    assert len(record["results"]) == 11
+    rows = {(r["mode"], r["kernel"]): r for r in record["results"]}
+    assert rows["forward", "torch"]["vs_torch"] == 1.0 and len(rows["forward", "torch"]["layers"]) == 4
+    assert "CUDA" in rows["forward", "twell"]["skipped"] and rows["forward", "twell"]["ms"] is None
     assert "aten::mm" in (tmp_path / "prof" / "train_auto.txt").read_text()  # one profiled step per variant
     assert json.loads((tmp_path / "prof" / "forward_stock.json").read_text())["traceEvents"]
 
 
 def test_kernels_option_runs_only_the_variants_named():
-    results = bench_model.main(TINY + ["--modes", "train", "--kernels", "torch,auto", "--energy-seconds", "1"])
+    results = bench_model["main"](TINY + ["--modes", "train", "--kernels", "torch,auto", "--energy-seconds", "1"])
     assert [(r.mode, r.kernel) for r in results] == [("train", "torch"), ("train", "auto")]
     assert all(r.skipped is None and r.device_ms == {} for r in results)  # no device times on a CPU
 
 
 def test_forward_ceiling_is_the_dense_forward_without_its_sparse_part():
     dense = {"attention": 37.0, "ffn gate GEMM": 9.25, "ffn rest": 21.75, "other fwd": 12.0, "total": 80.0}
-    line = bench_model.forward_ceiling("torch", dense)
+    line = forward_ceiling("torch", dense)
     assert "the `torch` forward would take 58.25 of 80.00 ms (1.373x)" in line and "attention 37.00 ms" in line
 
 
@@ -214,9 +234,9 @@ def test_kernel_families_name_what_the_device_ran():
 
 
 def test_device_table_gives_the_idle_time_of_the_timed_step():
-    row = bench_model.VariantResult("train", "twell", 4, 8192, ms=230.0)
+    row = VariantResult("train", "twell", 4, 8192, ms=230.0)
     row.device_ms = {"busy": 195.5, "GEMM": 55.0, "sparse FFN": 39.0, "other": 101.5}
-    lines = bench_model.device_table([row, bench_model.VariantResult("train", "torch", 4, 8192, ms=250.0)])
+    lines = device_table([row, VariantResult("train", "torch", 4, 8192, ms=250.0)])
     assert len(lines) == 3  # the row without device times is left out
     cells = [c.strip() for c in lines[2].strip().strip("|").split("|")]
     header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
@@ -228,15 +248,15 @@ def test_device_table_gives_the_idle_time_of_the_timed_step():
 def test_train_kernels_reach_only_the_auto_variant():
     """--train-kernels lets `auto` train on the sparse kernels (train.py's train_kernels=true); forced variants decide
     by themselves. The report's settings line repeats the command, so the choice is on record."""
-    args = bench_model.parse_args([*TINY, "--train-kernels"])
+    args = bench_model["parse_args"]([*TINY, "--train-kernels"])
     model = build_model(ModelConfig(name="tiny", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                     vocab_size=64, max_position_embeddings=32), vocab_size=64)
     for kernel, allowed in (("auto", True), ("twell", False), ("torch", False)):
-        bench_model.set_kernel(model, kernel, None, args.train_kernels)
+        set_kernel(model, kernel, None, args.train_kernels)
         assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [allowed]
-    bench_model.set_kernel(model, "auto", None)
+    set_kernel(model, "auto", None)
     assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [False]
-    settings = [line for line in bench_model.report_header(args, model, torch.device("cpu"), "n/a", None)
+    settings = [line for line in bench_model["report_header"](args, model, torch.device("cpu"), "n/a", None)
                 if line.startswith("Settings:")]
     assert settings and "--train-kernels" in settings[0]
 
@@ -259,7 +279,7 @@ def test_train_kernels_reach_only_the_auto_variant():
 )
 def test_bad_arguments_are_named(extra, message, capsys):
     with pytest.raises(SystemExit):
-        bench_model.parse_args(TINY + extra)
+        bench_model["parse_args"](TINY + extra)
     assert message in capsys.readouterr().err
 
 
@@ -270,39 +290,41 @@ def test_every_model_script_checks_its_model_source_before_loading(script, extra
     """bench_model, bench_decode and profile_train_step share the check: a --checkpoint without a model in it, or one
     given with --density-l0, is a usage error naming the fix."""
     run = [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *extra, "--device", "cpu"]
-    missing = subprocess.run([*run, "--checkpoint", str(tmp_path)], capture_output=True, text=True)
+    missing = subprocess.run([*run, "--checkpoint", str(tmp_path)], capture_output=True, text=True, env=SCRIPT_ENV)
     assert missing.returncode == 2 and "not a model directory (no config.json); pass a run's final/" in missing.stderr
     (tmp_path / "config.json").write_text("{}")
-    both = subprocess.run([*run, "--checkpoint", str(tmp_path), "--density-l0", "5"], capture_output=True, text=True)
+    both = subprocess.run(
+        [*run, "--checkpoint", str(tmp_path), "--density-l0", "5"], capture_output=True, text=True, env=SCRIPT_ENV
+    )
     assert both.returncode == 2 and "a checkpoint has its own sparsity" in both.stderr
 
 
 def test_sequence_longer_than_the_context_is_refused():
     with pytest.raises(ValueError, match="--seq-len 4096"):
-        bench_model.main(["--size", "tiny", "--seq-len", "4096", "--device", "cpu"])
+        bench_model["main"](["--size", "tiny", "--seq-len", "4096", "--device", "cpu"])
 
 
 def test_out_of_memory_is_reported_per_micro_batch_and_the_run_goes_on(monkeypatch):
-    real_call = bench_model.TrainStep.__call__
+    real_call = TrainStep.__call__
 
     def call(step):
         if step.ids.shape[0] >= 4:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         real_call(step)
 
-    monkeypatch.setattr(bench_model.TrainStep, "__call__", call)
+    monkeypatch.setattr(TrainStep, "__call__", call)
     args = TINY + ["--modes", "train", "--train-batch", "4", "--max-train-batch", "8"]
-    results = bench_model.main(args)
+    results = bench_model["main"](args)
     assert [(r.mode, r.kernel, r.skipped) for r in results[:3]] == [
         ("train", "stock", "out of memory at micro-batch 4"),
         ("train", "torch", "out of memory at micro-batch 4"),
         ("train", "auto", "out of memory at micro-batch 4"),
     ]
     assert results[3].kernel == "twell" and "CUDA" in results[3].skipped
-    report = bench_model.render_report(results, ["## header"])
+    report = render_report(results, ["## header"])
     assert "| train | auto | 4 | skipped: out of memory at micro-batch 4 |" in report
 
-    results = bench_model.main(TINY + ["--modes", "train", "--max-train-batch", "8"])
+    results = bench_model["main"](TINY + ["--modes", "train", "--max-train-batch", "8"])
     # from the measured batch 2: 3 fits, 5 does not, so 3 is each path's largest fit
     assert [(r.mode, r.batch) for r in results] == [("train", 2)] * 4 + [("train (largest fit)", 3)] * 3
     assert [r.kernel for r in results[4:]] == ["stock", "torch", "auto"]
@@ -315,13 +337,13 @@ def test_a_step_that_runs_out_of_memory_leaves_no_activations_behind(monkeypatch
     def backward(step, loss):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(bench_model.TrainStep, "backward", backward)
-    args = bench_model.parse_args(TINY + ["--modes", "train"])
+    monkeypatch.setattr(TrainStep, "backward", backward)
+    options = MeasureOptions.from_namespace(bench_model["parse_args"](TINY + ["--modes", "train"]))
     torch.manual_seed(0)
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
     model = build_model(config, kernel="torch")
     master = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    row = bench_model.bench_train(model, master, torch.randint(0, 50, (2, 8)), "torch", None, None, None, args)
+    row = bench_train(model, master, torch.randint(0, 50, (2, 8)), "torch", None, None, None, options)
     assert row.skipped == "out of memory at micro-batch 2"
     assert [m.last_result for m in sparse_mlps(model)] == [None, None]
 
@@ -338,10 +360,10 @@ def test_accumulated_step_averages_its_micro_batches_under_one_update(monkeypatc
         seen.append([p.grad.clone() for p in step.model.parameters()])
         step.model.zero_grad(set_to_none=True)
 
-    monkeypatch.setattr(bench_model.TrainStep, "update", update)
+    monkeypatch.setattr(TrainStep, "update", update)
     model = build_model(config, kernel="torch")  # no update runs, so both steps start from the same weights
     for accumulate in (1, 3):
-        step = bench_model.TrainStep(model, ids, 2e-5, 0.0, accumulate=accumulate)
+        step = TrainStep(model, ids, 2e-5, 0.0, accumulate=accumulate)
         forwards = []
         monkeypatch.setattr(step, "forward", lambda real=step.forward: forwards.append(1) or real())
         step()
@@ -350,7 +372,7 @@ def test_accumulated_step_averages_its_micro_batches_under_one_update(monkeypatc
         torch.testing.assert_close(mean, one, rtol=1e-5, atol=1e-7)
 
     args = TINY + ["--modes", "train", "--kernels", "torch", "--accumulate", "3"]
-    (row,) = bench_model.main(args)
+    (row,) = bench_model["main"](args)
     assert row.skipped is None and row.tokens == 3 * 32 and row.breakdown_ms["backward"] > 0
 
 
@@ -364,7 +386,7 @@ def test_graphed_step_marks_a_graph_step_per_micro_batch_with_gradients_held(mon
     torch.manual_seed(0)
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, vocab_size=50)
     model = build_model(config, kernel="torch")
-    step = bench_model.TrainStep(model, torch.randint(0, 50, (2, 8)), 2e-5, 0.0, cuda_graphs=True, accumulate=3)
+    step = TrainStep(model, torch.randint(0, 50, (2, 8)), 2e-5, 0.0, cuda_graphs=True, accumulate=3)
     held = [p.grad for p in model.parameters()]
     assert all(g is not None and not g.any() for g in held)
     grads = []
@@ -380,7 +402,7 @@ def test_graphed_step_marks_a_graph_step_per_micro_batch_with_gradients_held(mon
     step()
     assert events == (["mark", "backward"] * 3 + ["update"]) * 2
     assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), held, strict=True))
-    plain = bench_model.TrainStep(model, step.ids, 2e-5, 0.0, accumulate=1)
+    plain = TrainStep(model, step.ids, 2e-5, 0.0, accumulate=1)
     model.zero_grad(set_to_none=True)
     plain.backward(plain.forward())  # lr 0: the weights have not moved, and three equal micro-batches average to one
     for accumulated, p in zip(grads[1], model.parameters(), strict=True):
@@ -397,19 +419,19 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
     weights = [mlp.gate_proj.weight for mlp in originals]
     with torch.no_grad():
         sparse_out = model(input_ids=ids).logits
-        bench_model.set_kernel(model, "stock", None)
+        set_kernel(model, "stock", None)
         assert sparse_mlps(model) == []
         stock_weights = [layer.mlp.gate_proj.weight for layer in model.model.layers]
         assert all(a is b for a, b in zip(stock_weights, weights, strict=True))  # the same tensors, no copies
         stock_out = model(input_ids=ids).logits
-        bench_model.set_kernel(model, "auto", None)
+        set_kernel(model, "auto", None)
         assert sparse_mlps(model) == originals  # the same modules come back, no new weights
         assert [mlp.dispatcher.kernel for mlp in sparse_mlps(model)] == ["auto", "auto"]
         assert all(mlp.gate_proj.weight is w for mlp, w in zip(sparse_mlps(model), weights, strict=True))
     torch.testing.assert_close(stock_out, sparse_out)
-    bench_model.set_kernel(model, "stock", None)
+    set_kernel(model, "stock", None)
     model.to(torch.float64)  # a dtype change while the stock MLPs are in place reaches the SparseMLPs too
-    bench_model.set_kernel(model, "torch", None)
+    set_kernel(model, "torch", None)
     assert {mlp.down_proj.weight.dtype for mlp in sparse_mlps(model)} == {torch.float64}
 
 
@@ -418,7 +440,7 @@ def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
     training options are refused in inference mode."""
     def run(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, str(ROOT / "scripts" / "bench_mlp.py"), *args]
-        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120, env=SCRIPT_ENV)
 
     train = run("--mode", "train", "--m", "64", "--cases", "u28")
     if not torch.cuda.is_available():

@@ -1,13 +1,15 @@
-"""CPU tests of scripts/compare_runs.py: the training table and the quality table read from eval.py results."""
+"""CPU tests of scripts/compare_runs.py and its library (sparse_llm/bench/run_comparison.py): the training table and
+the quality table read from eval.py results."""
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
 
-from script_modules import load_script
+from sparse_llm.bench import run_comparison as compare_runs
 
-compare_runs = load_script("compare_runs")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(root: Path, name: str, losses: list[float], dead: float) -> Path:
@@ -72,3 +74,21 @@ def test_spread_table_groups_repeats_and_compares_means(tmp_path):
     assert ddp == "| ddp | 2 | 1.2000 | 0.1414 | 1.1000-1.3000 | +0.1000 | 0.1155 | 2,000 | 1.00x |"
     assert fsdp == "| fsdp | 1 | 1.2500 | - | 1.2500-1.2500 | +0.1500 | - | 2,000 | 1.00x |"  # one run: no spread
     assert compare_runs.spread_table(runs[:1] + runs[3:4]) is None  # nothing repeated: no table
+
+
+def test_command_line_prints_the_tables_and_writes_a_record(tmp_path, capsys):
+    dense = _run(tmp_path, "dense", [3.0, 2.0], dead=0.0)
+    sparse = _run(tmp_path, "sparse", [3.1, 2.05], dead=0.25)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"models": [_model(dense, 2.0, 40.0, [0.0, 0.0], 0.6),
+                                              _model(sparse, 2.04, 1.0, [0.1, 0.3], 0.55)]}))
+    main = runpy.run_path(str(ROOT / "scripts" / "compare_runs.py"))["main"]
+    main([str(dense), str(sparse), "--eval", str(results), "--title", "dense vs sparse", "--record-dir",
+          str(tmp_path / "records")])
+    assert "| sparse | 20 | 2.0500 | 0.1000 |" in capsys.readouterr().out
+    (record_file,) = (tmp_path / "records").glob("compare_runs-*.json")
+    record = json.loads(record_file.read_text())
+    assert record["settings"]["title"] == "dense vs sparse"
+    assert [row["run"] for row in record["results"]] == ["dense", "sparse"]
+    assert record["results"][0]["max_gap"] is None  # NaN (no gap against itself) is null in JSON
+    assert record["quality"][1]["ce_vs_first"] == pytest.approx(0.02) and record["quality"][1]["piqa_acc"] == 0.55

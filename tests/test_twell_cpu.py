@@ -300,7 +300,7 @@ def test_decode_price_follows_its_groups(m, l0, us):
     assert 0.9 * us <= 1e3 * cost_model.decode_ms(m, 2048, 5632, l0, 2 * l0) <= 1.2 * us
 
 
-# The direct route's walk on the H100 (2026-11-26, BENCHMARKS.md), in the column parts `column_parts` gives at that
+# The direct route's walk on the H100 (2026-11-26, docs/benchmarks.md), in the column parts `column_parts` gives at that
 # density (one pass at 44 MiB of rows, two from 66 to 224, three from 128 at 56 non-zeros, which the price takes
 # for two): (M, K, N, non-zeros per token, ms).
 MEASURED_WALKS = [
@@ -337,8 +337,9 @@ def test_dispatch_on_wide_blocks_follows_the_walks():
     assert row_slowdown(4 * 4096 * 11008) > 2.0
 
 
-# The "slices" walk (2026-11-26, BENCHMARKS.md): (M, K, N, mean and max non-zeros per token, ms). The first three on an
-# H200 with the tokens ordered by count; the rest on an H100 before that (the 8-column ones not re-measured since).
+# The "slices" walk (2026-11-26, docs/benchmarks.md): (M, K, N, mean and max non-zeros per token, ms). The first three
+# on an H200 with the tokens ordered by count; the rest on an H100 before that (the 8-column ones not re-measured
+# since).
 MEASURED_SLICES = [
     (16384, 2048, 5632, 28.0, 52, 0.598), (16384, 2048, 5632, 56.0, 91, 0.932), (8192, 2048, 5632, 55.9, 93, 0.516),
     (32768, 2048, 5632, 28.1, 55, 1.137), (16384, 2048, 11264, 27.8, 58, 0.892), (16384, 2048, 11264, 79.8, 129, 1.575),

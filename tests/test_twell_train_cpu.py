@@ -323,7 +323,7 @@ def test_training_tail_price_has_no_step_at_the_threshold():
      (155, 2015, False, False), (279, 362, False, False)],
 )  # fmt: skip
 def test_auto_follows_the_measured_block(l0_mean, l0_max, eager_wins, compiled_wins):
-    """bench_train_mlp.py on the H100 (M = 16384, BENCHMARKS.md 2026-11-26 09:55): the op beat the eager dense path
+    """bench_train_mlp.py on the H100 (M = 16384, docs/benchmarks.md 2026-11-26 09:55): the op beat the eager dense path
     at 28, 56 and heavy-tailed 60 non-zeros per token (2.44x, 1.57x, 1.25x) and the compiled one at 28 and 56 only
     (1.92x, 1.26x; 0.98x heavy-tailed); it lost at 110, heavy-tailed 155 and 279 either way."""
     sparse_ms = train_estimated_ms(16384, 2048, 5632, l0_mean, l0_max)

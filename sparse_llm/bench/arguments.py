@@ -1,0 +1,64 @@
+"""Command-line options that several benchmark scripts share, and their usage checks (exit code 2 via
+`parser.error`, before any model is loaded)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from sparse_llm.bench.model_setup import SIZES
+from sparse_llm.bench.records import DEFAULT_RECORD_DIR
+
+GRAPH_WARMUP_STEPS = 2  # calls before torch.compile's CUDA graphs replay: one eager, one recording
+
+
+def add_record_dir(parser: argparse.ArgumentParser) -> None:
+    """--record-dir: where the run's JSON record goes (`records.write_record`)."""
+    parser.add_argument(
+        "--record-dir",
+        default=DEFAULT_RECORD_DIR,
+        help=f"write the run's JSON record here (default {DEFAULT_RECORD_DIR}; scripts/bench_report.py turns the "
+        "records into docs/benchmarks.md)",
+    )
+
+
+def add_model_source(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint or --size (with --vocab-size): the model `model_setup.load_model` builds."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a model directory in HF layout (a run's final/)")
+    source.add_argument("--size", choices=SIZES, help="a random-init model of configs/model/<size>.yaml")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the size's vocabulary")
+
+
+def check_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors before any model is loaded: a --checkpoint that is not a model directory, or one given with
+    --density-l0 (which only random-init models take)."""
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        parser.error(
+            f"--checkpoint {args.checkpoint}: not a model directory (no config.json); pass a run's final/ or "
+            "checkpoints/step_N/model directory"
+        )
+    if args.density_l0 is not None and args.checkpoint:
+        parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+
+
+def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of --cuda-graphs: it replays the compiled layers (not with --grad-ckpt, as trainer.cuda_graphs)
+    on a CUDA GPU, and the untimed steps must cover what precedes the replays: each compiled part runs eagerly on its
+    first call and is recorded on its second (the second micro-batch; with one micro-batch a step, the second step),
+    which a timed step would measure."""
+    if not args.cuda_graphs:
+        return
+    if not args.compile:
+        parser.error("--cuda-graphs replays the compiled layers: add --compile")
+    if getattr(args, "grad_ckpt", False):
+        parser.error("--cuda-graphs is not supported with --grad-ckpt (as trainer.cuda_graphs)")
+    if args.warmup < GRAPH_WARMUP_STEPS:
+        parser.error(
+            f"--cuda-graphs needs --warmup {GRAPH_WARMUP_STEPS} or more: the first step runs the compiled layers "
+            "eagerly and the second call records their graphs, which a timed step would measure"
+        )
+    if torch.device(args.device).type != "cuda":
+        parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")
