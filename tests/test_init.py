@@ -13,8 +13,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.data.tokenizer import load_tokenizer
@@ -31,8 +38,8 @@ from sparse_llm.training.trainer import Trainer, train
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 TOKENIZER = load_tokenizer("embedded")
-SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(TOKENIZER),
-             max_position_embeddings=64, rope_theta=1e5, tie_word_embeddings=True)
+SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": len(TOKENIZER), "max_position_embeddings": 64, "rope_theta": 1e5, "tie_word_embeddings": True}
 IDS = torch.randint(0, len(TOKENIZER), (2, 24), generator=torch.Generator().manual_seed(0))
 # A run small enough for a few seconds on two cores: 2 micro-batches of 4 x 64 tokens a step, 200 documents.
 RUN = ["trainer.micro_batch=4", "trainer.global_batch=8", "trainer.warmup_steps=1", "trainer.val_every=100",
@@ -46,9 +53,10 @@ def stock(act: str = "relu", seed: int = 0, **changes) -> LlamaForCausalLM:
 
 
 def write_reference(path: Path, model: LlamaForCausalLM, transposed_down: bool = False, **fields) -> Path:
-    """`model` saved as the reference code saves its SparseLlamaForCausalLM: model_type llama_sparse_relu, an auto_map to
-    its custom code, sparsity_* fields, the leftover hidden_act "silu", the FFN width in sparsity_new_intermediate_size
-    (intermediate_size keeps the dense width it replaced); down_proj as [N, K] where its hybrid kernel ran."""
+    """`model` saved as the reference code saves its SparseLlamaForCausalLM: model_type llama_sparse_relu, an auto_map
+    to its custom code, sparsity_* fields, the leftover hidden_act "silu", the FFN width in
+    sparsity_new_intermediate_size (intermediate_size keeps the dense width it replaced); down_proj as [N, K] where
+    its hybrid kernel ran."""
     path.mkdir(parents=True)
     config = {**model.config.to_dict(), "model_type": "llama_sparse_relu",
               "architectures": ["SparseLlamaForCausalLM"], "hidden_act": "silu", "intermediate_size": 512,
@@ -143,7 +151,7 @@ def test_missing_and_misshapen_weights_are_named(tmp_path):
 def test_entry_points_exit_2_on_an_unreadable_checkpoint(tmp_path):
     path = write_reference(tmp_path / "ref", stock(), sparsity_gated_mlp=False)
     done = subprocess.run([sys.executable, "generate.py", f"checkpoint={path}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
     assert done.returncode == 2 and "sparsity_gated_mlp=False" in done.stderr and "Traceback" not in done.stderr
     assert main([str(path), str(tmp_path / "out")]) == 2
 

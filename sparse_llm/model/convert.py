@@ -102,7 +102,7 @@ def resolve_model_dir(name: str, key: str = "init") -> Path:
     try:
         found = Path(snapshot_download(name, local_files_only=constants.HF_HUB_OFFLINE,
                                        allow_patterns=list(HUB_PATTERNS)))
-    except Exception as error:  # not cached, unknown repository, network: all say the same to the user
+    except Exception as error:  # noqa: BLE001 (not cached, unknown repository, network: one message for all)
         raise FileNotFoundError(
             f"{key}={name!r} is neither a local directory nor a model in the Hugging Face cache ({type(error).__name__}"
             f"). Download it where there is network (`huggingface-cli download {name}`), or set HF_HUB_OFFLINE=0."

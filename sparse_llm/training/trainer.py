@@ -512,7 +512,7 @@ class Trainer:
             )
 
     def _build_model(self) -> tuple[torch.nn.Module, dict[str, float]]:
-        """The model to train (on the CPU), and the metrics to log at step 0 besides the validation CE: a fresh model
+        """The model to train, and the metrics to log at step 0 besides the validation CE: a fresh model
         from cfg.model, or init's checkpoint (its weights unless the run resumes), its gate turned ReLU where
         sparsify.relu asks, after the dense model's validation CE was measured."""
         cfg = self.cfg
