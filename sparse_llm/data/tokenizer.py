@@ -6,10 +6,14 @@ after each document, and a padding token.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from sparse_llm.model.convert import read_checkpoint
 
 EMBEDDED = "embedded"
 EMBEDDED_TOKENIZER_FILE = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
@@ -23,10 +27,24 @@ def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
-def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
-    """Local directory or hub id; the local cache is tried first so that offline machines never wait."""
+def _stock_config(name: str) -> dict[str, Any]:
+    """`config=` for AutoTokenizer where `name` is a model directory whose config.json points at custom code (the
+    paper's released checkpoints): the stock Llama config it reads as, so that no custom code is asked for."""
+    config_file = Path(name) / "config.json"
+    if not config_file.is_file() or "auto_map" not in json.loads(config_file.read_text()):
+        return {}
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        return {"config": read_checkpoint(name).config}
+    except ValueError:
+        return {}
+
+
+def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
+    """Local directory or hub id; the local cache is tried first so that offline machines never wait. Custom code is
+    never run (nor asked about)."""
+    stock = _stock_config(name)
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=False, **stock)
     except (OSError, ValueError) as cache_error:
         if Path(name).exists():
             raise ValueError(f"tokenizer={name!r}: cannot load a tokenizer from this path: {cache_error}") from None
@@ -37,7 +55,7 @@ def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
                 f"(`huggingface-cli download {name}`), pass a local directory, or use tokenizer=embedded."
             ) from None
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except Exception as hub_error:  # network errors come in many types (OSError, HTTP, timeout)
         raise ValueError(
             f"tokenizer={name!r}: not found locally and could not be fetched from the Hugging Face hub "

@@ -44,6 +44,7 @@ from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results
 from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError
 from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.model.convert import read_checkpoint
 from sparse_llm.model.llama import load_pretrained, sparse_mlps
 from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.data.tokenizer import load_tokenizer
@@ -148,12 +149,7 @@ def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
             f"{key}={path!r} is not a model directory in HF layout (no config.json in it, nor in final/ or "
             "model/ below it). Pass a run's final/ or checkpoints/step_N/model directory."
         )
-    config = json.loads((candidate / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(
-            f"{key}={path!r} holds a {config.get('model_type')!r} model; eval.py evaluates ReLU Llama "
-            "checkpoints (model_type 'llama') such as those train.py writes."
-        )
+    read_checkpoint(candidate)  # a model that cannot be read as a stock Llama fails here, naming the field
     if not any(candidate.glob("*.safetensors")) and not any(candidate.glob("*.bin")):
         raise FileNotFoundError(
             f"{key}={path!r}: {candidate} has a config.json but no weights (*.safetensors); pass a "

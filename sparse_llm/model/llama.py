@@ -3,7 +3,8 @@
 A ReGLU Llama is a stock `LlamaForCausalLM` with `hidden_act="relu"`: the model we train is that class
 with each `LlamaMLP` swapped for a `SparseMLP` of the same parameter names, so checkpoints are plain HF
 Llama checkpoints (`AutoModelForCausalLM.from_pretrained` loads them with no custom code) and sparsity is
-a runtime property of the loaded model.
+a runtime property of the loaded model. A model of another activation (the dense SiLU baseline, a pretrained
+model before `swap_to_relu`) keeps the stock `LlamaMLP` and runs on the torch path.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
@@ -31,14 +35,21 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 from sparse_llm.ffn.torch_backend import add_linear_
 from sparse_llm.ffn.dispatch import LayerDispatcher
 from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.ffn.twell.backend import shape_unsupported_reason
+from sparse_llm.model.convert import Checkpoint, load_stock, read_checkpoint
 from sparse_llm.model.rope import kernel_applies, rotate_half_qk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelConfig:
     """Architecture of one model size (configs/model/<name>.yaml).
 
-    vocab_size None means "the tokenizer's vocabulary size" (set when the data is known).
+    vocab_size None means "the tokenizer's vocabulary size" (set when the data is known). The defaults are the
+    default group's (configs/model/tiny.yaml): a run from a pretrained checkpoint (train.py init=...) reads a field
+    that still holds its default as "not given" (`training.init.check_model_config`).
+    hidden_act: relu (sparse FFNs), or silu / gelu for a dense baseline (stock LlamaMLP, torch path, no L1 term).
     """
 
     name: str = "tiny"
@@ -48,11 +59,12 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: full multi-head attention, as in the paper
     vocab_size: int | None = None
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 128
     rope_theta: float = 100000.0  # the released configs use 1e5 (the paper's table says 1e4)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    hidden_act: str = "relu"
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig:
@@ -64,6 +76,9 @@ def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig
         raise ValueError(
             f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}."
         )
+    if cfg.hidden_act not in ACT2FN:
+        raise ValueError(f"model.hidden_act={cfg.hidden_act!r} is not an activation transformers knows; use relu "
+                         "(sparse FFNs), silu or gelu (dense baselines).")
     return LlamaConfig(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -72,13 +87,34 @@ def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         vocab_size=vocab,
         max_position_embeddings=cfg.max_position_embeddings,
-        hidden_act="relu",
+        hidden_act=cfg.hidden_act,
         rope_theta=cfg.rope_theta,
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std,
         attention_bias=False,
         mlp_bias=False,
+    )
+
+
+def model_config_of(config: LlamaConfig, name: str) -> ModelConfig:
+    """The ModelConfig that describes the HF config `config` (the inverse of `llama_config`, for the fields a
+    ModelConfig holds; a checkpoint may set more, e.g. rope scaling or a head width of its own)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return ModelConfig(
+        name=name,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=None if kv_heads in (None, heads) else kv_heads,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=float(config.rope_parameters["rope_theta"]),
+        rms_norm_eps=config.rms_norm_eps,
+        tie_embeddings=config.tie_word_embeddings,
+        init_std=config.initializer_range,
+        hidden_act=config.hidden_act,
     )
 
 
@@ -327,7 +363,7 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool 
     if model.config.hidden_act != "relu":
         raise ValueError(
             f"The model's hidden_act is {model.config.hidden_act!r}; sparse FFNs need a ReLU gate "
-            "(hidden_act='relu'). Convert or fine-tune the model to ReLU first."
+            "(hidden_act='relu'). Sparsify it first: python train.py init=<its directory> recipe=sparsify."
         )
     for layer in model.model.layers:
         old = layer.mlp
@@ -340,6 +376,11 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool 
             new = SparseMLP(old.hidden_size, old.intermediate_size, kernel, train_kernels)
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
         layer.mlp = new
+    return fuse_layers(model)
+
+
+def fuse_layers(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Swap each module of `FUSED_CLASSES` for its fused twin (in place; parameters and state-dict keys unchanged)."""
     for module in model.modules():
         fused = FUSED_CLASSES.get(type(module))
         if fused is not None:
@@ -348,6 +389,41 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool 
     # layer: the stock name would match no module.
     model._no_split_modules = [FusedDecoderLayer.__name__]
     return model
+
+
+def prepare_model(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool = False) -> LlamaForCausalLM:
+    """`sparsify` a ReLU model; a model of another activation (a dense baseline) keeps its `LlamaMLP`s, which run
+    on the torch path, and only its other modules are fused: kernel=twell is an error for it."""
+    if model.config.hidden_act == "relu":
+        return sparsify(model, kernel, train_kernels)
+    if kernel == "twell" or train_kernels:
+        setting = "kernel=twell" if kernel == "twell" else "train_kernels=true"
+        raise ValueError(f"{setting} needs a ReLU model; this one has hidden_act={model.config.hidden_act!r}, whose "
+                         "dense FFNs run on the torch path only. Use kernel=auto or kernel=torch, or sparsify it "
+                         "first (recipe=sparsify).")
+    return fuse_layers(model)
+
+
+def swap_to_relu(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Make a dense model's FFN gate a ReLU (in place, weights unchanged): the start of sparsifying it."""
+    for layer in model.model.layers:
+        layer.mlp.act_fn = ACT2FN["relu"]
+    model.config.hidden_act = "relu"
+    return model
+
+
+def kernel_width_note(config: LlamaConfig, kernel: str) -> str | None:
+    """None where the sparse kernels take the model's widths, else why they do not: an error for kernel=twell (which
+    would fail at the first forward), a note to log for kernel=auto (whose layers then stay on the torch path)."""
+    if config.hidden_act != "relu":
+        return None
+    reason = shape_unsupported_reason(config.hidden_size, config.intermediate_size)
+    if reason is None:
+        return None
+    if kernel == "twell":
+        raise ValueError(f"kernel=twell cannot run this model: {reason}. Use kernel=auto or kernel=torch (the torch "
+                         "path takes any width).")
+    return f"the sparse kernels will not run on this model ({reason}): every FFN layer takes the torch path"
 
 
 def build_model(
@@ -359,20 +435,33 @@ def build_model(
     Build it under `torch.device("meta")` to count parameters without allocating them.
     """
     model = LlamaForCausalLM(llama_config(cfg, vocab_size))
-    return sparsify(model, kernel, train_kernels)
+    return prepare_model(model, kernel, train_kernels)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """`convert.read_checkpoint`, logging in one line what it mapped to read the directory as a stock Llama."""
+    checkpoint = read_checkpoint(path)
+    if checkpoint.mapping:
+        log.info("%s: %s", checkpoint.path, checkpoint.mapping)
+    return checkpoint
 
 
 def load_pretrained(
     path: str | Path, kernel: str = "auto", dtype: torch.dtype | None = None, device: str | None = None
 ) -> LlamaForCausalLM:
-    """Load a checkpoint in HF layout (ours or any ReLU Llama) and make its MLPs sparse."""
+    """Load a ReLU checkpoint (ours, any ReLU Llama, the paper's released format: `sparse_llm.model.convert`) and
+    make its MLPs sparse."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} is not a model directory in HF layout (no config.json). Pass a run's `final/` or "
             "`checkpoints/step_N/model` directory."
         )
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    checkpoint = open_checkpoint(path)
+    note = kernel_width_note(checkpoint.config, kernel)
+    if note:
+        log.warning("%s: %s", path, note)
+    model = load_stock(checkpoint, dtype or torch.float32)
     if device is not None:
         model.to(device)
     return sparsify(model, kernel)

@@ -116,6 +116,7 @@ _CONSOLE_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("power_w", "{} W", _fmt("{:.0f}")),
     ("val/ce", "val ce {}", _fmt("{:.4f}")),
     ("val/ppl", "val ppl {}", _fmt("{:.2f}")),
+    ("val/ce_dense_source", "dense source val ce {}", _fmt("{:.4f}")),
 )
 
 

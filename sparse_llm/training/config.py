@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.model.llama import ModelConfig
+from sparse_llm.training.init import SparsifyConfig
 from sparse_llm.training.sparsity import SparsityConfig
 from sparse_llm.telemetry.metrics import LoggingConfig
 
@@ -74,6 +75,11 @@ class TrainConfig:
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sparsify: SparsifyConfig = field(default_factory=SparsifyConfig)
+    # Start from a pretrained checkpoint (a directory, or a hub id in the Hugging Face cache) instead of random weights:
+    # it sets the model's shape and the tokenizer (sparse_llm/training/init.py). A resume takes the run's own weights.
+    init: str = ""
+    recipe: str = ""  # the configs/recipe/ group applied (recipe=sparsify), as its file records it
     l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/training/sparsity.py)
     kernel: str = "auto"  # auto | torch | twell
     # With kernel=auto: let training steps, not only inference, take the sparse kernels in layers where their cost

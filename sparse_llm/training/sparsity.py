@@ -35,7 +35,10 @@ Reducer = Callable[[torch.Tensor, str], torch.Tensor]
 class SparsityConfig:
     """Options of the sparsity objective (the coefficient itself is the top-level `l1`)."""
 
-    l1_warmup_steps: int = 0  # linear ramp of the coefficient from 0 over this many optimizer steps
+    l1_warmup_steps: int = 0  # ramp of the coefficient from 0 over this many optimizer steps
+    # The ramp's shape: linear, or sine (l1 * sin(pi/2 * progress): most of the coefficient early, then a slow
+    # approach, as ProSparse raises its L1 factor when it sparsifies a pretrained model).
+    l1_warmup_shape: str = "linear"
     dead_window_steps: int = 1  # a neuron is dead if it fired for no token over this many steps
     reinit_dead: bool = False  # paper eq. 6, applied at the end of every dead window
     reinit_mix: float = 0.1  # Wg[j] <- (1 - mix) Wg[j] + mix * N(0, reinit_std^2)
@@ -46,11 +49,17 @@ class SparsityConfig:
     layer_balance_max: float = 8.0  # bound on a layer's weight, and its inverse below
 
 
-def l1_coefficient(l1: float, step: int, warmup_steps: int) -> float:
-    """The L1 coefficient at optimizer step `step` (0-based) under a linear warm-up."""
+L1_WARMUP_SHAPES = ("linear", "sine")
+
+
+def l1_coefficient(l1: float, step: int, warmup_steps: int, shape: str = "linear") -> float:
+    """The L1 coefficient at optimizer step `step` (0-based) under a warm-up of `shape` (L1_WARMUP_SHAPES)."""
+    if shape not in L1_WARMUP_SHAPES:
+        raise ValueError(f"sparsity.l1_warmup_shape={shape!r}; use one of {', '.join(L1_WARMUP_SHAPES)}.")
     if warmup_steps <= 0:
         return l1
-    return l1 * min(1.0, (step + 1) / warmup_steps)
+    progress = min(1.0, (step + 1) / warmup_steps)
+    return l1 * (math.sin(math.pi / 2 * progress) if shape == "sine" else progress)
 
 
 def l1_term(results: list[FFNResult], weights_L: torch.Tensor | None = None) -> torch.Tensor:
@@ -310,6 +319,34 @@ class SparsityTracker:
         """Which path each layer took in its latest call."""
         return {f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in
                 enumerate(self.mlps)}
+
+
+class NoSparsity:
+    """`SparsityTracker`'s interface for a model without SparseMLPs (a dense SiLU or GELU baseline): no statistics,
+    no L1 term, nothing to checkpoint."""
+
+    l1_weights_L = None
+
+    def collect(self) -> list[FFNResult]:
+        return []
+
+    def accumulate(self, results: list[FFNResult]) -> None:
+        pass
+
+    def end_optimizer_step(self, step: int, seed: int) -> int:
+        return 0
+
+    def read_window(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def backends(self) -> dict[str, str]:
+        return {}
 
 
 def _tail_of(hist_B: torch.Tensor, values_B: torch.Tensor) -> Tail:

@@ -33,10 +33,12 @@ from sparse_llm.data.pipeline import build_token_data
 from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.data.loader import TrainLoader, val_batches
-from sparse_llm.model.llama import build_model, compile_layers, count_parameters, sparse_mlps
+from sparse_llm.model.llama import (build_model, compile_layers, count_parameters, kernel_width_note, prepare_model,
+                                    sparse_mlps, swap_to_relu)
+from sparse_llm.training.init import check_tokenizer, checked_model_config, choose_tokenizer, open_init, stock_model
 from sparse_llm.telemetry.plots import NothingToPlot, plot_run
 from sparse_llm.training.preemption import StopSignals, TrainingStopped
-from sparse_llm.training.sparsity import SparsityTracker, l1_coefficient, l1_term
+from sparse_llm.training.sparsity import L1_WARMUP_SHAPES, NoSparsity, SparsityTracker, l1_coefficient, l1_term
 from sparse_llm.ffn.step_scope import optimizer_step
 from sparse_llm.telemetry.metrics import Telemetry
 
@@ -403,18 +405,30 @@ class Trainer:
         self.run_dir = run_dir
         self.acc = make_accelerator(cfg)
         self._check_setup()
+        # A pretrained checkpoint sets the model's shape (which the batch plan reads) and the data's tokenizer.
+        self.init = open_init(cfg.init) if cfg.init else None
+        if self.init is not None:
+            cfg.model = checked_model_config(cfg.model, self.init, cfg.init)
+            choose_tokenizer(cfg.data, self.init)
         self.plan = plan_batches(cfg, self.acc.num_processes)
         set_seed(cfg.seed)
         t = cfg.trainer
         # Data before the model: a data problem should not wait for a billion-parameter init.
         self.data = build_token_data(cfg.data, self.plan.seq_len)
+        if self.init is not None:
+            check_tokenizer(self.data.tokenizer, cfg.data, self.init)
         self.loader = TrainLoader(
             self.data.train, self.plan.micro_batch, self.plan.seq_len, cfg.seed,
             rank=self.acc.process_index, world_size=self.acc.num_processes,
             step_sequences=self.plan.tokens_per_step // self.plan.seq_len,
         )
         self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
-        model = build_model(cfg.model, self.data.vocab_size, cfg.kernel, cfg.train_kernels)
+        model, self.start_metrics = self._build_model()
+        # A model without SparseMLPs (a dense SiLU or GELU baseline) trains on the cross-entropy alone.
+        self.l1 = cfg.l1 if sparse_mlps(model) else 0.0
+        if self.l1 != cfg.l1:
+            log.warning("hidden_act=%s: a dense model, trained without the L1 term (l1=%g is not applied).",
+                        model.config.hidden_act, cfg.l1)
         if model.config.vocab_size > self.data.vocab_size:
             log.warning("model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
                         "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
@@ -448,7 +462,8 @@ class Trainer:
         # With CUDA graphs every micro-batch replays the layers' graphs (`_micro_step`)
         self.grads_held = hold_gradients_for_graphs(self.model.parameters(), t.cuda_graphs, self.plan.accumulation)
         self.acc.register_for_checkpointing(self.scheduler)
-        self.tracker = SparsityTracker(sparse_mlps(self.model), cfg.sparsity, self._reduce)
+        mlps = sparse_mlps(self.model)
+        self.tracker = SparsityTracker(mlps, cfg.sparsity, self._reduce) if mlps else NoSparsity()
         self.energy = EnergyMeter(self.acc.device)
         self.step = 0
         self._unread: StepReadout | None = None  # the step issued last, when its metrics are still to be read
@@ -461,6 +476,12 @@ class Trainer:
             if reason is not None:
                 raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
                                  "Use kernel=auto or kernel=torch.")
+        if cfg.sparsify.relu and not cfg.init:
+            raise ValueError("sparsify.relu=true sparsifies a pretrained model: give it with init=<checkpoint>. A model "
+                             "trained from scratch is ReLU already (model.hidden_act=relu).")
+        if cfg.sparsity.l1_warmup_shape not in L1_WARMUP_SHAPES:
+            raise ValueError(f"sparsity.l1_warmup_shape={cfg.sparsity.l1_warmup_shape!r}; use one of "
+                             f"{', '.join(L1_WARMUP_SHAPES)}.")
         if cfg.train_kernels and cfg.kernel != "auto":
             raise ValueError(f"train_kernels=true applies to kernel=auto only (kernel={cfg.kernel} decides every "
                              "layer's path by itself: twell trains on the sparse kernels, torch never does). Drop one.")
@@ -489,6 +510,32 @@ class Trainer:
                 "checkpoint.resume=auto would train from scratch and overwrite its final model. Start a new run with "
                 "another run_name (checkpoint.every=N keeps step checkpoints that a run can continue from)."
             )
+
+    def _build_model(self) -> tuple[torch.nn.Module, dict[str, float]]:
+        """The model to train, and the metrics to log at step 0 besides the validation CE: a fresh model
+        from cfg.model, or init's checkpoint (its weights unless the run resumes), its gate turned ReLU where
+        sparsify.relu asks, after the dense model's validation CE was measured."""
+        cfg = self.cfg
+        if self.init is None:
+            return build_model(cfg.model, self.data.vocab_size, cfg.kernel, cfg.train_kernels), {}
+        resuming = ckpt.resolve_resume(cfg.checkpoint.resume, self.run_dir) is not None
+        model = stock_model(self.init, weights=not resuming)
+        if not resuming:
+            log.info("init: starting from the weights of %s", self.init.path)
+        metrics = {}
+        if cfg.sparsify.relu and model.config.hidden_act == "relu":
+            log.info("sparsify.relu: %s has a ReLU gate already; nothing to swap.", self.init.path)
+        elif cfg.sparsify.relu:
+            if not resuming and cfg.trainer.val_every:
+                metrics["val/ce_dense_source"] = self._val_ce(model.to(self.acc.device))
+            log.info("sparsify.relu: the FFN gate's %s becomes a ReLU; the L1 term sparsifies it from here.",
+                     model.config.hidden_act)
+            swap_to_relu(model)
+            cfg.model.hidden_act = "relu"
+        note = kernel_width_note(model.config, cfg.kernel)
+        if note and self.acc.is_main_process:
+            log.warning("init: %s.", note)
+        return prepare_model(model, cfg.kernel, cfg.train_kernels), metrics
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.acc.reduce(tensor, reduction=op) if self.acc.num_processes > 1 else tensor
@@ -537,7 +584,7 @@ class Trainer:
         with no_sync, self.acc.autocast():
             out = self.model(input_ids=batch, labels=batch, use_cache=False)
             results = self.tracker.collect()
-            l1 = l1_term(results, self.tracker.l1_weights_L)
+            l1 = l1_term(results, self.tracker.l1_weights_L) if results else out.loss.new_zeros(())
             loss = out.loss + coeff * l1
             self.acc.backward(loss / self.plan.accumulation)
         self.tracker.accumulate(results)
@@ -557,7 +604,8 @@ class Trainer:
         With a fused optimizer nothing here waits for the device: a non-finite step's update is skipped on the
         device, and the host goes on to the next step while the device runs this one (`_read_steps`).
         """
-        coeff = l1_coefficient(self.cfg.l1, self.step, self.cfg.sparsity.l1_warmup_steps)
+        sparsity = self.cfg.sparsity
+        coeff = l1_coefficient(self.l1, self.step, sparsity.l1_warmup_steps, sparsity.l1_warmup_shape)
         ce_sum = torch.zeros((), device=self.acc.device)
         l1_sum = torch.zeros((), device=self.acc.device)
         with self._step_scope():
@@ -609,15 +657,19 @@ class Trainer:
         return metrics, stop
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        self.model.eval()
+    def _val_ce(self, model: torch.nn.Module) -> float:
+        """`model`'s mean CE over the validation batches (and ranks); leaves it in eval mode."""
+        model.eval()
         total = torch.zeros((), device=self.acc.device)
         for batch in self.val:
             with self.acc.autocast():
                 batch = batch.to(self.acc.device)
-                total += self.model(input_ids=batch, labels=batch, use_cache=False).loss
+                total += model(input_ids=batch, labels=batch, use_cache=False).loss
+        return float(self._reduce(total / max(len(self.val), 1), "mean"))
+
+    def validate(self) -> dict[str, float]:
+        ce = self._val_ce(self.model)
         self.model.train()
-        ce = float(self._reduce(total / max(len(self.val), 1), "mean"))
         return {"val/ce": ce, "val/ppl": math.exp(min(ce, 50.0))}
 
     def _window_metrics(self, window: MeasureWindow) -> dict[str, Any]:
@@ -652,6 +704,9 @@ class Trainer:
             log.info("Model: %s, %.1fM parameters; %d tokens/step (%d ranks x %d micro-batches x %d x %d)",
                      self.cfg.model.name, self.n_params / 1e6, self.plan.tokens_per_step, self.plan.world,
                      self.plan.accumulation, self.plan.micro_batch, self.plan.seq_len)
+        if self.init is not None and self.step == 0 and t.val_every:
+            # Where the run starts from, on the batches every later validation uses.
+            telemetry.log(0, {**self.start_metrics, **self.validate()})
         self.model.train()
         window = MeasureWindow(self.energy, self.acc.device)
         try:
@@ -707,7 +762,7 @@ class Trainer:
         with ckpt.written_or_removed(partial, final, self.run_dir, self.cfg.checkpoint.keep_last):
             ckpt.export_model(self.acc, self.model, self.data.tokenizer, partial)
         if self.acc.is_main_process:
-            summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.cfg.l1}
+            summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.l1}
             (partial / "training_summary.json").write_text(json.dumps(summary, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
