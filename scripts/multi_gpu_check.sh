@@ -6,11 +6,10 @@
 # recorded in docs/records/ (python scripts/bench_report.py adds them to docs/benchmarks.md).
 # Duration on 2x H100: each launch spends 40-70 s starting and saving checkpoints beyond its steps (one GPU ~114k
 # tokens/s, DDP ~213k, FSDP ~235k at 32k tokens a step), so the defaults take about 20 minutes; with STEPS=40
-# REPEATS=2 the six runs and the resume to its last steps took 9.3 minutes (2026-11-27).
+# REPEATS=2 the six runs and the resume to its last steps took 9.3 minutes.
 #
 # Why repeats: identical runs do not end at identical losses on the GPU, and this short high-learning-rate run on a
-# small corpus amplifies the differences (seven identical 1-GPU runs of 200 steps ended at 1.03-1.15 on an H100,
-# 2026-11-27). A single run's gap says little; compare_runs.py gives each configuration's mean final loss, its
+# small corpus amplifies the differences (seven identical 1-GPU runs of 200 steps ended at 1.03-1.15 on an H100). A single run's gap says little; compare_runs.py gives each configuration's mean final loss, its
 # standard deviation, and the gap of its mean to one GPU's with the standard error of that gap.
 set -euo pipefail
 STEPS=${STEPS:-300}

@@ -6,8 +6,8 @@
 #     [TRAIN_KERNELS=true] [BENCH_ARGS="--batch 8 --train-batch 2"] \
 #     bash scripts/real_sparsity_run.sh [train.py overrides...]
 # TOKENS is a token file prefix (scripts/tokenize_corpus.py); data/embedded is written when missing.
-# One step checkpoint is kept: at 2B one holds ~25 GB with its optimizer state, and the GPU machine's 64 GB disk ran
-# full holding two while a third was written (2026-11-27).
+# One step checkpoint is kept: at 2B one holds ~25 GB with its optimizer state, and a 64 GB disk runs full holding two
+# while a third is written.
 # TRAIN_KERNELS: train.py's train_kernels (layers train on the sparse kernels once sparse enough) and bench_model's
 # --train-kernels.
 # Watch l0/mean in outputs/$RUN/metrics.jsonl: raise L1 if it stays above ~40, lower it if it falls under ~24.
@@ -16,9 +16,9 @@
 # SIZE=2b STEPS=200 GLOBAL_BATCH=8 L1=5e-4 (4 min on an H100 with the training kernels): L0 17-25 at step 200 in
 # four runs, 24.4-30.3 on bench_model's inputs, 27-42% dead; L1=4e-4 seed=1: 30 at step 200.
 # With trainer.compile=true trainer.cuda_graphs=true appended (train.py overrides pass through) the 2B recipe ran in
-# 199 s on an H200, compiling included: L0 24.1 at step 200, 28% dead (2026-11-29).
+# 199 s on an H200, compiling included: L0 24.1 at step 200, 28% dead.
 # Appending sparsity.layer_balance=0.06 with L1=3.5e-4 kept every layer's mean L0 within 10-32 on the benchmark
-# inputs (L0 16.4 at step 200, 39% dead); its training step was no faster than the unbalanced model's (2026-11-29).
+# inputs (L0 16.4 at step 200, 39% dead); its training step was no faster than the unbalanced model's.
 set -euo pipefail
 SIZE=${SIZE:-2b}
 L1=${L1:-5e-4}

@@ -1,6 +1,6 @@
 """Measurement helpers shared by the benchmark scripts: time, energy, peak memory, per-module time.
 
-Conventions (DESIGN.md "Conventions"): a time is the median of several timings taken after warm-up
+Conventions (docs/design.md "Conventions"): a time is the median of several timings taken after warm-up
 calls; on a GPU each timing is a pair of CUDA events around the call, on a CPU (smoke tests) a
 `time.perf_counter` pair, which is exact there because CPU kernels run synchronously. Energy comes from
 the NVML cumulative counter (`sparse_llm.telemetry.energy.EnergyMeter`) over a window of at least `seconds` of

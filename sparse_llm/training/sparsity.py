@@ -1,6 +1,6 @@
 """The L1 penalty and the sparsity statistics of the FFN activations h, across layers, micro-batches and ranks.
 
-Penalty (DESIGN.md "The math"):
+Penalty (docs/design.md "The math"):
 
     L1 term = mean over layers ( mean over tokens ( sum over the N neurons |h| ) )
 
@@ -75,7 +75,7 @@ class LayerBalance:
     """Weights of the layers' shares in the L1 term that pull every layer toward the same L0.
 
     Trained with one coefficient, the layers settle far apart: a 2B model's first layer kept ~17x the non-zeros per
-    token of its median layer and its last three 5-7x (docs/benchmarks.md, 2026-11-29), and such layers run the sparse
+    token of its median layer and its last three 5-7x (docs/performance.md), and such layers run the sparse
     kernels no faster than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how far its log
     L0 over that step lies above the layers' mean log L0, then the log-weights are centred and bounded by
     +-log(bound). Their geometric mean stays 1, so the penalty's overall strength stays `l1`'s; denser layers

@@ -324,8 +324,7 @@ def sparse_training_hint(
     """A start-up hint where the sparse kernels may train on a GPU without the settings that keep the host off the
     step's critical path, else None (also under FSDP, which refuses trainer.compile). The training op is issued layer
     by layer from Python, and a step of several micro-batches gives the host no slack to catch up: the 2B step with 8
-    micro-batches ran 1.14x the dense step without CUDA graphs and 1.36x with them (H200, docs/benchmarks.md 2026-11-28
-    and 2026-11-29)."""
+    micro-batches ran 1.14x the dense step without CUDA graphs and 1.36x with them on an H200 (docs/performance.md)."""
     sparse = kernel == "twell" or (kernel == "auto" and train_kernels)
     if not sparse or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
         return None

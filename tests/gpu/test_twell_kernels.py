@@ -1,6 +1,6 @@
 """TwELL inference kernels vs the torch references, on fresh random inputs (needs an sm_90 GPU and cupy).
 
-Tolerance (DESIGN.md conventions): the kernel's error against an fp32 reference may be at most twice
+Tolerance (docs/design.md "Conventions"): the kernel's error against an fp32 reference may be at most twice
 the error of the dense bf16 torch path against the same reference, plus a small atol; per token too, so
 a single wrong row cannot hide in a global norm. Outputs are poisoned before each call by handing the
 op NaN-filled blocks of the caching allocator.

@@ -2,8 +2,8 @@
 
 Needs an sm_90 GPU and cupy. Forward output y, L1, L0, fired neurons and the four gradients (x, w_gate,
 w_up, w_down) of loss = <y, dy> + dl1 * sum|h> are compared with an fp32 dense reference; the budget is
-twice the error of the dense bf16 torch path against the same reference, plus a small atol (DESIGN.md
-conventions; a bf16-roundoff floor for tiny tensors), globally and per token for y. Buffers the op allocates
+twice the error of the dense bf16 torch path against the same reference, plus a small atol (docs/design.md
+"Conventions"; a bf16-roundoff floor for tiny tensors), globally and per token for y. Buffers the op allocates
 are poisoned first (the caching allocator hands NaN / 0xFF-filled blocks back), so an element left unwritten
 or a padding slot read by mistake shows up. Densities: uniform, heavy-tailed, fully dense and all-zero
 tokens, a hot neuron, ELL-width overflow, TwELL-tile overflow, most tokens in the backup, general shapes and
