@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from sparse_llm.evaluation import evaluate
 
-from sparse_llm.evaluation import tasks
+from sparse_llm.evaluation import tasks as mc_tasks
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.training.config import TrainConfig, register_configs
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs
