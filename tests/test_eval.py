@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparse_llm.evaluation import evaluate
+from sparse_llm.evaluation import evaluate as evaluation
 
 from sparse_llm.evaluation import tasks as mc_tasks
 from sparse_llm.data.pipeline import DataConfig

@@ -233,7 +233,7 @@ def _corpus_damage(cfg: DataConfig, builder: str, files: list[str], error: Excep
         elif builder == "json":
             damage = file_checks.find_json_rows_damage(path, cfg.text_field, CORPUS_FIX)
         else:
-            damage = None  # parquet: check_parquet read its footer; a damaged row group is named by pyarrow below
+            damage = None  # parquet: check_parquet read its footer; damage inside a row group is the reader's error
         if damage is not None:
             return damage
     cause = error.__cause__ or error.__context__ or error

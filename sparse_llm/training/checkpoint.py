@@ -84,7 +84,8 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
         set_aside = sorted(p.name for p in (run_dir / "checkpoints").glob(f"step_*{DAMAGED_SUFFIX}"))
         if damaged or set_aside:  # never a silent start from scratch over a run whose checkpoints are all damaged
             raise UserInputError(
-                run_dir / "checkpoints", f"holds no intact checkpoint to resume from ({'; '.join(damaged or set_aside)})",
+                run_dir / "checkpoints",
+                f"holds no intact checkpoint to resume from ({'; '.join(damaged or set_aside)})",
                 f"The damaged ones are kept as step_N{DAMAGED_SUFFIX}/. Start the run over with another run_name, or "
                 "restore a checkpoint from a copy and pass checkpoint.resume=<its path>.")
         return None
@@ -142,8 +143,9 @@ def save_checkpoint(
     """Write the checkpoint of `step` on all ranks (collective: every rank must call it).
 
     keep_last > 0: at most that many step checkpoints on disk, the one being written included, but never fewer than
-    one complete one while it is written (so a crash mid-write still leaves one to resume from). A write that fails
-    (a full disk) removes its partial directory and raises CheckpointWriteError saying what to change."""
+    one complete one while it is written (so a crash mid-write still leaves one to resume from). The manifest is
+    written last, before the rename. A write that fails for any reason removes its partial directory and raises
+    CheckpointWriteError saying what to change."""
     final = checkpoint_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
     with written_or_removed(partial, final, run_dir, keep_last):
