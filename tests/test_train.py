@@ -257,6 +257,7 @@ def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_
 
     shutil.copytree(tmp_path / "run", tmp_path / "before")
     old_dir = tmp_path / "before" / "checkpoints" / "step_2"
+    (old_dir / "manifest.json").unlink()  # that layout predates manifests too
     (old_dir / "model" / "model.safetensors").rename(old_dir / "accelerator" / "model.safetensors")
     save_file({key: torch.zeros_like(value) for key, value in saved.items()}, old_dir / "model" / "model.safetensors")
     for resumed in (resumed_weights(tmp_path / "run"), resumed_weights(tmp_path / "before")):
