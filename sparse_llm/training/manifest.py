@@ -1,4 +1,4 @@
-"""Integrity manifests of checkpoints: the size and sha256 of every file, written last into a checkpoint directory
+r"""Integrity manifests of checkpoints: the size and sha256 of every file, written last into a checkpoint directory
 (a step checkpoint or final/), before its `.partial` directory is renamed.
 
 `verify` checks a directory against its manifest before anything loads from it: every size first (a file cut short
@@ -16,9 +16,9 @@ extensions; 2 cores shared with other processes, 11 runs; hashlib.sha256 on the 
         t = time.perf_counter(); sha256_of(Path('/tmp/probe.bin')); print(419.4 / (time.perf_counter() - t), 'MB/s')"
 
 A 2B checkpoint (~24.6 GB: 8.2 GB of fp32 weights, 16.4 GB of AdamW moments in one optimizer.bin) so takes ~16-29 s
-to hash, bounded by its largest file whatever the number of threads. A resume hashes it in a background thread started
-with the Trainer, while the data and the model are built (sparse_llm/training/trainer.py); writing a checkpoint adds
-that time once per checkpoint.
+to hash on one core, and ~11-20 s, the time of optimizer.bin alone, with a core per file. A resume hashes it in a
+background thread started with the Trainer, while the data and the model are built (sparse_llm/training/trainer.py);
+writing a checkpoint adds that time once per checkpoint.
 """
 
 from __future__ import annotations
