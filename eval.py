@@ -8,11 +8,10 @@
     python eval.py --cfg job                                  # print the resolved config
 
 Keys and their meaning: sparse_llm/evaluation/evaluate.py (EvalConfig). Results land in <out>/results.json.
-Input errors (missing checkpoint, unknown task, unreadable data) print one message and exit with code 2;
-HYDRA_FULL_ERROR=1 shows the full traceback instead.
+Input errors (missing or damaged checkpoint, unknown task, unreadable data) print one message and exit with code 2;
+HYDRA_FULL_ERROR=1 shows the full traceback instead (sparse_llm/cli/errors.py).
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -26,15 +25,12 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
+from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
 from sparse_llm.evaluation.tasks import TaskDataError  # noqa: E402
-from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 
 register_eval_configs()
-
-# Errors caused by what the user asked for: their message says what to change, a traceback adds nothing.
-INPUT_ERRORS = (ValueError, FileNotFoundError, TaskDataError, ConnectionError)
-INPUT_ERROR_EXIT = 2
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
@@ -43,13 +39,8 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     # Without `data` on the command line, the held-out text is the checkpoint's run's data.
     data_set_by_user = overrides_data(list(hydra_cfg.overrides.task))
-    try:
+    with exit_on_input_error("eval.py", also=(TaskDataError,)):
         evaluate(typed, Path(hydra_cfg.runtime.output_dir), data_set_by_user=data_set_by_user)
-    except INPUT_ERRORS as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"eval.py: {error}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(INPUT_ERROR_EXIT)
 
 
 if __name__ == "__main__":

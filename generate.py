@@ -7,10 +7,10 @@
 
 Keys and their meaning: sparse_llm/generation/generate.py (GenerateConfig). Prints each prompt with its continuation,
 then the decoding speed and the FFN path each layer took. Input errors (missing checkpoint, bad option, a
-prompt longer than the context) print one message and exit with code 2.
+prompt longer than the context) print one message and exit with code 2; HYDRA_FULL_ERROR=1 shows the full traceback
+instead (sparse_llm/cli/errors.py).
 """
 
-import os
 import sys
 
 from sparse_llm.cli import env
@@ -20,8 +20,9 @@ env.apply_defaults(sys.argv[1:])  # before transformers is imported: it reads th
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.generation.generate import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
+from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.generation.generate import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
 
 register_generate_configs()
 
@@ -29,13 +30,8 @@ register_generate_configs()
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
     typed: GenerateConfig = OmegaConf.to_object(cfg)
-    try:
+    with exit_on_input_error("generate.py"):
         result = generate(typed)
-    except (ValueError, FileNotFoundError) as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"generate.py: {error}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(2)
     print(report(result), flush=True)
 
 

@@ -21,8 +21,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.training.config import TrainConfig, register_configs  # noqa: E402
+from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.training.config import TrainConfig, register_configs  # noqa: E402
 from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
 from sparse_llm.training.trainer import train  # noqa: E402
 
@@ -35,14 +36,10 @@ def main(cfg: DictConfig) -> None:
     typed: TrainConfig = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        final = train(typed, run_dir)
-    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        # A problem with the input (or a data source out of reach): the message says what and how to fix it; a
-        # traceback adds nothing.
-        log.error("%s: %s  (HYDRA_FULL_ERROR=1 shows the traceback)", type(err).__name__, err)
-        sys.exit(2)
+        # Bad input (a damaged file, a bad setting, a full disk) ends the run with one message, also in train.log,
+        # and exit code 2 (sparse_llm/cli/errors.py).
+        with exit_on_input_error("train.py", report=log.error):
+            final = train(typed, run_dir)
     except TrainingStopped as stopped:
         log.warning("%s", stopped)
         sys.exit(stopped.exit_code)

@@ -12,6 +12,7 @@ import torch
 from sparse_llm.generation.generate import GenerateConfig, generate, report
 from sparse_llm.model.llama import ModelConfig, build_model
 from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.training.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, max_position_embeddings=64)
@@ -25,6 +26,7 @@ def checkpoint(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     build_model(TINY, vocab_size=len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    write_manifest(path)
     return path
 
 

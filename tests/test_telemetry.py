@@ -30,17 +30,17 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_jsonl_written_and_appended_on_resume(tmp_path: Path) -> None:
+def test_jsonl_written_and_continued_on_resume_with_each_step_once(tmp_path: Path) -> None:
     with Telemetry(QUIET, tmp_path, {}, is_main=True, total_steps=30) as tel:
         tel.log(10, {"loss": 3.5, "backend/layer_00": "twell", "l0/layer_00": torch.tensor(12.0)})
         tel.log(20, {"loss": 3.0})
-    # A resumed run starts again from step 10 and keeps writing to the same file.
+    # A resumed run starts again from step 10 and keeps writing to the same file, without the first run's step 20.
     with Telemetry(QUIET, tmp_path, {}, is_main=True, total_steps=30, start_step=10) as tel:
         tel.log(20, {"loss": 2.9})
         tel.log(30, {"loss": 2.5})
 
     lines = _lines(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in lines] == [10, 20, 20, 30]
+    assert [r["step"] for r in lines] == [10, 20, 30]
     assert lines[0] == {"step": 10, "loss": 3.5, "backend/layer_00": "twell", "l0/layer_00": 12.0}
     merged = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in merged] == [(10, 3.5), (20, 2.9), (30, 2.5)]

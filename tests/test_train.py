@@ -257,6 +257,7 @@ def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_
 
     shutil.copytree(tmp_path / "run", tmp_path / "before")
     old_dir = tmp_path / "before" / "checkpoints" / "step_2"
+    (old_dir / "manifest.json").unlink()  # that layout predates manifests too
     (old_dir / "model" / "model.safetensors").rename(old_dir / "accelerator" / "model.safetensors")
     save_file({key: torch.zeros_like(value) for key, value in saved.items()}, old_dir / "model" / "model.safetensors")
     for resumed in (resumed_weights(tmp_path / "run"), resumed_weights(tmp_path / "before")):
@@ -456,34 +457,43 @@ def test_checkpoints_make_room_before_a_write(tmp_path, monkeypatch):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
 
 
-def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp_path, monkeypatch):
-    """A full disk at the step-4 checkpoint: an error naming the failure, the free space, the complete checkpoint to
-    resume from and the settings to change; the partial directory is gone and step 2's checkpoint resumes."""
+# Failures a writer meets: a full disk, a permission, torch.save's own error (it raises RuntimeError, not OSError).
+WRITE_FAILURES = [OSError(28, "No space left on device"), PermissionError(13, "Permission denied"),
+                  RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+                               "data/3: file write failed")]
+
+
+@pytest.mark.parametrize("failure", WRITE_FAILURES, ids=lambda error: type(error).__name__)
+def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp_path, monkeypatch, failure):
+    """A failure in torch.save at the step-4 checkpoint: an error naming the failure, the free space, the complete
+    checkpoint to resume from and the settings to change; the partial directory is gone and step 2's checkpoint
+    resumes."""
     from sparse_llm.training import checkpoint
 
-    real_export = checkpoint.export_model
+    real_save = torch.save
 
-    def export(accelerator, model, tokenizer, out_dir):
-        if out_dir.parent.name == "step_4.partial":
-            raise OSError(28, "No space left on device")
-        real_export(accelerator, model, tokenizer, out_dir)
+    def save(obj, path, *args, **kwargs):
+        if "step_4.partial" in str(path):
+            raise failure
+        real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "export_model", export)
+    monkeypatch.setattr(torch, "save", save)
     common = ["trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=1"]
-    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
+    with pytest.raises(checkpoint.CheckpointWriteError) as raised:
         train(small_config(*common), tmp_path)
-    message = str(failure.value)
-    for part in ("checkpoints/step_4 failed", "No space left on device", "GB are free", "step_2 (",
+    message = str(raised.value)
+    for part in ("checkpoints/step_4: writing it failed", str(failure).split(":")[0], "B are free there", "step_2 (",
                  "checkpoint.resume=auto", "checkpoint.keep_last (now 1", "checkpoint.every"):
         assert part in message, part
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
-    monkeypatch.setattr(checkpoint, "export_model", real_export)
+    monkeypatch.setattr(torch, "save", real_save)
     train(small_config(*common, "checkpoint.resume=auto"), tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_6"]
 
 
-def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_resume(tmp_path, monkeypatch):
-    """A full disk when final/ is written: no final.partial is left, the error names the step-4 checkpoint, and a
+@pytest.mark.parametrize("failure", WRITE_FAILURES, ids=lambda error: type(error).__name__)
+def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_resume(tmp_path, monkeypatch, failure):
+    """A failure when final/ is written: no final.partial is left, the error names the step-4 checkpoint, and a
     resume from it writes final/."""
     from sparse_llm.training import checkpoint
 
@@ -491,12 +501,13 @@ def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_res
 
     def export(accelerator, model, tokenizer, out_dir):
         if out_dir.name == "final.partial":
-            raise OSError(28, "No space left on device")
+            raise failure
         real_export(accelerator, model, tokenizer, out_dir)
 
     monkeypatch.setattr(checkpoint, "export_model", export)
     common = ["trainer.max_steps=4", "checkpoint.every=4"]
-    with pytest.raises(checkpoint.CheckpointWriteError, match=r"final failed: .*No space left.*step_4 \("):
+    with pytest.raises(checkpoint.CheckpointWriteError, match=rf"final: writing it failed \({type(failure).__name__}.*"
+                                                              r"step_4 \("):
         train(small_config(*common), tmp_path)
     assert not (tmp_path / "final.partial").exists() and not (tmp_path / "final").exists()
     monkeypatch.setattr(checkpoint, "export_model", real_export)

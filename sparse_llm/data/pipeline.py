@@ -40,6 +40,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from sparse_llm.cli import file_checks
+from sparse_llm.cli.errors import UserInputError
 from sparse_llm.data.tokenizer import load_tokenizer
 
 DATA_NAMES = ("embedded", "local", "fineweb_edu", "tokens")
@@ -48,6 +50,11 @@ EMBEDDED_SEPARATOR = "\n\n<|endoftext|>\n\n"  # must match scripts/build_embedde
 TOKENIZER_FROM_FILE = "from_file"
 LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TOKEN_FILE_VERSION = 1
+TOKEN_DTYPES = ("uint16", "uint32")
+TOKEN_META_KEYS = ("version", "dtype", "vocab_size", "tokenizer", "n_tokens", "n_train_documents", "n_val_documents",
+                   "val_start")
+CORPUS_FIX = "Fix or replace the file, or leave it out of data.paths."
+TOKEN_FILE_FIX = "Write the token file again with scripts/tokenize_corpus.py."
 ENCODE_BATCH = 256  # documents per tokenizer call: large enough for the fast tokenizer's batching
 
 
@@ -208,15 +215,50 @@ def _file_format(path: Path) -> str | None:
     return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
 
 
+def _check_corpus_file(path: Path, builder: str) -> None:
+    """The checks that read no more than a file's ends: empty, binary, or a parquet file cut short."""
+    if builder == "parquet":
+        file_checks.check_parquet(path, CORPUS_FIX)
+    else:
+        file_checks.sniff_text(path, CORPUS_FIX)
+
+
+def _corpus_damage(cfg: DataConfig, builder: str, files: list[str], error: Exception) -> UserInputError:
+    """Why `datasets` could not read the files (its errors name neither the file nor the line): the first damaged
+    file, found by reading each in full, or, where none is, the reader's own error."""
+    for name in files:
+        path = Path(name)
+        if builder == "text":
+            damage = file_checks.find_text_damage(path, CORPUS_FIX)
+        elif builder == "json":
+            damage = file_checks.find_json_rows_damage(path, cfg.text_field, CORPUS_FIX)
+        else:
+            damage = None  # parquet: check_parquet read its footer; damage inside a row group is the reader's error
+        if damage is not None:
+            return damage
+    cause = error.__cause__ or error.__context__ or error
+    return UserInputError(", ".join(files), f"the {builder} reader of `datasets` failed ({type(cause).__name__}: "
+                                            f"{cause})", CORPUS_FIX)
+
+
 def _load_local_dataset(cfg: DataConfig, streaming: bool) -> Any:
     datasets = _import_datasets(cfg)
     builder, files = _local_files(cfg)
+    for name in files:
+        _check_corpus_file(Path(name), builder)
     kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
-    dataset = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=streaming,
-                                    **kwargs)
+    try:
+        dataset = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=streaming,
+                                        **kwargs)
+    except Exception as error:  # datasets wraps a bad file in DatasetGenerationError, naming neither file nor line
+        raise _corpus_damage(cfg, builder, files, error) from error
     columns = dataset.column_names
     if columns is not None and cfg.text_field not in columns:
         raise ValueError(f"data.text_field={cfg.text_field!r} is not a column of {files}; columns: {columns}")
+    feature = dataset.features[cfg.text_field] if dataset.features is not None else None
+    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+        not_text = TypeError(f"column {cfg.text_field!r} holds {feature}, not text")
+        raise _corpus_damage(cfg, builder, files, not_text)
     return dataset
 
 
@@ -360,6 +402,28 @@ def _write_token_file(prefix: str | Path, train: Iterable[np.ndarray], val: Iter
     return meta
 
 
+def _token_file_meta(meta_path: Path) -> dict[str, Any]:
+    """The meta of a token file, checked: its keys, a token dtype, counts that fit each other."""
+    meta = file_checks.read_json_object(meta_path, TOKEN_FILE_FIX, keys=TOKEN_META_KEYS)
+    if meta["version"] != TOKEN_FILE_VERSION:
+        raise UserInputError(meta_path, f"is a version {meta['version']!r} token file; this code reads version "
+                                        f"{TOKEN_FILE_VERSION}", TOKEN_FILE_FIX)
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise UserInputError(meta_path, f"gives dtype {meta['dtype']!r}; token ids are stored as one of "
+                                        f"{', '.join(TOKEN_DTYPES)}", TOKEN_FILE_FIX)
+    counts = ("vocab_size", "n_tokens", "n_train_documents", "n_val_documents", "val_start")
+    bad = [key for key in counts if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0]
+    if bad:
+        raise UserInputError(meta_path, f"holds {bad} that are not counts (integers >= 0)", TOKEN_FILE_FIX)
+    if meta["val_start"] > meta["n_tokens"]:
+        raise UserInputError(meta_path, f"says validation starts at token {meta['val_start']}, past its "
+                                        f"{meta['n_tokens']} tokens", TOKEN_FILE_FIX)
+    if meta["vocab_size"] > np.iinfo(np.dtype(meta["dtype"])).max + 1:
+        raise UserInputError(meta_path, f"gives vocab_size {meta['vocab_size']}, more ids than {meta['dtype']} "
+                                        "holds", TOKEN_FILE_FIX)
+    return meta
+
+
 def read_token_file(path: str | Path) -> tuple[dict[str, Any], TokenArray, TokenArray]:
     """Memory-map a token file: returns (meta, train, val)."""
     bin_path, meta_path = _token_file_paths(path)
@@ -368,10 +432,17 @@ def read_token_file(path: str | Path) -> tuple[dict[str, Any], TokenArray, Token
             raise FileNotFoundError(
                 f"data.paths: token file {p} does not exist; write it with scripts/tokenize_corpus.py"
             )
-    meta = json.loads(meta_path.read_text())
+    meta = _token_file_meta(meta_path)
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    size = bin_path.stat().st_size
+    if size != meta["n_tokens"] * itemsize:
+        raise UserInputError(bin_path, f"holds {size} bytes, but {meta_path.name} says {meta['n_tokens']} "
+                                       f"{meta['dtype']} tokens ({meta['n_tokens'] * itemsize} bytes): the two do "
+                                       "not belong together, or the .bin was cut short",
+                             TOKEN_FILE_FIX)
+    if meta["n_tokens"] == 0:
+        raise UserInputError(bin_path, "holds no tokens", TOKEN_FILE_FIX)
     tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r")
-    if tokens.shape[0] != meta["n_tokens"]:
-        raise ValueError(f"{bin_path} holds {tokens.shape[0]} tokens, its meta says {meta['n_tokens']}: rewrite it")
     split = meta["val_start"]
     return (meta, TokenArray(tokens[:split], meta["n_train_documents"]),
             TokenArray(tokens[split:], meta["n_val_documents"]))
@@ -457,7 +528,13 @@ def _open_document_stream(cfg: DataConfig) -> tuple[DocumentOpener, list[str]]:
     if n_val < 1:
         raise ValueError(f"data.val_documents must be >= 1 for streamed data, got {n_val}")
     dataset = _streamed_dataset(cfg).filter(_has_text(cfg.text_field))
-    val_texts = [row[cfg.text_field] for row in dataset.take(n_val)]
+    try:
+        val_texts = [row[cfg.text_field] for row in dataset.take(n_val)]
+    except Exception as error:  # streamed files are read lazily: the first rows are where a bad file shows
+        if cfg.name != "local":
+            raise
+        builder, files = _local_files(cfg)
+        raise _corpus_damage(cfg, builder, files, error) from error
     if len(val_texts) < n_val:
         raise ValueError(
             f"data={cfg.name}: the stream has only {len(val_texts)} non-empty documents, all needed for the "

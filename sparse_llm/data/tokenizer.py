@@ -14,17 +14,43 @@ from huggingface_hub import constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sparse_llm.model.convert import read_checkpoint
+from sparse_llm.cli.errors import UserInputError
+from sparse_llm.cli.file_checks import read_json
 
 EMBEDDED = "embedded"
 EMBEDDED_TOKENIZER_FILE = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<pad>"
+TOKENIZER_FILE = "tokenizer.json"
+# Files from which transformers can build a tokenizer without tokenizer.json (converted from a slow tokenizer).
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_FIX = ("Point the tokenizer setting (data.tokenizer for train.py, tokenizer= for eval.py and generate.py) at "
+                 "a directory holding the model's tokenizer (tokenizer.save_pretrained writes it), a tokenizer.json "
+                 "file, or `embedded`.")
 
 
 def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
+    read_json(path, TOKENIZER_FIX)
+    try:
+        return PreTrainedTokenizerFast(
+            tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+        )
+    except Exception as error:  # the tokenizers library raises plain Exceptions for a malformed file
+        raise UserInputError(path, f"is JSON but not a tokenizer ({error})", TOKENIZER_FIX) from None
+
+
+def _from_directory(path: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer saved with save_pretrained; its files are checked before transformers reads them."""
+    if not any((path / name).is_file() for name in (TOKENIZER_FILE, *SLOW_TOKENIZER_FILES)):
+        raise UserInputError(path, f"holds no tokenizer (no {TOKENIZER_FILE})", TOKENIZER_FIX)
+    for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).is_file():
+            read_json(path / name, TOKENIZER_FIX)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # transformers and tokenizers raise many types for a malformed tokenizer
+        raise UserInputError(path, f"holds a tokenizer that does not load ({type(error).__name__}: {error})",
+                             TOKENIZER_FIX) from None
 
 
 def _stock_config(name: str) -> dict[str, Any]:
@@ -76,12 +102,15 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         A fast tokenizer with ``eos_token_id`` and ``pad_token_id`` set (pad falls back to eos).
 
     Raises:
+        UserInputError: a local tokenizer file or directory that is missing its files or holds damaged ones.
         ValueError: if the tokenizer cannot be found (offline and not cached) or has no eos token.
     """
     if name == EMBEDDED:
         tokenizer = _from_tokenizer_file(EMBEDDED_TOKENIZER_FILE)
     elif name.endswith(".json") and Path(name).is_file():
         tokenizer = _from_tokenizer_file(Path(name))
+    elif Path(name).is_dir():
+        tokenizer = _from_directory(Path(name))
     else:
         tokenizer = _from_pretrained(name)
     if tokenizer.eos_token_id is None:

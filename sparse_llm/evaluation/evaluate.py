@@ -35,6 +35,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from sparse_llm.cli.errors import UserInputError
+from sparse_llm.cli.file_checks import read_json_object
 from sparse_llm.ffn import kernel_set
 
 from sparse_llm.evaluation import tasks as mc_tasks
@@ -48,6 +50,7 @@ from sparse_llm.model.convert import read_checkpoint
 from sparse_llm.model.llama import load_pretrained, sparse_mlps
 from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.training import manifest
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +134,10 @@ def newest_final(root: Path = OUTPUTS_DIR) -> Path:
 def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
     """The HF-layout model directory that ``path`` names (a run dir -> its final/, step_N -> its model/)."""
     if not path:
-        found = newest_final()
-        log.info("%s unset: using the newest trained model, %s", key, found)
-        return found
-    given = Path(path).expanduser()
+        given = newest_final()
+        log.info("%s unset: using the newest trained model, %s", key, given)
+    else:
+        given = Path(path).expanduser()
     if not given.exists():
         raise FileNotFoundError(
             f"{key}={path!r} does not exist; pass a run's final/ or checkpoints/step_N/model directory"
@@ -149,6 +152,11 @@ def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
             f"{key}={path!r} is not a model directory in HF layout (no config.json in it, nor in final/ or "
             "model/ below it). Pass a run's final/ or checkpoints/step_N/model directory."
         )
+    damaged = (f"Pass an intact checkpoint (another checkpoints/step_N/model of the run), or restore this one from a "
+               f"copy; if you edited a file on purpose, delete its {manifest.MANIFEST_FILE} to skip the checksums.")
+    root, under = manifest.model_dir_root(candidate)
+    manifest.verify(root, damaged, under)  # before anything loads: a damaged file is named, not a loader's traceback
+    read_json_object(candidate / "config.json", damaged)  # garbage is named with its line, not a JSON traceback
     read_checkpoint(candidate)  # a model that cannot be read as a stock Llama fails here, naming the field
     if not any(candidate.glob("*.safetensors")) and not any(candidate.glob("*.bin")):
         raise FileNotFoundError(
@@ -162,7 +170,8 @@ def training_step(model_dir: Path) -> int | None:
     """The optimizer step a checkpoint was saved at, from train.py's files next to it (None if unknown)."""
     for state in (model_dir / "training_summary.json", model_dir.parent / "trainer_state.json"):
         if state.is_file():
-            return int(json.loads(state.read_text())["step"])
+            step = read_json_object(state, "Restore the file from a copy of the run, or delete it.", keys=("step",))
+            return int(step["step"])
     return None
 
 
@@ -205,7 +214,13 @@ def run_data_config(model_dir: Path) -> DataConfig | None:
     saved = run / ".hydra" / "config.yaml" if run is not None else None
     if saved is None or not saved.is_file():
         return None
-    section = OmegaConf.load(saved).get("data")
+    try:
+        section = OmegaConf.load(saved).get("data")
+    except Exception as error:  # YAML's scanner and parser errors, or a file that is not a mapping
+        raise UserInputError(saved, f"is not a readable run config ({type(error).__name__}: "
+                                    f"{' '.join(str(error).split())})",
+                             "Restore it from a copy of the run, or pass the held-out data on the command line "
+                             "(data=<name> and its data.* keys).") from None
     if section is None:
         return None
     try:
@@ -528,6 +543,7 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     check_kernel(cfg.kernel, device, dtype)
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size={cfg.batch_size} must be >= 1")
+    mc_tasks.check_task_files(dict(cfg.task_data))
     names = mc_tasks.expand_task_names(cfg.tasks)
     manager = None  # tasks=none runs no benchmark and needs no lm-eval
     if names:

@@ -32,6 +32,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from sparse_llm.cli import file_checks
+
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "winogrande", "commonsense_qa")
 HELDOUT_TASK = "heldout_continuation"
 NO_TASKS = "none"  # tasks=none: held-out perplexity and sparsity only, which need no lm-eval
@@ -287,12 +289,9 @@ def evaluated_split(config: dict[str, Any]) -> str:
     return split
 
 
-def local_task_config(name: str, data_file: str, manager: Any) -> dict[str, Any]:
-    """Config of built-in task ``name`` reading its evaluated split from ``data_file`` (json/jsonl/parquet).
-
-    The file must hold rows in the schema of the task's Hugging Face dataset. Zero-shot only: the task's
-    other splits (few-shot examples) are dropped.
-    """
+def check_task_file(name: str, data_file: str) -> tuple[Path, str]:
+    """The path and dataset builder (json or parquet) of task ``name``'s local file, read through: it must exist and
+    hold rows (JSON objects one per line or in a list, or a readable parquet file)."""
     path = Path(data_file).expanduser()
     builder = LOCAL_SUFFIXES.get(path.suffix.lower())
     if builder is None:
@@ -302,6 +301,31 @@ def local_task_config(name: str, data_file: str, manager: Any) -> dict[str, Any]
         )
     if not path.is_file():
         raise TaskDataError(f"task_data.{name}={data_file!r} does not exist; pass the path of its data file")
+    fix = (f"task_data.{name} needs the rows of the split the task scores, in its Hugging Face dataset's schema: "
+           "export them again (README, Evaluation) or repair the file.")
+    if builder == "parquet":
+        file_checks.check_parquet(path, fix)
+    else:
+        damage = file_checks.find_json_rows_damage(path, None, fix)
+        if damage is not None:
+            raise damage
+    return path, builder
+
+
+def check_task_files(task_data: dict[str, str | None]) -> None:
+    """Read every local task file through before anything slower (lm-eval's task index, a model) starts."""
+    for name, data_file in task_data.items():
+        if data_file:
+            check_task_file(name, data_file)
+
+
+def local_task_config(name: str, data_file: str, manager: Any) -> dict[str, Any]:
+    """Config of built-in task ``name`` reading its evaluated split from ``data_file`` (json/jsonl/parquet).
+
+    The file must hold rows in the schema of the task's Hugging Face dataset. Zero-shot only: the task's
+    other splits (few-shot examples) are dropped.
+    """
+    path, builder = check_task_file(name, data_file)
     config = builtin_task_config(name, manager)
     split = evaluated_split(config)
     for key in ("tag", "training_split", "validation_split", "test_split", "fewshot_split"):

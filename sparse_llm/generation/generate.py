@@ -83,6 +83,11 @@ def _prompt_list(prompts: Any) -> list[str]:
     listed = [prompts] if isinstance(prompts, str) else list(prompts)
     if not listed or not all(isinstance(p, str) for p in listed):
         raise ValueError(f"prompts={prompts!r}: pass a string or a list of strings (prompts=[first,second])")
+    if not all(p.strip() for p in listed):
+        # The model would sample from the start of a document with nothing to continue: almost always a prompt
+        # lost to shell quoting.
+        raise ValueError(f"prompts={prompts!r}: a prompt is empty; pass text to continue, e.g. prompts=\"The\" "
+                         "(quote it for the shell and for Hydra: 'prompts=\"two words\"')")
     return listed
 
 

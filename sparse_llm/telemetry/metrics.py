@@ -3,7 +3,9 @@ progress bar, all driven from the main process only.
 
 ``run_dir/metrics.jsonl`` is the source of truth: one JSON object per :meth:`Telemetry.log` call,
 ``{"step": <optimizer step>, **metrics}``, flushed on every write and opened in append mode so a resumed
-run continues the same file (a resumed run may repeat steps; readers keep the last line per step).
+run continues the same file. A resumed run first drops the lines past the step it resumes from (logged by the run
+that went on after that checkpoint, or cut short by its crash; all of them for a run started over), so the file holds
+each step once: one history.
 W&B is a mirror of it; without ``wandb`` installed, or if W&B fails, training goes on with a warning.
 
 Metric conventions the trainer follows (the console line relies on them):
@@ -182,6 +184,8 @@ class Telemetry:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A resumed run (or one started over) continues the file from its own step: one history, each step once.
+        drop_steps_after(self.run_dir / METRICS_FILE, start_step)
         self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         if cfg.wandb:
             self._wandb_run = self._start_wandb(run_config)
@@ -292,6 +296,31 @@ class Telemetry:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """Rewrite metrics file `path` without its lines past optimizer step `step` and its lines that do not parse (a
+    crash's cut-short last line); atomic, so a crash here leaves the old file."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                keep = int(record["step"]) <= step
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            elif line.strip():
+                dropped += 1
+    if not dropped:
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(kept), encoding="utf-8")
+    os.replace(temporary, path)
+    logger.info("%s: dropped %d lines past step %d, the step this run resumes from", path, dropped, step)
 
 
 def read_metrics(path: Path) -> list[dict[str, MetricValue | None]]:

@@ -21,14 +21,17 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, gather_object, set_seed
+from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, broadcast_object_list, gather_object,
+                               set_seed)
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
+from sparse_llm.cli.errors import UserInputError
 from sparse_llm.training import checkpoint as ckpt
 from sparse_llm.ffn import kernel_set
 from sparse_llm.ffn.registry import get_backend
 from sparse_llm.training.config import TrainConfig, TrainerConfig, check_ranges
+from sparse_llm.training.manifest import write_manifest
 from sparse_llm.data.pipeline import build_token_data
 from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.telemetry.energy import EnergyMeter
@@ -409,6 +412,8 @@ class Trainer:
         if self.init is not None:
             cfg.model = checked_model_config(cfg.model, self.init, cfg.init)
             choose_tokenizer(cfg.data, self.init)
+        # Verifying the checkpoint to resume from (up to tens of seconds of hashing) overlaps building the rest.
+        self._resume_check = ckpt.ResumeCheck(cfg.checkpoint.resume, run_dir, self.acc.is_main_process)
         self.plan = plan_batches(cfg, self.acc.num_processes)
         set_seed(cfg.seed)
         t = cfg.trainer
@@ -546,15 +551,18 @@ class Trainer:
                 "tokens_seen": self.step * self.plan.tokens_per_step}
 
     def _resume(self) -> None:
-        path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
+        outcome = [self._resume_check.outcome()]
+        if self.acc.num_processes > 1:
+            broadcast_object_list(outcome)  # the main process verified: every rank takes its choice, or its error
+        path, error = outcome[0]
+        if error is not None:
+            raise error
         if path is None:
             return
         state, rank_state = ckpt.load_checkpoint(self.acc, path)
         if state["world_size"] != self.acc.num_processes:
-            raise RuntimeError(
-                f"{path} was written by {state['world_size']} processes, this launch has "
-                f"{self.acc.num_processes}; resume with the same number of processes."
-            )
+            raise UserInputError(path, f"was written by {state['world_size']} processes, this launch has "
+                                            f"{self.acc.num_processes}", "Resume with the same number of processes.")
         self.loader.load_state_dict(state["loaders"][self.acc.process_index])
         if rank_state is not None:
             self.tracker.load_state_dict(rank_state["sparsity"])
@@ -760,11 +768,13 @@ class Trainer:
         partial = final.with_name("final.partial")
         with ckpt.written_or_removed(partial, final, self.run_dir, self.cfg.checkpoint.keep_last):
             ckpt.export_model(self.acc, self.model, self.data.tokenizer, partial)
+            if self.acc.is_main_process:
+                summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.l1}
+                (partial / "training_summary.json").write_text(json.dumps(summary, indent=1))
+                write_manifest(partial)
+                shutil.rmtree(final, ignore_errors=True)
+                partial.rename(final)
         if self.acc.is_main_process:
-            summary = {"step": self.step, "tokens_seen": self.step * self.plan.tokens_per_step, "l1": self.l1}
-            (partial / "training_summary.json").write_text(json.dumps(summary, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
             self._plot()
         self.acc.wait_for_everyone()
         return final
