@@ -7,18 +7,11 @@ import pytest
 import torch
 
 from sparse_llm.cuda import runtime
-
-
 from sparse_llm.ffn import kernel_set
-
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import train_op
-    from sparse_llm.model.llama import ModelConfig, build_model
-    from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
-    from sparse_llm.ffn.twell.train_op import twell_train_ffn
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.model.llama import ModelConfig, build_model
+from sparse_llm.ffn.twell.backend import direct_up_down, synthetic_block, twell_gated_mlp
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.cuda import runtime
 from sparse_llm.ffn.dispatch import density_of
 from sparse_llm.formats import (
     TwellPacked,
@@ -24,29 +23,21 @@ from sparse_llm.formats import (
     unpack_twell,
     validate_twell,
 )
-
-REASON = runtime.unavailable_reason()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}"),
-]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import backend
-    from sparse_llm.ffn.backend import FFNResult
-    from sparse_llm.ffn.twell.backend import (
-        TransposeCache,
-        decode_workspace,
-        direct_up_down,
-        direct_walk,
-        measured_walk,
-        synthetic_block,
-        transposed_copy,
-        twell_gate,
-        twell_gated_mlp,
-        twell_pack,
-        twell_up_down,
-    )
+from sparse_llm.ffn.twell import backend
+from sparse_llm.ffn.backend import FFNResult
+from sparse_llm.ffn.twell.backend import (
+    TransposeCache,
+    decode_workspace,
+    direct_up_down,
+    direct_walk,
+    measured_walk,
+    synthetic_block,
+    transposed_copy,
+    twell_gate,
+    twell_gated_mlp,
+    twell_pack,
+    twell_up_down,
+)
 
 ATOL = 1e-3
 

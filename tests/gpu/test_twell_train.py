@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.cuda import runtime
 from sparse_llm.formats import (
     hybrid_gated_mlp_backward_ref,
     hybrid_gated_mlp_forward_ref,
@@ -24,30 +23,25 @@ from sparse_llm.formats import (
     hybrid_t_matmul,
     pack_hybrid,
 )
-
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import train_op
-    from sparse_llm.ffn.twell.backend import column_parts, synthetic_block
-    from sparse_llm.ffn.twell.train_op import (
-        STATE_NAMES,
-        _backup_backward,
-        _csc_wgrad,
-        backup_pointwise,
-        csc_chunk_columns,
-        csc_chunk_starts,
-        csc_index,
-        csc_key_dtype,
-        csc_keys,
-        csc_order,
-        csc_shared_ranks,
-        heavy_rows,
-        twell_train_ffn,
-        twell_train_forward_op,
-        wgrad_scratch,
-    )
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.twell.backend import column_parts, synthetic_block
+from sparse_llm.ffn.twell.train_op import (
+    STATE_NAMES,
+    _backup_backward,
+    _csc_wgrad,
+    backup_pointwise,
+    csc_chunk_columns,
+    csc_chunk_starts,
+    csc_index,
+    csc_key_dtype,
+    csc_keys,
+    csc_order,
+    csc_shared_ranks,
+    heavy_rows,
+    twell_train_ffn,
+    twell_train_forward_op,
+    wgrad_scratch,
+)
 
 ATOL = 1e-3
 BF16_EPS = 2.0**-8  # unit roundoff of bf16
