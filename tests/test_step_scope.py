@@ -5,7 +5,6 @@ is tests/gpu/test_step_scope_gpu.py): weight casts reused over one optimizer ste
 from __future__ import annotations
 
 import gc
-import os
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import child_env
 
 from sparse_llm.ffn import step_scope
 
@@ -230,8 +230,7 @@ def test_ddp_all_reduces_gradients_added_in_place():
     batches."""
     torchrun = shutil.which("torchrun") or sys.executable
     command = [torchrun, "--nproc_per_node", "2", "tests/helpers/ddp_step_scope_check.py", "cpu"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(re.findall(r"rank (\d): added in place", out.stdout)) == ["0", "1"], out.stdout[-2000:]
 

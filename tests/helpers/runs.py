@@ -56,12 +56,15 @@ def logged_losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def child_env(**changes: str) -> dict[str, str]:
-    """The environment for a process the tests start: no GPU, one intra-op thread (as tests/conftest.py sets for
-    this process), and this checkout's sparse_llm ahead of an installed one (a script's own folder comes first on its
-    path, then site-packages)."""
+def child_env(gpu: bool = False) -> dict[str, str]:
+    """The environment for a process the tests start: no GPU unless `gpu`, one intra-op thread (as tests/conftest.py
+    sets for this process), and this checkout's sparse_llm ahead of an installed one (a script's own folder comes
+    first on its path, then site-packages)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **changes}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def train_py_command(run_dir: Path, processes: int, *overrides: str) -> list[str]:
