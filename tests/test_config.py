@@ -71,13 +71,11 @@ def test_cli_prints_resolved_config():
 
 
 def test_cli_error_names_the_bad_key_and_the_likely_one():
-    out = subprocess.run([sys.executable, "train.py", "trainer.learning_rat=1"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2
-    assert "unknown config key 'trainer.learning_rat'" in out.stderr
     out = subprocess.run([sys.executable, "train.py", "trainer.max_stesp=1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "Did you mean 'trainer.max_steps'?" in out.stderr, out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unknown config key 'trainer.max_stesp'" in out.stderr, out.stderr
+    assert "Did you mean 'trainer.max_steps'?" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("schema,override,suggestion", [
@@ -95,6 +93,8 @@ def test_misspelt_override_suggests_the_key_meant(schema, override, suggestion):
 def test_far_off_key_lists_the_keys_of_its_level():
     message = unknown_key_message(["trainer.zzzz=1"], TrainConfig)
     assert "TrainerConfig has no 'zzzz'" in message and "max_steps, micro_batch" in message
+    assert unknown_key_message(["trainer.learning_rat=1"], TrainConfig).startswith(
+        "unknown config key 'trainer.learning_rat'")
 
 
 def test_overrides_the_check_leaves_to_hydra_pass():
@@ -116,7 +116,8 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     first = launch_stamp()
-    time.sleep(1.1)
+    an_hour_later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: an_hour_later)  # a rank that composes its config much later
     assert launch_stamp() == first
     parent_start = psutil.Process(os.getppid()).create_time()
     assert first == time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(parent_start))

@@ -308,20 +308,24 @@ def test_priced_auto_runs_no_trials_and_bad_choices_are_named(fake, timed, monke
 
 
 def test_loop_times_ms_times_runs_of_calls_by_the_host_clock(monkeypatch):
-    """Each call runs per_run times a round, after one untimed round, and gets its best time per call: a call that
-    sleeps 2 ms is timed at 2 ms or a little more (not its run of four), one that returns at once far below it."""
+    """Each call runs per_run times a round, after one untimed round, and gets its best time per call, on a clock that
+    moves only inside the calls: 3, 2 then 2.5 ms a call for the slow one (its first, untimed run 9 ms), none for the
+    fast one."""
     waits = []
     monkeypatch.setattr(torch.cuda, "synchronize", waits.append)
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    slow_ms = iter([9.0] * 4 + [3.0] * 4 + [2.0] * 4 + [2.5] * 4)
     counts = {"slow": 0, "fast": 0}
 
     def slow():
         counts["slow"] += 1
-        time.sleep(0.002)
+        clock[0] += next(slow_ms) / 1e3
 
     def fast():
         counts["fast"] += 1
 
     ms = dispatch.loop_times_ms({"slow": slow, "fast": fast}, rounds=3, per_run=4, device=torch.device("cuda", 1))
     assert counts == {"slow": 16, "fast": 16}
-    assert 2.0 <= ms["slow"] < 6.0 and ms["fast"] < 0.5  # per call: a run of four took 8 ms or more
+    assert ms == {"slow": pytest.approx(2.0), "fast": 0.0}
     assert len(waits) == 16 and set(waits) == {torch.device("cuda", 1)}  # before and after each run, on that device

@@ -10,35 +10,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import TRAINED, small_config
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparse_llm.evaluation import evaluate as evaluation
-
-from sparse_llm.evaluation import tasks as mc_tasks
+import sparse_llm.evaluation.evaluate as evaluation
+from sparse_llm.evaluation import tasks
 from sparse_llm.data.pipeline import DataConfig
-from sparse_llm.training.config import TrainConfig, register_configs
+from sparse_llm.training.config import register_configs
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs
 from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
 from sparse_llm.model.llama import build_model
 from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.data.tokenizer import load_tokenizer
-from sparse_llm.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 register_eval_configs()
 
-SMALL_MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
-    "model.max_position_embeddings=128",
-]
-TRAIN = SMALL_MODEL + [
-    "trainer.max_steps=40", "trainer.micro_batch=8", "trainer.global_batch=8", "trainer.lr=5e-3",
-    "trainer.warmup_steps=5", "trainer.val_every=0", "checkpoint.every=0", "logging.wandb=false",
-    "logging.progress_bar=false", "logging.console=false", "l1=1e-3",
-]
 ARC_ROWS = [
     {"id": f"q{i}", "question": f"Which number follows {i}?", "answerKey": "A",
      "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]}}
@@ -52,17 +42,14 @@ def _compose(config_name: str, overrides: list[str]):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """A model trained for 40 steps (its `final/`) and a random-init model of the same shape, both saved."""
-    root = tmp_path_factory.mktemp("runs")
-    cfg: TrainConfig = OmegaConf.to_object(_compose("train", TRAIN))
-    trained = train(cfg, root / "trained")
+def models(trained_run, tmp_path_factory) -> dict[str, Path]:
+    """The `final/` of the session's trained run, and a random-init model of the same shape with its tokenizer."""
     tokenizer = load_tokenizer("embedded")
-    random_dir = root / "random" / "final"
+    random_dir = tmp_path_factory.mktemp("runs") / "random" / "final"
     torch.manual_seed(0)
-    build_model(cfg.model, vocab_size=len(tokenizer)).save_pretrained(random_dir)
+    build_model(small_config(*TRAINED).model, vocab_size=len(tokenizer)).save_pretrained(random_dir)
     tokenizer.save_pretrained(random_dir)
-    return {"trained": trained, "random": random_dir}
+    return {"trained": trained_run / "final", "random": random_dir}
 
 
 def eval_config(**changes) -> EvalConfig:
@@ -77,8 +64,8 @@ def arc_only(monkeypatch):
     """Index only lm-eval's ARC YAMLs (indexing all built-in tasks takes ~8 s)."""
     from lm_eval.tasks import TaskManager
 
-    arc_dir = Path(mc_tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
-    monkeypatch.setattr(mc_tasks, "task_manager",
+    arc_dir = Path(tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
+    monkeypatch.setattr(tasks, "task_manager",
                         lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False))
 
 
@@ -96,7 +83,7 @@ def test_embedded_tasks_end_to_end_with_compare(models, tmp_path, capsys):
     assert trained_again["perplexity"] == trained["perplexity"]  # evaluation is deterministic
     assert trained["step"] == 40 and random["step"] is None
     task = trained["tasks"]["heldout_continuation"]
-    assert task["n"] == 24 and task["version"] == mc_tasks.HELDOUT_VERSION and task["n_shot"] == 0
+    assert task["n"] == 24 and task["version"] == tasks.HELDOUT_VERSION and task["n_shot"] == 0
     assert 0.0 <= task["acc"] <= 1.0 and 0.0 <= task["acc_norm"] <= 1.0
     assert trained["mean_acc"] == task["acc"]
     # Training lowers held-out perplexity far below a random model's (~vocab size).
@@ -119,14 +106,14 @@ def test_tasks_none_measures_perplexity_and_sparsity_without_lm_eval(models, tmp
     def no_lm_eval():
         raise ImportError("lm-eval is not installed")
 
-    monkeypatch.setattr(mc_tasks, "import_lm_eval", no_lm_eval)
+    monkeypatch.setattr(tasks, "import_lm_eval", no_lm_eval)
     results = evaluate(eval_config(checkpoint=str(models["trained"]), tasks="none"), tmp_path / "eval")
     (trained,) = results["models"]
     assert "tasks" not in trained and "mean_acc" not in trained
     assert trained["perplexity"]["ppl"] > 1.0 and len(trained["sparsity"]["layers"]) == 2
     assert results["settings"]["tasks"] == [] and results["software"]["lm_eval"] is None
     with pytest.raises(ValueError, match="tasks=none"):
-        mc_tasks.expand_task_names("")
+        tasks.expand_task_names("")
 
 
 def test_compare_takes_one_checkpoint_or_a_list():
@@ -139,7 +126,7 @@ def test_compare_takes_one_checkpoint_or_a_list():
 
 
 def test_local_arc_file_runs_through_lm_eval(models, tmp_path, arc_only):
-    data = mc_tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
+    data = tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
     cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(data)},
                       limit=4)
     results = evaluate(cfg, tmp_path / "eval")
@@ -200,9 +187,9 @@ def test_heldout_examples_need_two_documents():
 
 
 def test_task_names_expand_aliases_in_order():
-    assert mc_tasks.expand_task_names("paper")[:2] == ["arc_easy", "arc_challenge"]
-    assert len(mc_tasks.expand_task_names(["paper", "piqa"])) == 7
-    assert mc_tasks.expand_task_names("embedded,arc_easy") == ["heldout_continuation", "arc_easy"]
+    assert tasks.expand_task_names("paper")[:2] == ["arc_easy", "arc_challenge"]
+    assert len(tasks.expand_task_names(["paper", "piqa"])) == 7
+    assert tasks.expand_task_names("embedded,arc_easy") == ["heldout_continuation", "arc_easy"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,7 +206,7 @@ def _run_with_data(root: Path, data: dict) -> Path:
 def _local_documents(path: Path, n: int = 12) -> Path:
     words = ("river", "stone", "apple", "cloud", "field", "lamp")
     rows = [{"text": " ".join(f"{words[i % 6]}{i}x{j}" for j in range(100))} for i in range(n)]
-    return mc_tasks.write_jsonl(rows, path)
+    return tasks.write_jsonl(rows, path)
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -318,7 +305,7 @@ def test_missing_local_task_file_is_named(models, tmp_path, arc_only):
 
 
 def test_task_data_for_a_task_not_run_is_an_error(models, tmp_path, arc_only):
-    data = mc_tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
+    data = tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
     cfg = eval_config(checkpoint=str(models["trained"]), tasks="embedded", task_data={"arc_easy": str(data)})
     with pytest.raises(ValueError, match="arc_easy"):
         evaluate(cfg, tmp_path / "eval")

@@ -1,85 +1,135 @@
 """End-to-end training on CPU: loss falls, resume reproduces an uninterrupted run, bad losses stop the run."""
 
-from dataclasses import replace
-from pathlib import Path
-
 import gc
+import logging
 import os
 import shutil
 import signal
 import weakref
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from helpers.runs import losses, small_config
 from safetensors.torch import load_file, save_file
 
 from sparse_llm.ffn import step_scope
-
+from sparse_llm.training import checkpoint
 from sparse_llm.training import trainer as training
 from sparse_llm.training.checkpoint import list_checkpoints, load_hf_weights
-from sparse_llm.training.config import TrainConfig, TrainerConfig, register_configs
+from sparse_llm.training.config import TrainerConfig
 from sparse_llm.model.llama import build_model, sparse_mlps
 from sparse_llm.telemetry.metrics import read_metrics
 from sparse_llm.training.preemption import TrainingStopped
 from sparse_llm.training.trainer import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
                                  plain_tensor, plan_batches, skip_update_if_non_finite, sparse_training_hint, train)
 
-ROOT = Path(__file__).resolve().parents[1]
-register_configs()
-
-# A model and batch small enough for a few seconds per run on two cores.
-SMALL = [
-    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
-    "model.max_position_embeddings=64", "trainer.micro_batch=4", "trainer.global_batch=8",
-    "trainer.warmup_steps=5", "trainer.val_every=0", "logging.wandb=false", "logging.progress_bar=false",
-    "logging.every=2", "l1=1e-3",
-]
+# The uninterrupted run that resumed runs must reproduce: 8 steps, a checkpoint every 4.
+EIGHT_STEPS = ("trainer.max_steps=8", "checkpoint.every=4")
 
 
-def small_config(*overrides: str) -> TrainConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=SMALL + list(overrides))
-    return OmegaConf.to_object(cfg)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run directory of EIGHT_STEPS (checkpoints step_4 and step_8, final/). Read it; copy it to change it."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    train(small_config(*EIGHT_STEPS), run_dir)
+    return run_dir
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+class _Node:
+    """An object that can hold a reference to itself and be watched by a weak reference."""
+
+
+class _Collector:
+    """Stands in for the gc module in the trainer: records what FrozenHeap asks of the collector, and keeps a freeze
+    count of its own, so no test reads (or disturbs) the interpreter's."""
+
+    def __init__(self, frozen: int = 0) -> None:
+        self.frozen = frozen  # gc.get_freeze_count()
+        self.calls: list[str] = []
+
+    def get_freeze_count(self) -> int:
+        return self.frozen
+
+    def collect(self) -> int:
+        self.calls.append("collect")
+        return 0
+
+    def freeze(self) -> None:
+        self.calls.append("freeze")
+        self.frozen += 1000
+
+    def unfreeze(self) -> None:
+        self.calls.append("unfreeze")
+        self.frozen = 0
+
+
+# Two steps of 4 micro-batches each.
+TWO_STEPS = ("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2")
+
+
+@dataclass
+class SpiedRun:
+    """A run of TWO_STEPS and what the trainer did in it."""
+
+    run_dir: Path
+    scopes: list[dict] = field(default_factory=list)  # the arguments of each step_scope.optimizer_step entered
+    adding: list[bool] = field(default_factory=list)  # per micro-batch: whether it ran adding into .grad
+    heap_freezes: int = 0  # FrozenHeap.freeze calls
+    collector: _Collector = field(default_factory=_Collector)  # what FrozenHeap asked of the collector
+
+
+@pytest.fixture(scope="module")
+def spied_run(tmp_path_factory) -> SpiedRun:
+    run = SpiedRun(tmp_path_factory.mktemp("spied"))
+    real_scope, real_micro, real_freeze = training.optimizer_step, Trainer._micro_step, FrozenHeap.freeze
+
+    def micro_step(self, *args, **kwargs):
+        run.adding.append(step_scope.adding_into_grads())
+        return real_micro(self, *args, **kwargs)
+
+    def freeze(self):
+        run.heap_freezes += 1
+        real_freeze(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "optimizer_step", lambda **kw: run.scopes.append(kw) or real_scope(**kw))
+        patch.setattr(Trainer, "_micro_step", micro_step)
+        patch.setattr(FrozenHeap, "freeze", freeze)
+        patch.setattr(training, "gc", run.collector)
+        train(small_config(*TWO_STEPS), run.run_dir)
+    return run
 
 
 @pytest.mark.slow
-def test_short_run_learns_and_saves_a_loadable_model(tmp_path):
-    final = train(small_config("trainer.max_steps=30", "trainer.lr=5e-3", "checkpoint.every=0"), tmp_path)
-    records = read_metrics(tmp_path / "metrics.jsonl")
+def test_short_run_learns_and_saves_a_loadable_model(trained_run):
+    records = read_metrics(trained_run / "metrics.jsonl")
     assert records[-1]["ce"] < records[0]["ce"] - 0.5
     assert 0 <= records[-1]["sparsity/mean"] <= 1 and records[-1]["l0/layer_01"] > 0
     assert records[-1]["backend/layer_00"] == "torch"
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(trained_run / "final")
     assert model.config.hidden_act == "relu" and model.config.num_hidden_layers == 2
-    assert (tmp_path / "training.png").is_file()
+    assert (trained_run / "training.png").is_file()
 
 
 @pytest.mark.slow
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["trainer.max_steps=8", "checkpoint.every=4", "trainer.global_batch=8", "trainer.micro_batch=4"]
-    train(small_config(*common), tmp_path / "full")
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, uninterrupted):
     # The "crashed" run stops after its step-4 checkpoint; the resumed one continues from it.
-    train(small_config("trainer.max_steps=4", *common[1:]), tmp_path / "cut")
-    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_4"]
-    train(small_config(*common, "checkpoint.resume=auto"), tmp_path / "cut")
-    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    train(small_config("trainer.max_steps=4", "checkpoint.every=4"), tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4"]
+    train(small_config(*EIGHT_STEPS, "checkpoint.resume=auto"), tmp_path)
+    full, resumed = losses(uninterrupted), losses(tmp_path)
     assert set(full) == set(resumed) == {2, 4, 6, 8}
     for step in full:
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkeypatch):
-    common = ["trainer.max_steps=6", "checkpoint.every=0", "trainer.global_batch=8", "trainer.micro_batch=4"]
-    train(small_config(*common), tmp_path / "full")
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkeypatch, uninterrupted):
+    common = ["trainer.max_steps=8", "checkpoint.every=0"]
     # The signal arrives during step 3 (as from a scheduler); no periodic checkpoint is due before the end. Step 3's
     # stop votes are read after step 4 is issued (its metrics are not logged: the host runs a step ahead), so the
     # run stops after step 4.
@@ -92,15 +142,15 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path, monkey
 
     monkeypatch.setattr(Trainer, "_optimizer_step", signalled_step)
     with pytest.raises(TrainingStopped, match="SIGTERM after step 4") as stopped:
-        train(small_config(*common), tmp_path / "cut")
+        train(small_config(*common), tmp_path)
     assert stopped.value.exit_code == 128 + signal.SIGTERM
-    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_4"]
-    assert not (tmp_path / "cut" / "final").exists()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4"]
+    assert not (tmp_path / "final").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
     monkeypatch.setattr(Trainer, "_optimizer_step", step_fn)
-    train(small_config(*common, "checkpoint.resume=auto"), tmp_path / "cut")
-    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
-    assert set(full) == set(resumed) == {2, 4, 6}
+    train(small_config(*common, "checkpoint.resume=auto"), tmp_path)
+    full, resumed = losses(uninterrupted), losses(tmp_path)
+    assert set(full) == set(resumed) == {2, 4, 6, 8}
     for step in full:
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
 
@@ -137,7 +187,7 @@ def test_cuda_graphs_settings_that_cannot_work_are_named(tmp_path, overrides, na
         Trainer(small_config(*overrides), tmp_path)
 
 
-def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, monkeypatch):
+def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, monkeypatch, spied_run):
     """The trainer's side of trainer.cuda_graphs with several micro-batches a step, on the CPU with the graphs
     themselves stubbed out (tests/gpu/test_train_graphs.py replays real ones): a graph step begins before every
     micro-batch, and the gradients exist from the start and are zeroed in place, never freed, so no backward graph's
@@ -146,30 +196,22 @@ def test_cuda_graphs_mark_every_micro_batch_and_hold_the_gradients(tmp_path, mon
     monkeypatch.setattr(training, "check_cuda_graphs_setup", lambda t, device: None)
     monkeypatch.setattr(training, "compile_layers", lambda model, backend, cuda_graphs: model)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    steps = ("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2")  # 4 micro-batches a step
-    trainer = Trainer(small_config(*steps, "trainer.compile=true", "trainer.cuda_graphs=true"), tmp_path / "graphs")
+    trainer = Trainer(small_config(*TWO_STEPS, "trainer.compile=true", "trainer.cuda_graphs=true"), tmp_path)
     held = [p.grad for p in trainer.model.parameters()]
     assert all(g is not None and not g.any() for g in held)
     trainer.run()
     assert len(marks) == 2 * 4
     assert all(p.grad is g and not g.any() for p, g in zip(trainer.model.parameters(), held, strict=True))
-    train(small_config(*steps), tmp_path / "plain")
-    assert list(losses(tmp_path / "graphs")) == [2]
-    assert losses(tmp_path / "graphs") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    assert list(losses(tmp_path)) == [2]
+    assert losses(tmp_path) == pytest.approx(losses(spied_run.run_dir), rel=1e-5)
 
 
-def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(tmp_path, monkeypatch):
+def test_each_optimizer_step_runs_its_micro_batches_in_one_step_scope(spied_run):
     """The trainer enters step_scope.optimizer_step once per update, around all of its micro-batches, and lets the op
     reuse its casts and add gradients into .grad (one process here; DDP too, FSDP neither); its forwards are CUDA
     graphs only with trainer.cuda_graphs=true."""
-    scopes, inside = [], []
-    real_scope, real_micro = training.optimizer_step, Trainer._micro_step
-    monkeypatch.setattr(training, "optimizer_step", lambda **kw: scopes.append(kw) or real_scope(**kw))
-    monkeypatch.setattr(Trainer, "_micro_step", lambda self, *a, **kw: inside.append(step_scope.adding_into_grads())
-                        or real_micro(self, *a, **kw))  # fmt: skip
-    train(small_config("trainer.max_steps=2", "checkpoint.every=0", "trainer.micro_batch=2"), tmp_path)
-    assert scopes == [{"reuse_casts": True, "add_into_grads": True, "graph_forwards": False}] * 2
-    assert inside == [True] * 8 and not step_scope.adding_into_grads()
+    assert spied_run.scopes == [{"reuse_casts": True, "add_into_grads": True, "graph_forwards": False}] * 2
+    assert spied_run.adding == [True] * 8 and not step_scope.adding_into_grads()
 
 
 def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_settings():
@@ -239,24 +281,23 @@ def test_zero_steps_write_the_initial_model_and_negative_steps_are_named(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_dir(tmp_path):
+def test_a_checkpoint_holds_the_weights_once_and_a_resume_reads_them_from_model_dir(tmp_path, uninterrupted):
     """accelerator/ keeps no second copy of the weights. A resume overwrites the fresh trainer's (zeroed) weights
     with model/'s; a checkpoint that still holds them in accelerator/ (the layout before) resumes from those."""
-    common = ["trainer.max_steps=2", "checkpoint.every=2"]
-    train(small_config(*common), tmp_path / "run")
-    step_dir = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    step_dir = tmp_path / "run" / "checkpoints" / "step_8"
     assert not list((step_dir / "accelerator").glob("model*")) and (step_dir / "model" / "model.safetensors").is_file()
     saved = load_file(step_dir / "model" / "model.safetensors")
 
     def resumed_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-        trainer = Trainer(small_config(*common, "checkpoint.resume=auto"), run_dir)
+        trainer = Trainer(small_config(*EIGHT_STEPS, "checkpoint.resume=auto"), run_dir)
         with torch.no_grad():
             for param in trainer.model.parameters():
                 param.zero_()
         return load_file(trainer.run() / "model.safetensors")
 
     shutil.copytree(tmp_path / "run", tmp_path / "before")
-    old_dir = tmp_path / "before" / "checkpoints" / "step_2"
+    old_dir = tmp_path / "before" / "checkpoints" / "step_8"
     (old_dir / "manifest.json").unlink()  # that layout predates manifests too
     (old_dir / "model" / "model.safetensors").rename(old_dir / "accelerator" / "model.safetensors")
     save_file({key: torch.zeros_like(value) for key, value in saved.items()}, old_dir / "model" / "model.safetensors")
@@ -298,10 +339,11 @@ def test_grad_clip_zero_trains_unclipped_and_logs_the_norm(tmp_path):
     assert runs["1e-3"][-1]["loss"] != runs["0"][-1]["loss"]  # clipping does change the run
 
 
-def test_resume_auto_refuses_to_retrain_a_finished_run_that_has_no_checkpoint(tmp_path):
-    train(small_config("trainer.max_steps=1", "checkpoint.every=0"), tmp_path)
+def test_resume_auto_refuses_to_retrain_a_finished_run_that_has_no_checkpoint(trained_run):
+    before = sorted(trained_run.rglob("*"))
     with pytest.raises(FileExistsError, match=r"holds a finished run \(final/\) but no step checkpoint"):
-        Trainer(small_config("trainer.max_steps=2", "checkpoint.every=0", "checkpoint.resume=auto"), tmp_path)
+        Trainer(small_config("trainer.max_steps=2", "checkpoint.every=0", "checkpoint.resume=auto"), trained_run)
+    assert sorted(trained_run.rglob("*")) == before  # refused before it wrote anything
 
 
 def test_a_value_out_of_range_stops_the_trainer_before_it_builds_anything(tmp_path):
@@ -317,8 +359,9 @@ def test_resume_from_a_missing_path_names_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_past_max_steps_says_so_and_writes_final(tmp_path, caplog):
-    train(small_config("trainer.max_steps=4", "checkpoint.every=4"), tmp_path)
+def test_resuming_past_max_steps_says_so_and_writes_final(tmp_path, caplog, uninterrupted):
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "final")  # so that the resumed run must write it
     final = train(small_config("trainer.max_steps=2", "checkpoint.every=4", "checkpoint.resume=auto"), tmp_path)
     assert "nothing left to train" in caplog.text and "trainer.max_steps=2" in caplog.text
     assert final.is_dir()
@@ -354,12 +397,14 @@ def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
         trainer.run()
 
     run(tmp_path / "full")
-    run(tmp_path / "cut", "trainer.max_steps=4")
-    run(tmp_path / "cut", "checkpoint.resume=auto")  # the zeroing is overwritten by the checkpoint's weights
+    # A new run resumed from step 4, when the window of steps 4-6 is open; the zeroing is overwritten by the
+    # checkpoint's weights.
+    run(tmp_path / "resumed", f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_4'}")
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    resumed = {r["step"]: r for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")}
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")}
     assert sum(r["reinit_neurons"] for r in full) >= 64  # the window of steps 1-3 found the zeroed rows
-    for record in full:
+    assert list(resumed) == [5, 6, 7, 8]
+    for record in full[4:]:
         assert resumed[record["step"]]["loss"] == pytest.approx(record["loss"], rel=1e-5), record["step"]
         assert resumed[record["step"]]["reinit_neurons"] == record["reinit_neurons"], record["step"]
         assert resumed[record["step"]].get("dead/mean") == record.get("dead/mean"), record["step"]
@@ -375,86 +420,119 @@ def test_validation_runs_on_its_own_schedule(tmp_path):
     assert with_val == [2, 4, 6]
 
 
-class _Node:
-    """An object that can hold a reference to itself and be watched by a weak reference."""
+@pytest.fixture
+def collector(monkeypatch) -> _Collector:
+    collector = _Collector()
+    monkeypatch.setattr(training, "gc", collector)
+    return collector
 
 
-def test_frozen_heap_leaves_the_objects_of_the_first_step_out_of_collections_until_it_exits():
-    assert gc.get_freeze_count() == 0
+def test_frozen_heap_freezes_once_after_a_collection_and_gives_the_objects_back_on_exit(collector):
     with FrozenHeap() as heap:
-        assert gc.get_freeze_count() == 0  # nothing frozen before the first step has run
+        assert collector.calls == []  # nothing frozen before the first step has run
         heap.freeze()
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert collector.calls == ["collect", "freeze"]  # what is garbage already is not kept
+        heap.freeze()  # once only
+        assert collector.calls == ["collect", "freeze"]
+    assert collector.calls == ["collect", "freeze", "unfreeze"]
+    with pytest.raises(KeyboardInterrupt), FrozenHeap() as heap:  # a run that stops early gives them back too
+        heap.freeze()
+        raise KeyboardInterrupt
+    assert collector.calls[3:] == ["collect", "freeze", "unfreeze"]
+
+
+def test_frozen_heap_leaves_a_callers_own_freeze_alone(monkeypatch):
+    collector = _Collector(frozen=5)  # the caller froze objects of its own before the run
+    monkeypatch.setattr(training, "gc", collector)
+    with FrozenHeap() as heap:
+        heap.freeze()
+    assert collector.calls == [] and collector.frozen == 5  # neither frozen again nor given back
+
+
+def test_garbage_made_after_the_freeze_is_still_collected():
+    """What FrozenHeap relies on: gc.freeze() keeps only the objects alive at that moment out of collections."""
+    with FrozenHeap() as heap:
+        heap.freeze()
         cycle = _Node()
-        cycle.self = cycle  # garbage made after the freeze is still collected
+        cycle.self = cycle
         collected = weakref.ref(cycle)
         del cycle
-        gc.collect()  # (another thread's allocations may have run a collection first: either frees it)
+        gc.collect()
         assert collected() is None
-        heap.freeze()  # once only
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == 0
 
 
-def test_frozen_heap_leaves_a_callers_own_freeze_alone():
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        fresh = [[] for _ in range(10_000)]  # tracked objects a second freeze would take in
-        with FrozenHeap() as heap:
-            heap.freeze()
-        # Neither frozen again (+10k) nor given back (0); frozen objects that die meanwhile leave the count.
-        assert frozen - 100 <= gc.get_freeze_count() <= frozen
-        del fresh
-    finally:
-        gc.unfreeze()
+def test_the_trainer_freezes_after_its_first_step_and_gives_the_objects_back(spied_run):
+    assert spied_run.heap_freezes == 2  # asked after every step; done after the first only
+    assert spied_run.collector.calls == ["collect", "freeze", "unfreeze"]
 
 
-def test_the_trainer_freezes_after_its_first_step_and_gives_the_objects_back(tmp_path, monkeypatch):
-    calls = []
-    real_freeze = FrozenHeap.freeze
-    monkeypatch.setattr(FrozenHeap, "freeze", lambda self: (calls.append(1), real_freeze(self)))
-    train(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
-    assert len(calls) == 3 and gc.get_freeze_count() == 0
-
-
-def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
-    train(small_config("trainer.max_steps=2", "checkpoint.every=0"), tmp_path)
+def test_a_fresh_run_refuses_a_used_run_dir(trained_run):
+    before = sorted(trained_run.rglob("*"))
     with pytest.raises(FileExistsError, match="checkpoint.resume=auto"):
-        Trainer(small_config("trainer.max_steps=2"), tmp_path)
+        Trainer(small_config("trainer.max_steps=2"), trained_run)
+    assert sorted(trained_run.rglob("*")) == before
 
 
-def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, caplog):
-    with caplog.at_level("INFO", logger="sparse_llm.training.trainer"):
-        train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
-    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Checkpoint: ")]
-    assert [Path(m.split(": ", 1)[1]).name for m in saved] == ["step_2", "step_4", "step_6"]  # the run's log says so
-    (tmp_path / "checkpoints" / "step_8.partial").mkdir()  # a write that crashed half-way
-    from sparse_llm.training.checkpoint import resolve_resume
+class _Messages(logging.Handler):
+    """Keeps the message of every record it is handed."""
 
-    assert resolve_resume("auto", tmp_path).name == "step_6"
-    assert not (tmp_path / "final.partial").exists() and (tmp_path / "final" / "config.json").is_file()
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
-def test_checkpoints_make_room_before_a_write(tmp_path, monkeypatch):
-    """With keep_last=2 the oldest checkpoint goes before the next is written, so the disk never holds three (one
-    complete checkpoint stays while the new one is written)."""
-    from sparse_llm.training import checkpoint
+@dataclass
+class PrunedRun:
+    """A run of 6 steps with a checkpoint every 2 and checkpoint.keep_last=2, and what it wrote on the way."""
 
-    on_disk = []
+    run_dir: Path
+    on_disk: list[tuple[str, list[str]]] = field(default_factory=list)  # per checkpoint: the ones complete meanwhile
+    log: _Messages = field(default_factory=_Messages)  # the trainer's log
+
+
+@pytest.fixture(scope="module")
+def pruned_run(tmp_path_factory) -> PrunedRun:
+    run = PrunedRun(tmp_path_factory.mktemp("pruned"))
     real_export = checkpoint.export_model
 
     def export(accelerator, model, tokenizer, out_dir):
         if out_dir.name == "model":  # a step checkpoint's (final/ is exported too)
-            on_disk.append((out_dir.parent.name, [p.name for p in list_checkpoints(tmp_path)]))
+            run.on_disk.append((out_dir.parent.name, [p.name for p in list_checkpoints(run.run_dir)]))
         real_export(accelerator, model, tokenizer, out_dir)
 
-    monkeypatch.setattr(checkpoint, "export_model", export)
-    train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), tmp_path)
-    assert on_disk == [("step_2.partial", []), ("step_4.partial", ["step_2"]), ("step_6.partial", ["step_4"])]
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
+    logger = logging.getLogger("sparse_llm.training.trainer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(run.log)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(checkpoint, "export_model", export)
+            train(small_config("trainer.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"), run.run_dir)
+    finally:
+        logger.removeHandler(run.log)
+        logger.setLevel(level)
+    return run
+
+
+def test_checkpoints_are_pruned_and_partial_ones_ignored(tmp_path, pruned_run):
+    assert [p.name for p in list_checkpoints(pruned_run.run_dir)] == ["step_4", "step_6"]
+    saved = [m for m in pruned_run.log.messages if m.startswith("Checkpoint: ")]
+    assert [Path(m.split(": ", 1)[1]).name for m in saved] == ["step_2", "step_4", "step_6"]  # the run's log says so
+    assert not (pruned_run.run_dir / "final.partial").exists()
+    assert (pruned_run.run_dir / "final" / "config.json").is_file()
+    shutil.copytree(pruned_run.run_dir / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "step_8.partial").mkdir()  # a write that crashed half-way
+    assert checkpoint.resolve_resume("auto", tmp_path).name == "step_6"
+
+
+def test_checkpoints_make_room_before_a_write(pruned_run):
+    """With keep_last=2 the oldest checkpoint goes before the next is written, so the disk never holds three (one
+    complete checkpoint stays while the new one is written)."""
+    on_disk = [("step_2.partial", []), ("step_4.partial", ["step_2"]), ("step_6.partial", ["step_4"])]
+    assert pruned_run.on_disk == on_disk
 
 
 # Failures a writer meets: a full disk, a permission, torch.save's own error (it raises RuntimeError, not OSError).
@@ -468,8 +546,6 @@ def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp
     """A failure in torch.save at the step-4 checkpoint: an error naming the failure, the free space, the complete
     checkpoint to resume from and the settings to change; the partial directory is gone and step 2's checkpoint
     resumes."""
-    from sparse_llm.training import checkpoint
-
     real_save = torch.save
 
     def save(obj, path, *args, **kwargs):
@@ -495,8 +571,6 @@ def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp
 def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_resume(tmp_path, monkeypatch, failure):
     """A failure when final/ is written: no final.partial is left, the error names the step-4 checkpoint, and a
     resume from it writes final/."""
-    from sparse_llm.training import checkpoint
-
     real_export = checkpoint.export_model
 
     def export(accelerator, model, tokenizer, out_dir):

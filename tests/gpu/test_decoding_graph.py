@@ -6,12 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.cuda import runtime
 from sparse_llm.generation.decoding import DecodeSteps, decode
 from sparse_llm.model.llama import ModelConfig, build_model, sparse_mlps
 
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"CUDA kernels unavailable: {REASON}")]
 SMALL = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4, max_position_embeddings=128)
 VOCAB = 301
 

@@ -7,16 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.cuda import runtime
-
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import graphs as train_graphs
-    from sparse_llm.ffn.step_scope import optimizer_step
-    from sparse_llm.ffn.twell.synthetic import synthetic_block
-    from sparse_llm.ffn.twell.train_op import twell_train_ffn
+from sparse_llm.ffn.twell import graphs as train_graphs
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 K, N = 512, 1536
 WIDTH = 32  # narrow ELL rows: a heavy tail puts tokens on the heavy route in every call

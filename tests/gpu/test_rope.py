@@ -14,12 +14,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from sparse_llm.cuda import runtime
 from sparse_llm.model.llama import FusedRopeAttention
 from sparse_llm.model.rope import kernel_applies, rotate_half_qk
 
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"CUDA kernels unavailable: {REASON}")]
 ATOL = 1e-3
 
 

@@ -6,27 +6,20 @@ neurons (empty columns) in every micro-batch."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import ROOT, child_env
 
-from sparse_llm.cuda import runtime
-
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import train_op
-    from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
-    from sparse_llm.ffn.step_scope import optimizer_step
-    from sparse_llm.ffn.twell.synthetic import synthetic_block
-    from sparse_llm.ffn.twell.infer_launch import transposed_copy
-    from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_index, csc_keys, wgrad_scratch
-    from sparse_llm.ffn.twell.train_op import twell_train_ffn
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.infer_launch import transposed_copy
+from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_index, csc_keys, wgrad_scratch
+from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 M, K, N = 2048, 1024, 2816
 MICRO_BATCHES = 3
@@ -130,14 +123,12 @@ def test_transposed_add(src_dtype):
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_ddp_all_reduces_gradients_the_kernels_added_in_place():
-    """Two ranks on the GPU (gloo: they may share one), the op's kernels under DDP (tests/ddp_step_scope_check.py):
-    from the second micro-batch on the kernels and the heavy tokens' GEMMs add into .grad, and the reducer all-reduces
-    those sums, equal to one process's over both ranks' batches."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Two ranks on the GPU (gloo: they may share one), the op's kernels under DDP
+    (tests/helpers/ddp_step_scope_check.py): from the second micro-batch on the kernels and the heavy tokens' GEMMs add
+    into .grad, and the reducer all-reduces those sums, equal to one process's over both ranks' batches."""
     run = subprocess.run(
-        ["torchrun", "--nproc_per_node", "2", "tests/ddp_step_scope_check.py", "cuda"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        ["torchrun", "--nproc_per_node", "2", "tests/helpers/ddp_step_scope_check.py", "cuda"],
+        cwd=ROOT, env=child_env(gpu=True), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     ranks = [line for line in run.stdout.splitlines() if "added in place [False, True, True]" in line]

@@ -7,13 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.cuda import runtime
 from sparse_llm.model.llama import ModelConfig, build_model, compile_layers
 from sparse_llm.ffn.step_scope import optimizer_step
 from sparse_llm.training.trainer import hold_gradients
 
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"CUDA kernels unavailable: {REASON}")]
 SMALL = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4, max_position_embeddings=128)
 VOCAB = 301
 MICRO_BATCHES = 3

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.cuda import runtime
 from sparse_llm.ffn.dispatch import density_of
 from sparse_llm.formats import (
     TwellPacked,
@@ -23,21 +22,13 @@ from sparse_llm.formats import (
     unpack_twell,
     validate_twell,
 )
-
-REASON = runtime.unavailable_reason()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}"),
-]
-
-if REASON is None:
-    from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
-    from sparse_llm.ffn.backend import FFNResult
-    from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate
-    from sparse_llm.ffn.twell.decode import decode_workspace
-    from sparse_llm.ffn.twell.cost_model import direct_walk
-    from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
-    from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
+from sparse_llm.ffn.backend import FFNResult
+from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate
+from sparse_llm.ffn.twell.decode import decode_workspace
+from sparse_llm.ffn.twell.cost_model import direct_walk
+from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 
 ATOL = 1e-3
 

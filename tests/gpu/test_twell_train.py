@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.ffn.twell import cost_model, csc, train_backward
-from sparse_llm.cuda import runtime
 from sparse_llm.formats import (
     hybrid_gated_mlp_backward_ref,
     hybrid_gated_mlp_forward_ref,
@@ -25,18 +24,13 @@ from sparse_llm.formats import (
     hybrid_t_matmul,
     pack_hybrid,
 )
-
-REASON = runtime.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"twell kernels unavailable: {REASON}")]
-
-if REASON is None:
-    from sparse_llm.ffn.twell.cost_model import column_parts
-    from sparse_llm.ffn.twell.synthetic import synthetic_block
-    from sparse_llm.ffn.twell.train_launch import STATE_NAMES
-    from sparse_llm.ffn.twell.train_op import twell_train_ffn, twell_train_forward_op
-    from sparse_llm.ffn.twell.train_backward import backup_backward, backup_pointwise
-    from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_chunk_columns, csc_chunk_starts, csc_index, csc_key_dtype, csc_keys, csc_order, csc_shared_ranks, wgrad_scratch
-    from sparse_llm.ffn.twell.train_launch import heavy_rows
+from sparse_llm.ffn.twell.cost_model import column_parts
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.train_launch import STATE_NAMES
+from sparse_llm.ffn.twell.train_op import twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.twell.train_backward import backup_backward, backup_pointwise
+from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_chunk_columns, csc_chunk_starts, csc_index, csc_key_dtype, csc_keys, csc_order, csc_shared_ranks, wgrad_scratch
+from sparse_llm.ffn.twell.train_launch import heavy_rows
 
 ATOL = 1e-3
 BF16_EPS = 2.0**-8  # unit roundoff of bf16

@@ -1,6 +1,6 @@
 """Weight gradients added into `.grad` in place under DDP, for tests/test_step_scope.py (CPU ranks, the op's torch
 reference) and tests/gpu/test_step_scope_gpu.py (ranks on CUDA, the op's kernels):
-`torchrun --nproc_per_node 2 tests/ddp_step_scope_check.py [cpu|cuda]`.
+`torchrun --nproc_per_node 2 tests/helpers/ddp_step_scope_check.py [cpu|cuda]`.
 
 Each rank accumulates 3 micro-batches of its own through a DDP-wrapped layer around the training op, as the trainer
 does: the first two under `no_sync`, all inside `step_scope.optimizer_step` with gradients added in place. The op

@@ -1,5 +1,5 @@
-"""train.py as an FSDP run on CPU ranks, for tests/test_fsdp.py: `torchrun --nproc_per_node 2 tests/fsdp_cpu_train.py
-<train.py overrides>`.
+"""train.py as an FSDP run on CPU ranks, for tests/test_fsdp.py:
+`torchrun --nproc_per_node 2 tests/helpers/fsdp_cpu_train.py <train.py overrides>`.
 
 accelerate runs no FSDP without a GPU (a CPU launch of the FSDP config runs as plain data parallel), so this
 launcher has each rank's accelerator take the FSDP2 settings of configs/accelerate/fsdp.yaml before the trainer
@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from sparse_llm.training import trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 make_accelerator = trainer.make_accelerator
 
 

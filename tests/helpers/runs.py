@@ -1,0 +1,85 @@
+"""Tiny training runs for the tests: the overrides that make one take seconds on two CPU cores, the config they
+compose to, and train.py launched as users launch it (one process, or ranks through `accelerate launch`)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from sparse_llm.telemetry.metrics import read_metrics
+from sparse_llm.training.config import TrainConfig, register_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+register_configs()
+
+# The embedded corpus tokenized once for every run of a test session, in this process or another (data.cache_dir):
+# about a second of CPU a run otherwise.
+TOKEN_CACHE = Path(tempfile.mkdtemp(prefix="sparse_llm_test_tokens_"))
+atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
+
+# A model and batch small enough for a few seconds per run on two cores.
+SMALL = [
+    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
+    "model.max_position_embeddings=64", "trainer.micro_batch=4", "trainer.global_batch=8",
+    "trainer.warmup_steps=5", "trainer.val_every=0", "logging.wandb=false", "logging.progress_bar=false",
+    "logging.every=2", "l1=1e-3", f"data.cache_dir={TOKEN_CACHE}",
+]
+
+# A run that learns something in 40 steps (the session's `trained_run`, tests/conftest.py).
+TRAINED = ("model.max_position_embeddings=128", "trainer.max_steps=40", "trainer.micro_batch=8", "trainer.lr=5e-3",
+           "checkpoint.every=0", "logging.console=false")
+
+
+def small_config(*overrides: str) -> TrainConfig:
+    """train.yaml with SMALL and then `overrides` applied, as train.py would compose it."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=SMALL + list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss of a run's metrics.jsonl, a resumed attempt's lines replacing the ones before."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    """Every loss line of a run's metrics.jsonl in the order written (a rank that logs writes lines of its own)."""
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def child_env(gpu: bool = False) -> dict[str, str]:
+    """The environment for a process the tests start: no GPU unless `gpu`, one intra-op thread (as tests/conftest.py
+    sets for this process), and this checkout's sparse_llm ahead of an installed one (a script's own folder comes
+    first on its path, then site-packages)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def train_py_command(run_dir: Path, processes: int, *overrides: str) -> list[str]:
+    """train.py with SMALL, `overrides` and `run_dir`: in one process, or `processes` CPU ranks under accelerate."""
+    launcher = ["python", "train.py"]
+    if processes > 1:
+        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+                    "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
+    launcher[0] = shutil.which(launcher[0]) or sys.executable
+    return [*launcher, *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run_train_py(run_dir: Path, processes: int, *overrides: str) -> list[float]:
+    """Run `train_py_command` to the end; the losses it logged."""
+    out = subprocess.run(train_py_command(run_dir, processes, *overrides), cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return logged_losses(run_dir)
