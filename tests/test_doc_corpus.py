@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from script_modules import load_script
+from helpers.script_modules import load_script
 
 corpus = load_script("build_doc_corpus")
 
