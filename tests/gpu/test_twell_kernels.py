@@ -499,7 +499,7 @@ def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None
     x_MK, w_gate_NK, w_up_NK, w_down_KN = block
     (m, k), n = x_MK.shape, w_gate_NK.shape[0]
     gate_MN = torch.full((m, n), float("nan"), device="cuda").bfloat16()
-    packed_MS = twell_gate(x_MK, w_gate_NK, "fused", overflow_gate_MN=gate_MN)
+    packed_MS = twell_gate(x_MK, w_gate_NK, overflow_gate_MN=gate_MN)
     poison(((m, k), torch.bfloat16))
     columns = None if parts is None else cost_model.column_parts(k, n, parts)
     outs = infer_launch.launch_direct_up_down(
@@ -566,12 +566,11 @@ def test_block_op_takes_the_walk_its_density_hint_prices_cheaper(monkeypatch):
     assert hinted.path == "twell-slices" and plain.path == "twell-direct"
 
 
-@pytest.mark.parametrize("route", ["direct", "cublas"])
-def test_block_op_without_statistics_gives_the_same_output_and_l0(route):
+def test_block_op_without_statistics_gives_the_same_output_and_l0():
     """statistics=False leaves out the L1 sum and the fired flags (their extra kernels), nothing else."""
     block = synthetic_block(2048, 2048, 5632, nnz_mean=40, sigma=0.5, seed=47)
-    full = twell_gated_mlp(*block, gate_route=route)
-    lean = twell_gated_mlp(*block, gate_route=route, statistics=False)
+    full = twell_gated_mlp(*block, gate_route="direct")
+    lean = twell_gated_mlp(*block, gate_route="direct", statistics=False)
     assert lean.l1_sum is None and lean.fired_N is None and full.l1_sum is not None and full.fired_N is not None
     assert torch.equal(lean.y_MK, full.y_MK) and torch.equal(lean.l0_M, full.l0_M) and lean.path == full.path
 
@@ -620,23 +619,22 @@ def test_block_op_measures_the_walk_where_slices_are_priced_ahead(monkeypatch):
     assert torch.equal(hinted.y_MK, plain.y_MK) and torch.equal(hinted.l0_M, plain.l0_M)
 
 
-@pytest.mark.parametrize("route", ["direct", "cublas"])
 @pytest.mark.parametrize("m, k", [(17, 2048), (4096, 2048), (4096, 4096)])
-def test_residual_is_added_as_adding_it_after(route, m, k):
+def test_residual_is_added_as_adding_it_after(m, k):
     """The decoder layer's residual add folded into the block: the same bits as residual + y (the direct kernels
-    add it as they store y: at 17 tokens every token is split over warps, at 4096 most take one warp; other
-    routes and dtypes add it after; at K = 4096 the one-warp kernel needs more than 48 KiB of shared memory)."""
+    add it as they store y: at 17 tokens every token is split over warps, at 4096 most take one warp; other dtypes
+    add it after; at K = 4096 the one-warp kernel needs more than 48 KiB of shared memory)."""
     block = synthetic_block(m, k, 5632, nnz_mean=28, sigma=0.5, seed=m + 3)
     residual_MK = torch.randn(m, k, device="cuda").bfloat16()
-    plain = twell_gated_mlp(*block, gate_route=route)
+    plain = twell_gated_mlp(*block, gate_route="direct")
     poison(((m, k), torch.bfloat16))
-    fused = twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK)
+    fused = twell_gated_mlp(*block, gate_route="direct", residual_MK=residual_MK)
     assert torch.equal(fused.y_MK, residual_MK + plain.y_MK)
     assert torch.equal(fused.l0_M, plain.l0_M) and torch.equal(fused.fired_N, plain.fired_N)
-    fp32 = twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK.float())
+    fp32 = twell_gated_mlp(*block, gate_route="direct", residual_MK=residual_MK.float())
     assert fp32.y_MK.dtype == torch.float32 and torch.equal(fp32.y_MK, residual_MK.float() + plain.y_MK)
     with pytest.raises(ValueError, match="residual_MK has shape"):
-        twell_gated_mlp(*block, gate_route=route, residual_MK=residual_MK[:-1])
+        twell_gated_mlp(*block, gate_route="direct", residual_MK=residual_MK[:-1])
 
 
 def test_transpose_cache_follows_weight_updates():
