@@ -8,7 +8,6 @@ one bad file, and runs a script. To add a case, append a Case to CASES.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.entry_points import EntryPoints
+from helpers.runs import child_env
 
 from sparse_llm.data.pipeline import DataConfig, write_token_file
 from sparse_llm.telemetry.metrics import read_metrics
@@ -274,23 +275,30 @@ def trained_run(tmp_path_factory) -> Path:
     """A 4-step run of the smallest model: checkpoints/step_2, checkpoints/step_4 and final/, each with a manifest."""
     run = tmp_path_factory.mktemp("bad_inputs") / "run"
     done = subprocess.run([sys.executable, "train.py", *SMALL, f"hydra.run.dir={run}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False)
+                          capture_output=True, text=True, timeout=600, check=False, env=child_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
 
 
-def run_script(arguments: list[str]) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False, env=env)
+@pytest.fixture(scope="module")
+def entry_points() -> EntryPoints:
+    """The scripts run in forked children of one process that imported torch, transformers and hydra once: each run
+    is a process of its own that ends with the script's exit code, without seconds of start-up per case."""
+    with EntryPoints(ROOT, child_env()) as server:
+        yield server
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in child_env().items() if key != "HYDRA_FULL_ERROR"}
+    return {**env, **extra}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_a_bad_input_is_named_without_a_traceback(case, trained_run, tmp_path):
+def test_a_bad_input_is_named_without_a_traceback(case, trained_run, entry_points, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    done = run_script(case.setup(run, tmp_path))
+    done = entry_points.run(case.setup(run, tmp_path), script_env(), tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == case.exit_code, output[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
@@ -309,10 +317,9 @@ def test_the_cases_are_many_and_named_once():
 
 
 @pytest.mark.slow
-def test_the_debug_switch_shows_the_traceback(trained_run, tmp_path):
+def test_the_debug_switch_shows_the_traceback(trained_run, entry_points, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     arguments = load_with("eval.py", "final/model.safetensors", cut_in_half)(run, tmp_path)
-    done = subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    done = entry_points.run(arguments, script_env(HYDRA_FULL_ERROR="1"), tmp_path)
     assert done.returncode == 1 and "Traceback" in done.stderr and "UserInputError" in done.stderr
