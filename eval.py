@@ -9,7 +9,7 @@
 
 Keys and their meaning: sparse_llm/evaluation/evaluate.py (EvalConfig). Results land in <out>/results.json.
 Input errors (missing or damaged checkpoint, unknown task, unreadable data) print one message and exit with code 2;
-HYDRA_FULL_ERROR=1 shows the full traceback instead (sparse_llm/cli/errors.py).
+HYDRA_FULL_ERROR=1 shows the full traceback instead (sparse_llm/checks/errors.py).
 """
 
 import sys
@@ -25,7 +25,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
+from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
 from sparse_llm.evaluation.tasks import TaskDataError  # noqa: E402

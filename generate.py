@@ -8,7 +8,7 @@
 Keys and their meaning: sparse_llm/generation/generate.py (GenerateConfig). Prints each prompt with its continuation,
 then the decoding speed and the FFN path each layer took. Input errors (missing checkpoint, bad option, a
 prompt longer than the context) print one message and exit with code 2; HYDRA_FULL_ERROR=1 shows the full traceback
-instead (sparse_llm/cli/errors.py).
+instead (sparse_llm/checks/errors.py).
 """
 
 import sys
@@ -20,7 +20,7 @@ env.apply_defaults(sys.argv[1:])  # before transformers is imported: it reads th
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
+from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.generation.generate import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
 

@@ -21,7 +21,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sparse_llm.cli.errors import exit_on_input_error  # noqa: E402
+from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.training.config import TrainConfig, register_configs  # noqa: E402
 from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         # Bad input (a damaged file, a bad setting, a full disk) ends the run with one message, also in train.log,
-        # and exit code 2 (sparse_llm/cli/errors.py).
+        # and exit code 2 (sparse_llm/checks/errors.py).
         with exit_on_input_error("train.py", report=log.error):
             final = train(typed, run_dir)
     except TrainingStopped as stopped:

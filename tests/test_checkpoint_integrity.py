@@ -14,7 +14,7 @@ import pytest
 from test_bad_inputs import SMALL
 from test_train import small_config
 
-from sparse_llm.cli.errors import UserInputError, exit_on_input_error
+from sparse_llm.checks.errors import UserInputError, exit_on_input_error
 from sparse_llm.telemetry.metrics import drop_steps_after, read_metrics
 from sparse_llm.training import checkpoint, manifest
 from sparse_llm.training.checkpoint import CheckpointWriteError, list_checkpoints, resolve_resume

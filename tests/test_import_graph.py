@@ -1,4 +1,5 @@
-"""The package's imports run one way: no cycle among its modules, and no project import hidden inside a function."""
+"""The package's imports run one way: from the entry points' layer down to the formats (docs/design.md "Package
+layout"), with no cycle among the modules and no project import hidden inside a function."""
 
 import ast
 from pathlib import Path
@@ -27,6 +28,36 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     trees = {_module_name(p): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
     return {name: _imports(tree, set(trees)) - {name} for name, tree in trees.items()}
+
+
+# From the entry points' side down; a module imports only from its own layer or the layers below it.
+LAYERS = (
+    ("sparse_llm.cli",),
+    ("sparse_llm.training", "sparse_llm.evaluation", "sparse_llm.generation", "sparse_llm.bench", "sparse_llm.doctor"),
+    ("sparse_llm.data", "sparse_llm.telemetry"),
+    ("sparse_llm.model",),
+    ("sparse_llm.ffn.registry", "sparse_llm.ffn.dispatch", "sparse_llm.ffn.mlp", "sparse_llm.ffn.kernel_set"),
+    ("sparse_llm.ffn.twell",),
+    ("sparse_llm.ffn.backend", "sparse_llm.ffn.torch_backend", "sparse_llm.ffn.trials", "sparse_llm.ffn.step_scope"),
+    ("sparse_llm.cuda",),
+    ("sparse_llm.formats",),
+    ("sparse_llm.checks",),
+)
+
+
+def _layer(module: str) -> int | None:
+    for depth, prefixes in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return depth
+    return None  # a package's empty __init__
+
+
+def test_every_module_has_a_layer_and_imports_only_downward():
+    graph = _graph()
+    unplaced = [name for name in graph if _layer(name) is None and graph[name]]
+    assert not unplaced, f"modules with imports but no layer in LAYERS: {unplaced}"
+    upward = [f"{name} -> {dep}" for name, deps in graph.items() for dep in deps if _layer(dep) < _layer(name)]
+    assert not upward, f"imports against the layers: {upward}"
 
 
 def test_no_import_cycle_among_the_package_modules():

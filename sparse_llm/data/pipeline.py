@@ -40,8 +40,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from sparse_llm.cli import file_checks
-from sparse_llm.cli.errors import UserInputError
+from sparse_llm.checks import files as file_checks
+from sparse_llm.checks.errors import UserInputError
 from sparse_llm.data.tokenizer import load_tokenizer
 
 DATA_NAMES = ("embedded", "local", "fineweb_edu", "tokens")

@@ -14,8 +14,8 @@ from huggingface_hub import constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sparse_llm.model.convert import read_checkpoint
-from sparse_llm.cli.errors import UserInputError
-from sparse_llm.cli.file_checks import read_json
+from sparse_llm.checks.errors import UserInputError
+from sparse_llm.checks.files import read_json
 
 EMBEDDED = "embedded"
 EMBEDDED_TOKENIZER_FILE = Path(__file__).resolve().parent / "assets" / "tokenizer.json"

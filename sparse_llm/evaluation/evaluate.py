@@ -35,8 +35,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparse_llm.cli.errors import UserInputError
-from sparse_llm.cli.file_checks import read_json_object
+from sparse_llm.checks.errors import UserInputError
+from sparse_llm.checks.files import read_json_object
 from sparse_llm.ffn import kernel_set
 
 from sparse_llm.evaluation import tasks as mc_tasks

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from sparse_llm.cli import file_checks
+from sparse_llm.checks import files as file_checks
 
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "winogrande", "commonsense_qa")
 HELDOUT_TASK = "heldout_continuation"

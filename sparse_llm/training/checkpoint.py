@@ -31,8 +31,8 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from sparse_llm.cli.errors import UserInputError
-from sparse_llm.cli.file_checks import read_json_object
+from sparse_llm.checks.errors import UserInputError
+from sparse_llm.checks.files import read_json_object
 from sparse_llm.training import manifest
 
 STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.cli.errors import UserInputError
-from sparse_llm.cli.file_checks import check_file_format, read_json_object
+from sparse_llm.checks.errors import UserInputError
+from sparse_llm.checks.files import check_file_format, read_json_object
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1

@@ -26,7 +26,7 @@ from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, b
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
-from sparse_llm.cli.errors import UserInputError
+from sparse_llm.checks.errors import UserInputError
 from sparse_llm.training import checkpoint as ckpt
 from sparse_llm.ffn import kernel_set
 from sparse_llm.ffn.registry import get_backend

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.cli.errors import UserInputError
+from sparse_llm.checks.errors import UserInputError
 
 SNIFF_BYTES = 8192
 READ_CHUNK = 8 << 20
