@@ -5,7 +5,8 @@ each step issued eagerly and replayed as a CUDA graph (sparse_llm.generation.dec
     python scripts/bench_decode.py --checkpoint outputs/<run>/final --batches 1,8
     python scripts/bench_decode.py --size tiny --batches 1,2 --prompt-len 16 --steps 4 --device cpu   # smoke run
 
-The model and its sparsity are built as scripts/bench_model.py builds them (sparse_llm/bench/model_setup.py) (--density-l0: a random-init model given
+The model and its sparsity are built as scripts/bench_model.py builds them (sparse_llm/bench/model_setup.py)
+(--density-l0: a random-init model given
 ~T positive gate pre-activations per token, calibrated on random prompts). Per batch of B prompts of --prompt-len
 random tokens: prefill, one eager step and one captured step, then --steps steps timed with CUDA events, each
 feeding the arg-max of the last logits (greedy decoding, its arg-max included); the median over --reps such runs, as
@@ -132,16 +133,20 @@ def table(rows: list[StepTiming]) -> list[str]:
         graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
         paths = ", ".join(f"{p} x{n}" for p, n in r.paths.items()) or "LlamaMLP"
         eager_vs = "-" if r.eager_vs_torch is None else f"{r.eager_vs_torch:.3f}x"
-        lines.append(f"| {r.batch} | {r.kernel} | {r.eager_ms:.3f} | {eager_vs} | {graph} | "
-                     f"{r.batch * 1000 / r.fastest_ms:.0f} | {ratios[0]} | {ratios[1]} | {paths} |")
+        lines.append(
+            f"| {r.batch} | {r.kernel} | {r.eager_ms:.3f} | {eager_vs} | {graph} | "
+            f"{r.batch * 1000 / r.fastest_ms:.0f} | {ratios[0]} | {ratios[1]} | {paths} |"
+        )
     return lines
 
 
 def l0_line(stats: list[LayerStats]) -> str:
     means = [s.l0_mean for s in stats]
-    return (f"Prompt L0 per layer (non-zeros of h per token): mean {statistics.mean(means):.1f} "
-            f"(layers {min(means):.1f}-{max(means):.1f}), p99 up to {max(s.l0_p99 for s in stats):.0f}, "
-            f"max {max(s.l0_max for s in stats):.0f}.")
+    return (
+        f"Prompt L0 per layer (non-zeros of h per token): mean {statistics.mean(means):.1f} "
+        f"(layers {min(means):.1f}-{max(means):.1f}), p99 up to {max(s.l0_p99 for s in stats):.0f}, "
+        f"max {max(s.l0_max for s in stats):.0f}."
+    )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -175,8 +180,10 @@ def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
     device = torch.device(args.device)
     model = load_model(device, checkpoint=args.checkpoint, size=args.size, vocab_size=args.vocab_size, seed=args.seed)
     if args.prompt_len + args.steps + SETUP_STEPS > model.config.max_position_embeddings:
-        raise SystemExit(f"--prompt-len + --steps + {SETUP_STEPS} exceeds the model's context of "
-                         f"{model.config.max_position_embeddings}")
+        raise SystemExit(
+            f"--prompt-len + --steps + {SETUP_STEPS} exceeds the model's context of "
+            f"{model.config.max_position_embeddings}"
+        )
     gen = torch.Generator().manual_seed(args.seed)
     prompts_BS = torch.randint(0, model.config.vocab_size, (max(args.batch_list), args.prompt_len), generator=gen)
     prompts_BS = prompts_BS.to(device)
@@ -189,26 +196,35 @@ def main(argv: Sequence[str] | None = None) -> list[StepTiming]:
         rows += bench(model, prompts_BS[:batch], args.kernel_list, observed, args)
         print("\n".join(table(rows[-len(args.kernel_list) :])[2:]), flush=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    report = "\n".join([
-        f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
-        "",
-        f"Hardware: {hardware_summary(device)}. Settings: `python scripts/bench_decode.py "
-        f"{' '.join(argv)}` (prompts of {args.prompt_len} random tokens, "
-        f"{args.steps} timed steps, median of {args.reps} runs, the kernels in turn).",
-        l0_line(observed),
-        "",
-        *table(rows),
-    ])
+    report = "\n".join(
+        [
+            f"### Decoding steps, {args.checkpoint or args.size} ({stamp})",
+            "",
+            f"Hardware: {hardware_summary(device)}. Settings: `python scripts/bench_decode.py "
+            f"{' '.join(argv)}` (prompts of {args.prompt_len} random tokens, "
+            f"{args.steps} timed steps, median of {args.reps} runs, the kernels in turn).",
+            l0_line(observed),
+            "",
+            *table(rows),
+        ]
+    )
     print("\n" + report, flush=True)
     results = [
         {**asdict(r), "tokens_per_s": r.batch * 1000 / r.fastest_ms, "vs_torch": vs_torch, "vs_stock": vs_stock}
         for r, (vs_torch, vs_stock) in zip(rows, dense_ratios(rows), strict=True)
     ]
     settings = {
-        "checkpoint": args.checkpoint, "size": args.size, "vocab_size": args.vocab_size, "density_l0": args.density_l0,
-        "batches": args.batch_list, "prompt_len": args.prompt_len, "steps": args.steps, "reps": args.reps,
-        "kernels": args.kernel_list, "seed": args.seed,
-    }  # fmt: skip
+        "checkpoint": args.checkpoint,
+        "size": args.size,
+        "vocab_size": args.vocab_size,
+        "density_l0": args.density_l0,
+        "batches": args.batch_list,
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "reps": args.reps,
+        "kernels": args.kernel_list,
+        "seed": args.seed,
+    }
     layers = [asdict(stats) for stats in observed]
     write_record(args.record_dir, make_record("bench_decode", settings, results, device, argv, prompt_l0=layers))
     return rows

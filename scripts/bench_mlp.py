@@ -35,12 +35,12 @@ from sparse_llm.bench import train_block
 from sparse_llm.bench.arguments import add_record_dir
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import energy_mj_per_call, graph_ms, relative_error, time_ms
-from sparse_llm.ffn.torch_backend import TorchFFN, dense_block
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN, density_of
+from sparse_llm.ffn.torch_backend import TorchFFN, dense_block
 from sparse_llm.ffn.twell.backend import TwellFFN
 from sparse_llm.ffn.twell.infer_launch import direct_up_down, twell_gate
-from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.formats import gated_mlp_ref
 from sparse_llm.telemetry.energy import EnergyMeter
 
@@ -79,14 +79,19 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
     with torch.inference_mode():
         result = run_twell()  # the call timed below: its error and path are reported
         row = {
-            "M": m, "K": k, "N": n, "target_nnz": nnz, "sigma": sigma,
+            "M": m,
+            "K": k,
+            "N": n,
+            "target_nnz": nnz,
+            "sigma": sigma,
             "nnz_mean": l0_mean,
             "nnz_p99": first.l0_M.float().quantile(0.99).item() if m > 1 else first.l0_M.float().max().item(),
             "nnz_max": first.l0_M.max().item(),
             "err_twell": relative_error(result.y_MK, ref),
             "err_dense": relative_error(run_dense(), ref),
-            "path": result.path, "overflow_rows": result.dense_rows(),
-        }  # fmt: skip
+            "path": result.path,
+            "overflow_rows": result.dense_rows(),
+        }
         del ref
         reps = 30 if m >= 1024 else 200
         row["dense_ms"] = time_ms(run_dense, reps=reps)
@@ -102,9 +107,10 @@ def bench_case(m, k, n, nnz, sigma, meter, energy_s, seed=0) -> dict:
             more = [synthetic_block(m, k, n, nnz, sigma, seed=seed + i) for i in range(1, GRAPH_LAYERS)]
             layers = [(x, wg, wu, wd), *more]
             row["dense_graph_ms"] = graph_ms(lambda: [dense_block_infer(*block) for block in layers]) / GRAPH_LAYERS
-            row["twell_graph_ms"] = graph_ms(
-                lambda: [twell_gated_mlp(*block, l0_hint=l0, statistics=False, tail=tail) for block in layers]
-            ) / GRAPH_LAYERS
+            row["twell_graph_ms"] = (
+                graph_ms(lambda: [twell_gated_mlp(*block, l0_hint=l0, statistics=False, tail=tail) for block in layers])
+                / GRAPH_LAYERS
+            )
     predicted = TwellFFN().estimated_ms(m, k, n, row["nnz_mean"], row["nnz_max"], False, tail=tail)
     row["twell_predicted_ms"] = predicted
     row["auto"] = "twell" if predicted < SWITCH_MARGIN * dense.estimated_ms(m, k, n, 0, 0, False) else "torch"
@@ -123,11 +129,14 @@ def calibrate(k: int, n: int) -> list[dict]:
     with torch.inference_mode():
         for m in (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384):
             x, wg, _, _ = synthetic_block(m, k, n, 56)
-            rows.append({
-                "what": "gate", "M": m,
-                "torch_matmul_ms": time_ms(lambda: torch.nn.functional.linear(x, wg)),
-                "fused_ms": time_ms(lambda: twell_gate(x, wg)),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "what": "gate",
+                    "M": m,
+                    "torch_matmul_ms": time_ms(lambda: torch.nn.functional.linear(x, wg)),
+                    "fused_ms": time_ms(lambda: twell_gate(x, wg)),
+                }
+            )
         for m in (1, 64, 16384):
             for nnz in (0.001, 28, 56, 112, 280):  # ~0: the fixed cost per call
                 x, wg, wu, wd = synthetic_block(m, k, n, nnz)
@@ -158,14 +167,14 @@ def run_training_block(args: argparse.Namespace, train_options: list[str]) -> No
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--mode", choices=["infer", "train"], default="infer",
+        "--mode",
+        choices=["infer", "train"],
+        default="infer",
         help="train: forward + backward with the L1 term, as scripts/bench_train_mlp.py (at --m, --k, --n, with its "
         "own options: --cases, --reps, --out)",
-    )  # fmt: skip
+    )
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--n", type=int, default=5632)
@@ -186,8 +195,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda")
     meter = EnergyMeter(device)
-    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"energy: {'NVML' if meter.available else meter.unavailable_reason}", flush=True)  # fmt: skip
+    print(
+        f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        f"energy: {'NVML' if meter.available else meter.unavailable_reason}",
+        flush=True,
+    )
     results: dict[str, list] = {"cases": [], "calibration": []}
     if args.calibrate:
         results["calibration"] = calibrate(args.k, args.n)
@@ -195,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
 
     cases = [
-        (args.m, nnz, s) for s in map(float, args.sigmas.split(",")) for nnz in map(int, filter(None, args.nnz.split(",")))
+        (args.m, nnz, s)
+        for s in map(float, args.sigmas.split(","))
+        for nnz in map(int, filter(None, args.nnz.split(",")))
     ]
     cases += [
         (m, nnz, 0.0)
@@ -207,17 +221,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         results["cases"].append(row)
         print(json.dumps(row), flush=True)
     settings = {
-        "m": args.m, "k": args.k, "n": args.n, "nnz": args.nnz, "sigmas": args.sigmas, "decode_m": args.decode_m,
-        "decode_nnz": args.decode_nnz, "energy_seconds": args.energy_seconds, "calibrate": args.calibrate,
-    }  # fmt: skip
+        "m": args.m,
+        "k": args.k,
+        "n": args.n,
+        "nnz": args.nnz,
+        "sigmas": args.sigmas,
+        "decode_m": args.decode_m,
+        "decode_nnz": args.decode_nnz,
+        "energy_seconds": args.energy_seconds,
+        "calibrate": args.calibrate,
+    }
     record = make_record("bench_mlp", settings, results["cases"], device, argv, calibration=results["calibration"])
     write_record(args.record_dir, record)
 
-    print("\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | "
-          "twell ms | speedup (vs compiled) | "
-          "back to back ms dense / twell (speedup) | err twell (dense) | "
-          "energy mJ dense / twell | path (overflow rows) | auto | auto speedup | "
-          "graph ms dense / twell (speedup) |")  # fmt: skip
+    print(
+        "\n| M | sigma | nnz mean / p99 / max | dense ms | dense+stats ms | dense compiled ms | "
+        "twell ms | speedup (vs compiled) | "
+        "back to back ms dense / twell (speedup) | err twell (dense) | "
+        "energy mJ dense / twell | path (overflow rows) | auto | auto speedup | "
+        "graph ms dense / twell (speedup) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["cases"]:
         print(
@@ -226,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['twell_ms']:.3f} | {r['speedup']:.2f}x "
             f"({r['speedup_compiled']:.2f}x) | "
             f"{r['dense_b2b_ms']:.3f} / {r['twell_b2b_ms']:.3f} ({r['speedup_b2b']:.2f}x) | "
-            f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | {fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
+            f"{r['err_twell']:.1e} ({r['err_dense']:.1e}) | "
+            f"{fmt(r['dense_mJ'], '.0f')} / {fmt(r['twell_mJ'], '.0f')} | "
             f"{r['path']} ({r['overflow_rows']}) | {r['auto']} | {r['auto_speedup']:.2f}x | {graph_cell(r)} |"
         )
 

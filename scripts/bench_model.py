@@ -110,10 +110,29 @@ KERNELS = (STOCK, "torch", "auto", "twell")  # both modes
 GRAPHS_NOTE = "compiled parts replayed as CUDA graphs, peak memory = peak reserve (graph pools included); "
 # The options that define a measurement, recorded with its results (output paths are left out).
 SETTINGS = (
-    "checkpoint", "size", "vocab_size", "density_l0", "tokens", "modes", "kernels", "batch", "train_batch",
-    "max_train_batch", "accumulate", "seq_len", "l1", "lr", "train_kernels", "grad_ckpt", "compile", "cuda_graphs",
-    "warmup", "reps", "energy_seconds", "seed",
-)  # fmt: skip
+    "checkpoint",
+    "size",
+    "vocab_size",
+    "density_l0",
+    "tokens",
+    "modes",
+    "kernels",
+    "batch",
+    "train_batch",
+    "max_train_batch",
+    "accumulate",
+    "seq_len",
+    "l1",
+    "lr",
+    "train_kernels",
+    "grad_ckpt",
+    "compile",
+    "cuda_graphs",
+    "warmup",
+    "reps",
+    "energy_seconds",
+    "seed",
+)
 
 
 def report_header(
@@ -144,7 +163,8 @@ def report_header(
         f"Settings: `{command}`; inputs: {inputs}; "
         f"forward: micro-batch {args.batch} x {args.seq_len} tokens, {forward_dtype}, core model (no lm_head), "
         "L0 statistics from one extra pass (timed calls skip them, as generation does); "
-        f"train: micro-batch {args.train_batch} x {args.seq_len} ({accumulation}), {train_precision}, l1 {args.l1}, AdamW (lr {args.lr}), "
+        f"train: micro-batch {args.train_batch} x {args.seq_len} ({accumulation}), {train_precision}, l1 {args.l1}, "
+        f"AdamW (lr {args.lr}), "
         f"grad clip 1{', gradient checkpointing' if args.grad_ckpt else ''}; "
         f"{'decoder layers torch.compiled (every variant); ' if args.compile else ''}"
         f"{GRAPHS_NOTE if args.cuda_graphs else ''}"

@@ -53,10 +53,29 @@ MIN_DEDUP_PARAGRAPH_CHARS = 200  # shorter paragraphs ("Example:", "See also") l
 MIN_LETTER_SHARE = 0.6  # of non-space characters that are ASCII letters
 MIN_FUNCTION_WORD_SHARE = 0.06  # of words that are common English function words
 ENGLISH_SAMPLE_CHARS = 20_000
-FUNCTION_WORDS = frozenset({
-    "the", "of", "and", "to", "a", "in", "is", "that", "for", "it", "be", "are", "with", "as", "this", "by", "or",
-    "not", "on",
-})  # fmt: skip
+FUNCTION_WORDS = frozenset(
+    {
+        "the",
+        "of",
+        "and",
+        "to",
+        "a",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "be",
+        "are",
+        "with",
+        "as",
+        "this",
+        "by",
+        "or",
+        "not",
+        "on",
+    }
+)
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 MIN_MAN_SOURCE_CHARS = 300  # smaller man sources are stubs with no body worth keeping
 TOOL_TIMEOUT_S = 120
@@ -123,11 +142,29 @@ SKIPPED_TAGS = frozenset(
 )
 SKIPPED_CLASSES = frozenset(
     {
-        "sphinxsidebar", "related", "footer", "navheader", "navfooter", "headerlink", "toc", "toctree-wrapper",
-        "breadcrumbs", "navigation", "docnav", "mobile-nav", "menu", "header", "document-nav", "nav",
-        "docs-toc", "contents", "topic", "footnote-back", "highlight-pycon3",
+        "sphinxsidebar",
+        "related",
+        "footer",
+        "navheader",
+        "navfooter",
+        "headerlink",
+        "toc",
+        "toctree-wrapper",
+        "breadcrumbs",
+        "navigation",
+        "docnav",
+        "mobile-nav",
+        "menu",
+        "header",
+        "document-nav",
+        "nav",
+        "docs-toc",
+        "contents",
+        "topic",
+        "footnote-back",
+        "highlight-pycon3",
     }
-)  # fmt: skip
+)
 SKIPPED_IDS = frozenset(
     {"sidebar", "footer", "header", "toc", "nav", "docs-content-nav", "billboard", "search", "banner"}
 )
@@ -238,10 +275,16 @@ def html_to_text(html: str) -> str:
 # ------------------------------------------------------------------------------------- man, pod, rst
 
 GROFF_COMMAND = [
-    "groff", "-t", "-e", "-Tutf8", "-man",  # tables and equations preprocessed, UTF-8 text
+    "groff",
+    "-t",
+    "-e",
+    "-Tutf8",
+    "-man",  # tables and equations preprocessed, UTF-8 text
     "-P-cbou",  # plain characters: no overstriking for bold or underline, no terminal escapes
-    "-rLL=78n", "-rcR=1", "-rHY=0",  # 78 columns, one continuous page, no hyphenation
-]  # fmt: skip
+    "-rLL=78n",
+    "-rcR=1",
+    "-rHY=0",  # 78 columns, one continuous page, no hyphenation
+]
 
 
 def strip_page_header_and_footer(lines: list[str]) -> list[str]:
@@ -370,14 +413,73 @@ def info_docs(root: Path, package: str, folder: str) -> list[str]:
 
 
 BIBLE_BOOKS = (
-    "Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy", "Joshua", "Judges", "Ruth", "1 Samuel", "2 Samuel",
-    "1 Kings", "2 Kings", "1 Chronicles", "2 Chronicles", "Ezra", "Nehemiah", "Esther", "Job", "Psalms", "Proverbs",
-    "Ecclesiastes", "Song of Solomon", "Isaiah", "Jeremiah", "Lamentations", "Ezekiel", "Daniel", "Hosea", "Joel",
-    "Amos", "Obadiah", "Jonah", "Micah", "Nahum", "Habakkuk", "Zephaniah", "Haggai", "Zechariah", "Malachi",
-    "Matthew", "Mark", "Luke", "John", "Acts", "Romans", "1 Corinthians", "2 Corinthians", "Galatians", "Ephesians",
-    "Philippians", "Colossians", "1 Thessalonians", "2 Thessalonians", "1 Timothy", "2 Timothy", "Titus",
-    "Philemon", "Hebrews", "James", "1 Peter", "2 Peter", "1 John", "2 John", "3 John", "Jude", "Revelation",
-)  # fmt: skip
+    "Genesis",
+    "Exodus",
+    "Leviticus",
+    "Numbers",
+    "Deuteronomy",
+    "Joshua",
+    "Judges",
+    "Ruth",
+    "1 Samuel",
+    "2 Samuel",
+    "1 Kings",
+    "2 Kings",
+    "1 Chronicles",
+    "2 Chronicles",
+    "Ezra",
+    "Nehemiah",
+    "Esther",
+    "Job",
+    "Psalms",
+    "Proverbs",
+    "Ecclesiastes",
+    "Song of Solomon",
+    "Isaiah",
+    "Jeremiah",
+    "Lamentations",
+    "Ezekiel",
+    "Daniel",
+    "Hosea",
+    "Joel",
+    "Amos",
+    "Obadiah",
+    "Jonah",
+    "Micah",
+    "Nahum",
+    "Habakkuk",
+    "Zephaniah",
+    "Haggai",
+    "Zechariah",
+    "Malachi",
+    "Matthew",
+    "Mark",
+    "Luke",
+    "John",
+    "Acts",
+    "Romans",
+    "1 Corinthians",
+    "2 Corinthians",
+    "Galatians",
+    "Ephesians",
+    "Philippians",
+    "Colossians",
+    "1 Thessalonians",
+    "2 Thessalonians",
+    "1 Timothy",
+    "2 Timothy",
+    "Titus",
+    "Philemon",
+    "Hebrews",
+    "James",
+    "1 Peter",
+    "2 Peter",
+    "1 John",
+    "2 John",
+    "3 John",
+    "Jude",
+    "Revelation",
+)
 BIBLE_VERSE = re.compile(r"^(?P<book>\d?[A-Za-z]+)(?P<chapter>\d+):(?P<verse>\d+) (?P<text>.*)$")
 BIBLE_DOC_CHARS = 4000
 
@@ -401,8 +503,15 @@ def bible_chapters(listing: str) -> list[str]:
 
 def bible_docs(root: Path) -> list[str]:
     """The King James Bible, consecutive chapters merged into documents of a few KB."""
-    command = [str(root / "bible-kjv/usr/bin/bible"), "-p", str(root / "bible-kjv-text/usr/lib"), "-f",
-               "-l", "100000", "Gen1:1-Rev22:21"]  # fmt: skip
+    command = [
+        str(root / "bible-kjv/usr/bin/bible"),
+        "-p",
+        str(root / "bible-kjv-text/usr/lib"),
+        "-f",
+        "-l",
+        "100000",
+        "Gen1:1-Rev22:21",
+    ]
     listing = subprocess.run(command, capture_output=True, check=True, timeout=TOOL_TIMEOUT_S).stdout
     return join_until_over(bible_chapters(listing.decode("utf-8", errors="replace")), BIBLE_DOC_CHARS)
 
@@ -453,8 +562,14 @@ KERNEL_EXCLUDE = r"/(translations|devicetree|netlink|ABI)/"
 SPHINX_EXCLUDE = r"/(genindex.*|search|py-modindex|_static|_sources)[./]"
 GNUCASH_DOCS = "usr/share/doc/gnucash-docs"
 FILE_SOURCES = (
-    FileSource("python-docs", "html", "python3.11-doc", "usr/share/doc/python3.11/html", "**/*.html",
-               r"/(genindex.*|search|py-modindex|_static|_sources|bugs|copyright|license|download)[./]"),
+    FileSource(
+        "python-docs",
+        "html",
+        "python3.11-doc",
+        "usr/share/doc/python3.11/html",
+        "**/*.html",
+        r"/(genindex.*|search|py-modindex|_static|_sources|bugs|copyright|license|download)[./]",
+    ),
     FileSource("linux-kernel-docs", "rst", "linux-doc-6.1", KERNEL_DOCS, "**/*.rst.gz", KERNEL_EXCLUDE),
     FileSource("linux-kernel-docs", "plain", "linux-doc-6.1", KERNEL_DOCS, "**/*.txt.gz", KERNEL_EXCLUDE),
     FileSource("man-pages", "man", "manpages", "usr/share/man", "man*/*.gz"),
@@ -464,44 +579,88 @@ FILE_SOURCES = (
     FileSource("perl-docs", "man", "perl-doc", "usr/share/man", "man3/*.gz"),
     FileSource("perl-docs", "pod", "perl-doc", "usr/share/perl", "**/*.pod", r"/perl\d+delta\.pod$"),
     FileSource("debian-docs", "html", "debian-reference-en", "usr/share/debian-reference", "*.en.html"),
-    FileSource("debian-docs", "html", "debian-handbook", "usr/share/doc/debian-handbook/html/en-US", "*.html",
-               r"/(index|ix\d*)\.html$"),
-    FileSource("debian-docs", "html", "debian-policy", "usr/share/doc/debian-policy", "**/*.html",
-               r"/(genindex|search|index)\.html$|policy\.html$|upgrading-checklist"),
+    FileSource(
+        "debian-docs",
+        "html",
+        "debian-handbook",
+        "usr/share/doc/debian-handbook/html/en-US",
+        "*.html",
+        r"/(index|ix\d*)\.html$",
+    ),
+    FileSource(
+        "debian-docs",
+        "html",
+        "debian-policy",
+        "usr/share/doc/debian-policy",
+        "**/*.html",
+        r"/(genindex|search|index)\.html$|policy\.html$|upgrading-checklist",
+    ),
     FileSource("debian-docs", "html", "debian-faq", "usr/share/doc/debian/FAQ", "*.en.html"),
     FileSource("debian-docs", "html", "maint-guide", "usr/share/doc/maint-guide/html", "*.en.html"),
-    FileSource("debian-docs", "html", "developers-reference", "usr/share/developers-reference", "*.html",
-               r"/(genindex|search|index|developers-reference)\.html$"),
-    FileSource("postgresql-docs", "html", "postgresql-doc-15", "usr/share/doc/postgresql-doc-15/html", "*.html",
-               r"/(bookindex|index|release-\d.*)\.html$"),
-    FileSource("django-docs", "html", "python-django-doc", "usr/share/doc/python-django-doc/html", "**/*.html",
-               SPHINX_EXCLUDE + r"|/releases/\d"),
+    FileSource(
+        "debian-docs",
+        "html",
+        "developers-reference",
+        "usr/share/developers-reference",
+        "*.html",
+        r"/(genindex|search|index|developers-reference)\.html$",
+    ),
+    FileSource(
+        "postgresql-docs",
+        "html",
+        "postgresql-doc-15",
+        "usr/share/doc/postgresql-doc-15/html",
+        "*.html",
+        r"/(bookindex|index|release-\d.*)\.html$",
+    ),
+    FileSource(
+        "django-docs",
+        "html",
+        "python-django-doc",
+        "usr/share/doc/python-django-doc/html",
+        "**/*.html",
+        SPHINX_EXCLUDE + r"|/releases/\d",
+    ),
     # everyday.html is a stub that points at giteveryday.html.
     FileSource("git-docs", "html", "git-doc", "usr/share/doc/git-doc", "**/*.html", r"/everyday\.html$"),
-    FileSource("sqlite-docs", "html", "sqlite3-doc", "usr/share/doc/sqlite3", "**/*.html",
-               r"/(releaselog|c3ref|syntax|session)/"
-               r"|/(changes|chronology|doclist|keyword_index|sitemap|toc|capi3ref|fileformat)\.html$"),
+    FileSource(
+        "sqlite-docs",
+        "html",
+        "sqlite3-doc",
+        "usr/share/doc/sqlite3",
+        "**/*.html",
+        r"/(releaselog|c3ref|syntax|session)/"
+        r"|/(changes|chronology|doclist|keyword_index|sitemap|toc|capi3ref|fileformat)\.html$",
+    ),
     FileSource("gimp-help", "html", "gimp-help-en", "usr/share/gimp/2.0/help/en", "**/*.html"),
-    FileSource("gnucash-docs", "html", "gnucash-docs", f"{GNUCASH_DOCS}/gnucash-guide-en", "*.html",
-               r"/index\.html$"),
-    FileSource("gnucash-docs", "html", "gnucash-docs", f"{GNUCASH_DOCS}/gnucash-help-en", "*.html",
-               r"/index\.html$"),
+    FileSource("gnucash-docs", "html", "gnucash-docs", f"{GNUCASH_DOCS}/gnucash-guide-en", "*.html", r"/index\.html$"),
+    FileSource("gnucash-docs", "html", "gnucash-docs", f"{GNUCASH_DOCS}/gnucash-help-en", "*.html", r"/index\.html$"),
     FileSource("nethack-spoilers", "plain", "nethack-spoilers", "usr/share/doc/nethack-spoilers", "**/*.txt*"),
     FileSource("nethack-spoilers", "html", "nethack-spoilers", "usr/share/doc/nethack-spoilers", "**/*.html"),
-)  # fmt: skip
+)
 WHOLE_SOURCES = (
-    WholeSource("gnu-info-manuals", ("gnu-standards",),
-                functools.partial(info_docs, package="gnu-standards", folder="usr/share/info")),
-    WholeSource("gnu-info-manuals", ("autoconf-doc",),
-                functools.partial(info_docs, package="autoconf-doc", folder="usr/share/info")),
-    WholeSource("gnu-info-manuals", ("bash-doc",),
-                functools.partial(info_docs, package="bash-doc", folder="usr/share/info")),
-    WholeSource("gnu-info-manuals", ("emacs-common",),
-                functools.partial(info_docs, package="emacs-common", folder="usr/share/info/emacs")),
+    WholeSource(
+        "gnu-info-manuals",
+        ("gnu-standards",),
+        functools.partial(info_docs, package="gnu-standards", folder="usr/share/info"),
+    ),
+    WholeSource(
+        "gnu-info-manuals",
+        ("autoconf-doc",),
+        functools.partial(info_docs, package="autoconf-doc", folder="usr/share/info"),
+    ),
+    WholeSource(
+        "gnu-info-manuals", ("bash-doc",), functools.partial(info_docs, package="bash-doc", folder="usr/share/info")
+    ),
+    WholeSource(
+        "gnu-info-manuals",
+        ("emacs-common",),
+        functools.partial(info_docs, package="emacs-common", folder="usr/share/info/emacs"),
+    ),
     WholeSource("bible-kjv", ("bible-kjv", "bible-kjv-text"), bible_docs),
     WholeSource("fortunes", ("fortunes",), fortune_docs),
     WholeSource("jargon-file", ("jargon-text",), jargon_docs),
-)  # fmt: skip
+)
 PACKAGES = frozenset(
     {source.package for source in FILE_SOURCES} | {package for source in WHOLE_SOURCES for package in source.packages}
 )

@@ -34,8 +34,21 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<pad>"]
 MIN_DOCUMENT_CHARS = 400  # shorter module/class documents are mostly one-line stubs; skip them
 # Modules with side effects on import (printing, opening a browser or a GUI) or that are test suites.
 SKIPPED_MODULES = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
-    "ensurepip", "pydoc_data", "__hello__", "__phello__", "xxsubtype", "xxlimited", "xxlimited_35",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "test",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "__hello__",
+    "__phello__",
+    "xxsubtype",
+    "xxlimited",
+    "xxlimited_35",
 }
 
 
@@ -45,8 +58,11 @@ def _clean(doc: str | None) -> str:
 
 def _import_quietly(name: str) -> ModuleType | None:
     """Import a stdlib module, hiding its warnings and output; None if it is unavailable here."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         warnings.simplefilter("ignore")
         try:
             return importlib.import_module(name)

@@ -48,8 +48,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         quality = quality_rows(args.runs, args.eval)
     print(text)
     rows = summaries(args.runs)
-    settings = {"title": args.title, "note": args.note, "runs": [str(run) for run in args.runs],
-                "eval": str(args.eval) if args.eval else None}  # fmt: skip
+    settings = {
+        "title": args.title,
+        "note": args.note,
+        "runs": [str(run) for run in args.runs],
+        "eval": str(args.eval) if args.eval else None,
+    }
     # The runs' GPUs are in their own metrics and the note: this process only reads files.
     write_record(args.record_dir, make_record("compare_runs", settings, rows, "cpu", argv, quality=quality))
 

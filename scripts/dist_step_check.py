@@ -26,13 +26,22 @@ from sparse_llm.training.config import TrainConfig
 from sparse_llm.training.trainer import make_accelerator, make_optimizer, plain_tensor
 
 
-def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids_BS: torch.Tensor, acc: Accelerator,
-         distributed: bool, max_norm: float) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ids_BS: torch.Tensor,
+    acc: Accelerator,
+    distributed: bool,
+    max_norm: float,
+) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One update of `model` on `ids_BS`; returns the loss and each parameter's full gradient and update."""
     module = acc.unwrap_model(model) if distributed else model
     before = {n: plain_tensor(p.detach()).clone() for n, p in module.named_parameters()}
-    autocast = acc.autocast() if distributed else torch.autocast(
-        acc.device.type, dtype=torch.bfloat16, enabled=acc.mixed_precision == "bf16")
+    autocast = (
+        acc.autocast()
+        if distributed
+        else torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=acc.mixed_precision == "bf16")
+    )
     with autocast:
         loss = model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
     if distributed:
@@ -68,23 +77,31 @@ def main() -> None:
     with torch.device(acc.device):
         model = build_model(size_config(args.size, None), kernel=args.kernel)
     reference = copy.deepcopy(model)
-    ids_BS = torch.randint(model.config.vocab_size, (args.batch * acc.num_processes, args.seq),
-                           generator=torch.Generator().manual_seed(args.seed + 1)).to(acc.device)
-    mine_BS = ids_BS[acc.process_index * args.batch:(acc.process_index + 1) * args.batch]
+    ids_BS = torch.randint(
+        model.config.vocab_size,
+        (args.batch * acc.num_processes, args.seq),
+        generator=torch.Generator().manual_seed(args.seed + 1),
+    ).to(acc.device)
+    mine_BS = ids_BS[acc.process_index * args.batch : (acc.process_index + 1) * args.batch]
 
     prepared, optimizer = acc.prepare(model, make_optimizer(model, cfg, acc.device))
     loss, grads, updates = step(prepared, optimizer, mine_BS, acc, True, cfg.trainer.grad_clip)
-    ref_loss, ref_grads, ref_updates = step(reference, make_optimizer(reference, cfg, acc.device), ids_BS, acc,
-                                            False, cfg.trainer.grad_clip)
+    ref_loss, ref_grads, ref_updates = step(
+        reference, make_optimizer(reference, cfg, acc.device), ids_BS, acc, False, cfg.trainer.grad_clip
+    )
     if not acc.is_main_process:
         return
-    rows = sorted(((relative_error(grads[n], ref_grads[n]), relative_error(updates[n], ref_updates[n]), n)
-                   for n in ref_grads), reverse=True)
-    print(f"{acc.distributed_type.value} x {acc.num_processes}, mixed precision {acc.mixed_precision}, "
-          f"{args.size}, {args.batch} x {args.seq} tokens a rank, kernel {args.kernel}")
+    rows = sorted(
+        ((relative_error(grads[n], ref_grads[n]), relative_error(updates[n], ref_updates[n]), n) for n in ref_grads),
+        reverse=True,
+    )
+    print(
+        f"{acc.distributed_type.value} x {acc.num_processes}, mixed precision {acc.mixed_precision}, "
+        f"{args.size}, {args.batch} x {args.seq} tokens a rank, kernel {args.kernel}"
+    )
     print(f"loss {loss:.6f}, one process {ref_loss:.6f}")
     print("| parameter | gradient rel. error | update rel. error |\n|---|---|---|")
-    for grad_err, update_err, name in rows[:args.top]:
+    for grad_err, update_err, name in rows[: args.top]:
         print(f"| {name} | {grad_err:.2e} | {update_err:.2e} |")
     worst = max(max(g, u) for g, u, _ in rows)
     print(f"worst over {len(rows)} parameters: {worst:.2e}")

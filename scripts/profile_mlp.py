@@ -32,9 +32,9 @@ from sparse_llm.bench.arguments import add_record_dir
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.timing import wall_ms
 from sparse_llm.ffn.torch_backend import dense_block
-from sparse_llm.ffn.twell.synthetic import synthetic_block
-from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_backward_op, twell_train_ffn, twell_train_forward_op
 
 L1_COEFF = 2e-5
@@ -175,8 +175,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sigma", type=float, default=0.0, help="log-normal token scale (heavy tails if > 0)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--host", action="store_true", help="also the host's time per call, by Python function")
-    parser.add_argument("--dense-rows", type=str, default="0",
-                        help="comma-separated: training's heavy tokens through dense GEMM rows, this many (a case each)")
+    parser.add_argument(
+        "--dense-rows",
+        type=str,
+        default="0",
+        help="comma-separated: training's heavy tokens through dense GEMM rows, this many (a case each)",
+    )
     add_record_dir(parser)
     args = parser.parse_args(argv)
     modes = ("infer", "train") if args.mode == "both" else (args.mode,)
@@ -203,18 +207,29 @@ def main(argv: Sequence[str] | None = None) -> None:
             with torch.no_grad() if title.startswith("infer") else contextlib.nullcontext():
                 kernels, wall = kernel_table(step, args.iters), wall_ms(step, args.iters)
                 print_table(f"{title}, nnz {nnz:g}", kernels, wall)
-                results.append({
-                    "case": title, "nnz": nnz, "kernel_ms": sum(ms for _, _, ms in kernels), "wall_ms": wall,
-                    "kernels": [{"name": name, "calls": calls, "ms": ms} for name, calls, ms in kernels],
-                })  # fmt: skip
+                results.append(
+                    {
+                        "case": title,
+                        "nnz": nnz,
+                        "kernel_ms": sum(ms for _, _, ms in kernels),
+                        "wall_ms": wall,
+                        "kernels": [{"name": name, "calls": calls, "ms": ms} for name, calls, ms in kernels],
+                    }
+                )
                 if args.host:
                     print_host_profile(f"{title}, nnz {nnz:g}", forward, backward)
                     if title.startswith("train twell"):
                         print_op_issue(x, wg, wu, wd, dy)
     settings = {
-        "mode": args.mode, "m": args.m, "k": args.k, "n": args.n, "nnz": args.nnz, "sigma": args.sigma,
-        "iters": args.iters, "dense_rows": args.dense_rows,
-    }  # fmt: skip
+        "mode": args.mode,
+        "m": args.m,
+        "k": args.k,
+        "n": args.n,
+        "nnz": args.nnz,
+        "sigma": args.sigma,
+        "iters": args.iters,
+        "dense_rows": args.dense_rows,
+    }
     write_record(args.record_dir, make_record("profile_mlp", settings, results, "cuda", argv))
 
 

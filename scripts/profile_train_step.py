@@ -4,7 +4,8 @@
     python scripts/profile_train_step.py --checkpoint outputs/<run>/final --tokens data/embedded --accumulate 8
     python scripts/profile_train_step.py --size tiny --seq-len 64 --train-batch 2 --accumulate 2   # CPU smoke run
 
-A step is bench_model.py's training step (`sparse_llm.bench.train_step.TrainStep`: fp32 master weights, bf16 autocast on a GPU, the L1 term,
+A step is bench_model.py's training step (`sparse_llm.bench.train_step.TrainStep`: fp32 master weights, bf16 autocast
+on a GPU, the L1 term,
 backward, gradient clipping, AdamW), run --steps times after --warmup, back to back as the trainer issues them.
 Per FFN path (--kernels, each layer forced onto it) and per micro-batch, medians over the timed steps:
 - host forward / backward ms: the host's wall-clock time to issue that phase. It includes any wait: a full launch
@@ -48,9 +49,23 @@ from sparse_llm.training.trainer import FrozenHeap
 KERNELS = ("torch", "twell")
 # The options that define a measurement, recorded with its results.
 SETTINGS = (
-    "checkpoint", "size", "vocab_size", "tokens", "density_l0", "train_batch", "seq_len", "accumulate", "kernels",
-    "compile", "cuda_graphs", "no_step_scope", "warmup", "steps", "l1", "seed",
-)  # fmt: skip
+    "checkpoint",
+    "size",
+    "vocab_size",
+    "tokens",
+    "density_l0",
+    "train_batch",
+    "seq_len",
+    "accumulate",
+    "kernels",
+    "compile",
+    "cuda_graphs",
+    "no_step_scope",
+    "warmup",
+    "steps",
+    "l1",
+    "seed",
+)
 
 
 @dataclass
@@ -104,7 +119,13 @@ def profile_kernel(
     try:
         with FrozenHeap() as heap:
             step = TrainStep(
-                model, ids, args.l1, 0.0, after=heap.freeze, cuda_graphs=args.cuda_graphs, accumulate=args.accumulate,
+                model,
+                ids,
+                args.l1,
+                0.0,
+                after=heap.freeze,
+                cuda_graphs=args.cuda_graphs,
+                accumulate=args.accumulate,
                 step_scope=not args.no_step_scope,
             )
             warmup_s = []  # each warm-up step's seconds: compiling, and recording CUDA graphs
@@ -146,13 +167,22 @@ def profile_kernel(
             "device_ms": median([p.device_ms() for p in phases]),
         }
         rows.append(row)
-        lines.append(f"| {name} | {shown(row['host_ms'])} | {shown(row['count_wait_ms'])} | {shown(row['device_ms'])} |")
+        lines.append(
+            f"| {name} | {shown(row['host_ms'])} | {shown(row['count_wait_ms'])} | {shown(row['device_ms'])} |"
+        )
     steps = [span.device_ms() if cuda else span.host_ms for _, span in runs]
-    rows.append({
-        "kernel": kernel, "phase": "whole step", "host_ms": median([span.host_ms for _, span in runs]),
-        "device_ms": median([span.device_ms() for _, span in runs]), "peak_gib": peak.gib,
-        "reserved_gib": peak.reserved_gib, "step_ms": steps, "warmup_s": warmup_s,
-    })  # fmt: skip
+    rows.append(
+        {
+            "kernel": kernel,
+            "phase": "whole step",
+            "host_ms": median([span.host_ms for _, span in runs]),
+            "device_ms": median([span.device_ms() for _, span in runs]),
+            "peak_gib": peak.gib,
+            "reserved_gib": peak.reserved_gib,
+            "step_ms": steps,
+            "warmup_s": warmup_s,
+        }
+    )
     clock = "CUDA events" if cuda else "host"
     lines.append(f"\n{kernel}: step ms ({clock}), each timed step: {', '.join(f'{ms:.1f}' for ms in steps)}")
     work = " (compiling the layers, recording their CUDA graphs)" if args.cuda_graphs else ""
@@ -161,8 +191,10 @@ def profile_kernel(
     took = ", ".join(f"{seconds:.1f}" for seconds in warmup_s)
     lines.append(f"{kernel}: the warm-up steps took {took} s{work}" if warmup_s else f"{kernel}: no warm-up steps")
     if peak.gib is not None:
-        lines.append(f"{kernel}: peak memory over the timed steps {peak.gib:.1f} GiB in tensors, "
-                     f"{peak.reserved_gib:.1f} GiB reserved (the reserve also holds CUDA graphs' pools)")  # fmt: skip
+        lines.append(
+            f"{kernel}: peak memory over the timed steps {peak.gib:.1f} GiB in tensors, "
+            f"{peak.reserved_gib:.1f} GiB reserved (the reserve also holds CUDA graphs' pools)"
+        )
     return lines, rows
 
 
@@ -229,10 +261,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     what = args.checkpoint or f"random-init {args.size}"
     if args.density_l0 is not None:
         what += f" made sparse at {args.density_l0} non-zeros per token"
-    print(f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
-          f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}"
-          f"{'no step scope, ' if args.no_step_scope else ''}{device}",
-          flush=True)  # fmt: skip
+    print(
+        f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
+        f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}"
+        f"{'no step scope, ' if args.no_step_scope else ''}{device}",
+        flush=True,
+    )
     results: list[dict[str, object]] = []
     for kernel in args.kernels:
         reason = kernel_unavailable_reason(kernel, model, device)

@@ -64,12 +64,27 @@ def main() -> None:
             for residual in (None, torch.randn_like(x)):  # the slices walk (16-column slices at these widths)
                 direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=residual, walk="slices")
             for dense_rows, walk in ((16, "rows"), (m, "slices")):  # heavy tokens through the dense rows, then warps
-                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x), walk=walk,
-                               dense_rows=dense_rows)  # fmt: skip
+                direct_up_down(
+                    x,
+                    F.linear(x, wg),
+                    wu,
+                    wd.t().contiguous(),
+                    residual_MK=torch.randn_like(x),
+                    walk=walk,
+                    dense_rows=dense_rows,
+                )
             for parts in (1, 2) if n >= 512 else (1,):  # the next norm beside the rows: light, dense-row, split tokens
                 norm = OutputNorm(torch.randn(k, device="cuda").bfloat16(), 1e-5, torch.empty_like(x))
-                direct_up_down(x, F.linear(x, wg), wu, wd.t().contiguous(), residual_MK=torch.randn_like(x),
-                               parts=parts, dense_rows=16 if parts == 1 else 0, norm=norm)  # fmt: skip
+                direct_up_down(
+                    x,
+                    F.linear(x, wg),
+                    wu,
+                    wd.t().contiguous(),
+                    residual_MK=torch.randn_like(x),
+                    parts=parts,
+                    dense_rows=16 if parts == 1 else 0,
+                    norm=norm,
+                )
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         for width, dense_rows in ((4, 0), (4, 8), (128, 0)):  # 8: some heavy tokens through dense rows, some split
             result = twell_train_ffn(*leaves, width=width, dense_rows=dense_rows)

@@ -28,11 +28,14 @@ from sparse_llm.formats import gated_mlp_ref
 CHECK_K = 2048  # hidden size of the typical layer the doctor checks (the 2B model's)
 CHECK_N = 5632  # and its FFN width
 WIDE_N = 11264  # an FFN too wide for 16-column slices of the slices walk (inference takes 8)
-KERNELS = tuple(dict.fromkeys(  # (source file, kernel name): every kernel a model of that width may run
-    kernel_set.inference_kernels(CHECK_K, CHECK_N)
-    + kernel_set.inference_kernels(CHECK_K, WIDE_N) + kernel_set.training_kernels(CHECK_K, CHECK_N)
-    + list(kernel_set.ROPE_KERNELS)
-))
+KERNELS = tuple(
+    dict.fromkeys(  # (source file, kernel name): every kernel a model of that width may run
+        kernel_set.inference_kernels(CHECK_K, CHECK_N)
+        + kernel_set.inference_kernels(CHECK_K, WIDE_N)
+        + kernel_set.training_kernels(CHECK_K, CHECK_N)
+        + list(kernel_set.ROPE_KERNELS)
+    )
+)
 
 
 def _versions() -> list[tuple[str, str]]:
@@ -51,10 +54,8 @@ def _versions() -> list[tuple[str, str]]:
             rows.append(("CUDA driver", f"unavailable ({type(error).__name__})"))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        rows.append(
-            ("GPU", f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
-        )
-        rows.append(("compute capability", "%d.%d" % torch.cuda.get_device_capability(0)))
+        rows.append(("GPU", f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"))
+        rows.append(("compute capability", "{}.{}".format(*torch.cuda.get_device_capability(0))))
     else:
         rows.append(("GPU", "none visible to torch"))
     return rows
@@ -125,14 +126,15 @@ def main() -> int:
         label = "walk=slices" if route == "slices" else f"gate={route}"
         print(f"  check {label:<16} {line}")
 
-
     m, k, n = 16384, CHECK_K, CHECK_N
     for l0 in (28, 112, 560):
         sparse = TwellFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
         dense = TorchFFN().estimated_ms(m, k, n, l0, 2 * l0, False)
         pick = "twell" if sparse is not None and sparse < SWITCH_MARGIN * dense else "torch"
-        print(f"  kernel=auto, M={m} K={k} N={n}, {l0} non-zeros/token: {pick} "
-              f"(predicted twell {sparse:.2f} ms, dense {dense:.2f} ms)")  # fmt: skip
+        print(
+            f"  kernel=auto, M={m} K={k} N={n}, {l0} non-zeros/token: {pick} "
+            f"(predicted twell {sparse:.2f} ms, dense {dense:.2f} ms)"
+        )
     print("all checks passed" if failures == 0 else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 

@@ -25,10 +25,21 @@ from sparse_llm.telemetry.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 # tests/test_train.py's smallest model and batch: a step takes well under a second on two cores.
 SMALL = [
-    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
-    "model.max_position_embeddings=64", "trainer.micro_batch=4", "trainer.global_batch=8", "trainer.warmup_steps=1",
-    "trainer.val_every=0", "logging.wandb=false", "logging.progress_bar=false", "logging.every=1",
-    "trainer.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=0",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=64",
+    "trainer.micro_batch=4",
+    "trainer.global_batch=8",
+    "trainer.warmup_steps=1",
+    "trainer.val_every=0",
+    "logging.wandb=false",
+    "logging.progress_bar=false",
+    "logging.every=1",
+    "trainer.max_steps=4",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=0",
 ]
 DOCUMENT = "A line of plain English text about kernels, layers and the tokens that pass through them. " * 4
 
@@ -115,6 +126,7 @@ def meta_dtype(bin_path: Path, meta_path: Path) -> None:
 
 def resume_after(*damages: tuple[str, Callable[[Path], None]]) -> Callable[[Path, Path], list[str]]:
     """Damage files of the run's checkpoints (paths relative to checkpoints/), then resume it with resume=auto."""
+
     def setup(run: Path, scratch: Path) -> list[str]:
         for relative, damage in damages:
             damage(run / "checkpoints" / relative)
@@ -136,9 +148,17 @@ def resume_from(step: str, relative: str) -> Callable[[Path, Path], list[str]]:
     return setup
 
 
-def load_with(script: str, relative: str, damage: Callable[[Path], None], *, manifest: bool = True,
-              checkpoint: str = "final", extra: tuple[str, ...] = ()) -> Callable[[Path, Path], list[str]]:
+def load_with(
+    script: str,
+    relative: str,
+    damage: Callable[[Path], None],
+    *,
+    manifest: bool = True,
+    checkpoint: str = "final",
+    extra: tuple[str, ...] = (),
+) -> Callable[[Path, Path], list[str]]:
     """Damage `relative` (a file below the run) and run eval.py or generate.py on the run's `checkpoint`."""
+
     def setup(run: Path, scratch: Path) -> list[str]:
         if not manifest:
             without_manifests(run)
@@ -154,8 +174,15 @@ def load_with(script: str, relative: str, damage: Callable[[Path], None], *, man
 def task_data(run: Path, scratch: Path) -> list[str]:
     path = scratch / "arc_easy.jsonl"
     truncated_jsonl(path)
-    return ["eval.py", f"checkpoint={run / 'final'}", "device=cpu", "tasks=arc_easy", f"task_data.arc_easy={path}",
-            "logging.wandb=false", f"out={scratch / 'eval'}"]
+    return [
+        "eval.py",
+        f"checkpoint={run / 'final'}",
+        "device=cpu",
+        "tasks=arc_easy",
+        f"task_data.arc_easy={path}",
+        "logging.wandb=false",
+        f"out={scratch / 'eval'}",
+    ]
 
 
 def tokenizer_option(run: Path, scratch: Path) -> list[str]:
@@ -196,72 +223,150 @@ CASES = [
     # data=local: empty, binary, cut short, wrongly shaped
     Case("local-empty-txt", local_corpus("corpus.txt", b""), ("corpus.txt", "is empty")),
     Case("local-binary-txt", local_corpus("corpus.txt", binary_bytes()), ("corpus.txt", "a binary file")),
-    Case("local-binary-past-the-head-txt", local_corpus("corpus.txt", DOCUMENT.encode() * 100 + b"\xff\xfe\x80" * 9),
-         ("corpus.txt", f"is not UTF-8 text (byte {len(DOCUMENT.encode()) * 100} is 0xff)")),
-    Case("local-latin1-txt", local_corpus("corpus.txt", "Caf\xe9 au lait.\n\n".encode("latin-1") * 50),
-         ("corpus.txt", "is not UTF-8 text", "iconv")),
-    Case("local-truncated-jsonl", local_corpus("corpus.jsonl", truncated_jsonl),
-         ("corpus.jsonl", "is not valid JSON", "cut short")),
+    Case(
+        "local-binary-past-the-head-txt",
+        local_corpus("corpus.txt", DOCUMENT.encode() * 100 + b"\xff\xfe\x80" * 9),
+        ("corpus.txt", f"is not UTF-8 text (byte {len(DOCUMENT.encode()) * 100} is 0xff)"),
+    ),
+    Case(
+        "local-latin1-txt",
+        local_corpus("corpus.txt", "Caf\xe9 au lait.\n\n".encode("latin-1") * 50),
+        ("corpus.txt", "is not UTF-8 text", "iconv"),
+    ),
+    Case(
+        "local-truncated-jsonl",
+        local_corpus("corpus.jsonl", truncated_jsonl),
+        ("corpus.jsonl", "is not valid JSON", "cut short"),
+    ),
     Case("local-empty-jsonl", local_corpus("corpus.jsonl", ""), ("corpus.jsonl", "is empty")),
     Case("local-binary-jsonl", local_corpus("corpus.jsonl", binary_bytes()), ("corpus.jsonl", "a binary file")),
-    Case("local-jsonl-of-lists", local_corpus("corpus.jsonl", "[1, 2]\n[3, 4]\n"),
-         ("corpus.jsonl", "line 1 holds a list, not a JSON object")),
-    Case("local-jsonl-numbers-as-text", local_corpus("corpus.jsonl", '{"text": 5}\n{"text": 6}\n'),
-         ("corpus.jsonl", "field 'text' holds a number, not text")),
-    Case("local-truncated-json", local_corpus("corpus.json", lambda p: (p.write_text(json.dumps(
-        [{"text": DOCUMENT}] * 20)), cut_in_half(p))), ("corpus.json", "is not valid JSON", "cut short")),
-    Case("local-truncated-parquet", local_corpus("corpus.parquet", truncated_parquet),
-         ("corpus.parquet", "cut short")),
-    Case("local-binary-parquet", local_corpus("corpus.parquet", binary_bytes()),
-         ("corpus.parquet", "is not a parquet file")),
+    Case(
+        "local-jsonl-of-lists",
+        local_corpus("corpus.jsonl", "[1, 2]\n[3, 4]\n"),
+        ("corpus.jsonl", "line 1 holds a list, not a JSON object"),
+    ),
+    Case(
+        "local-jsonl-numbers-as-text",
+        local_corpus("corpus.jsonl", '{"text": 5}\n{"text": 6}\n'),
+        ("corpus.jsonl", "field 'text' holds a number, not text"),
+    ),
+    Case(
+        "local-truncated-json",
+        local_corpus("corpus.json", lambda p: (p.write_text(json.dumps([{"text": DOCUMENT}] * 20)), cut_in_half(p))),
+        ("corpus.json", "is not valid JSON", "cut short"),
+    ),
+    Case("local-truncated-parquet", local_corpus("corpus.parquet", truncated_parquet), ("corpus.parquet", "cut short")),
+    Case(
+        "local-binary-parquet",
+        local_corpus("corpus.parquet", binary_bytes()),
+        ("corpus.parquet", "is not a parquet file"),
+    ),
     Case("local-empty-parquet", local_corpus("corpus.parquet", b""), ("corpus.parquet", "is empty")),
     # data=tokens and the tokenizer
-    Case("tokens-bin-wrong-size", tokens_with(lambda bin_path, meta: cut_in_half(bin_path)),
-         ("tokens.bin", "says", "uint16 tokens")),
+    Case(
+        "tokens-bin-wrong-size",
+        tokens_with(lambda bin_path, meta: cut_in_half(bin_path)),
+        ("tokens.bin", "says", "uint16 tokens"),
+    ),
     Case("tokens-meta-dtype", tokens_with(meta_dtype), ("tokens.json", "dtype 'float32'")),
     Case("tokens-meta-garbage", tokens_with(lambda bin_path, meta: scribble(meta)), ("tokens.json", "not valid JSON")),
-    Case("data-tokenizer-garbage", lambda run, scratch: (scribble(scratch / "tok.json"), train_on(
-        scratch, f"data.tokenizer={scratch / 'tok.json'}"))[1], ("tok.json", "is not valid JSON")),
+    Case(
+        "data-tokenizer-garbage",
+        lambda run, scratch: (
+            scribble(scratch / "tok.json"),
+            train_on(scratch, f"data.tokenizer={scratch / 'tok.json'}"),
+        )[1],
+        ("tok.json", "is not valid JSON"),
+    ),
     # resume=auto over a damaged newest checkpoint: named, set aside, and the run goes on from the one before
-    Case("resume-truncated-model", resume_after(("step_4/model/model.safetensors", cut_in_half)),
-         ("step_4/model/model.safetensors", "cut short", *RESUMED_FROM_STEP_2), exit_code=0),
-    Case("resume-truncated-optimizer", resume_after(("step_4/accelerator/optimizer.bin", cut_in_half)),
-         ("step_4/accelerator/optimizer.bin", "cut short", *RESUMED_FROM_STEP_2), exit_code=0),
-    Case("resume-garbage-trainer-state", resume_after(("step_4/trainer_state.json", scribble)),
-         ("step_4/trainer_state.json", *RESUMED_FROM_STEP_2), exit_code=0),
-    Case("resume-no-manifest-truncated-optimizer",
-         resume_after(("", without_manifests), ("step_4/accelerator/optimizer.bin", cut_in_half)),
-         ("has no manifest.json", "optimizer.bin", "damaged torch.save archive", *RESUMED_FROM_STEP_2), exit_code=0),
-    Case("resume-every-checkpoint-damaged", resume_after(("step_4/model/model.safetensors", cut_in_half),
-                                                         ("step_2/accelerator/optimizer.bin", cut_in_half)),
-         ("checkpoints: holds no intact checkpoint", "step_2/accelerator/optimizer.bin", "run_name")),
-    Case("resume-named-damaged-checkpoint", resume_from("step_4", "model/model.safetensors"),
-         ("step_4/model/model.safetensors", "cut short", "checkpoint.resume=auto")),
+    Case(
+        "resume-truncated-model",
+        resume_after(("step_4/model/model.safetensors", cut_in_half)),
+        ("step_4/model/model.safetensors", "cut short", *RESUMED_FROM_STEP_2),
+        exit_code=0,
+    ),
+    Case(
+        "resume-truncated-optimizer",
+        resume_after(("step_4/accelerator/optimizer.bin", cut_in_half)),
+        ("step_4/accelerator/optimizer.bin", "cut short", *RESUMED_FROM_STEP_2),
+        exit_code=0,
+    ),
+    Case(
+        "resume-garbage-trainer-state",
+        resume_after(("step_4/trainer_state.json", scribble)),
+        ("step_4/trainer_state.json", *RESUMED_FROM_STEP_2),
+        exit_code=0,
+    ),
+    Case(
+        "resume-no-manifest-truncated-optimizer",
+        resume_after(("", without_manifests), ("step_4/accelerator/optimizer.bin", cut_in_half)),
+        ("has no manifest.json", "optimizer.bin", "damaged torch.save archive", *RESUMED_FROM_STEP_2),
+        exit_code=0,
+    ),
+    Case(
+        "resume-every-checkpoint-damaged",
+        resume_after(
+            ("step_4/model/model.safetensors", cut_in_half), ("step_2/accelerator/optimizer.bin", cut_in_half)
+        ),
+        ("checkpoints: holds no intact checkpoint", "step_2/accelerator/optimizer.bin", "run_name"),
+    ),
+    Case(
+        "resume-named-damaged-checkpoint",
+        resume_from("step_4", "model/model.safetensors"),
+        ("step_4/model/model.safetensors", "cut short", "checkpoint.resume=auto"),
+    ),
     # eval.py
-    Case("eval-truncated-model", load_with("eval.py", "final/model.safetensors", cut_in_half),
-         ("final/model.safetensors", "cut short")),
+    Case(
+        "eval-truncated-model",
+        load_with("eval.py", "final/model.safetensors", cut_in_half),
+        ("final/model.safetensors", "cut short"),
+    ),
     Case("eval-garbage-config", load_with("eval.py", "final/config.json", scribble), ("final/config.json",)),
-    Case("eval-missing-tokenizer", load_with("eval.py", "final/tokenizer.json", remove),
-         ("final/tokenizer.json", "is missing")),
-    Case("eval-no-manifest-truncated-model", load_with("eval.py", "final/model.safetensors", cut_in_half,
-                                                       manifest=False), ("final/model.safetensors", "cut short")),
-    Case("eval-no-manifest-missing-tokenizer", load_with("eval.py", "final", remove_tokenizer, manifest=False),
-         ("final: holds no tokenizer",)),
-    Case("eval-step-checkpoint-truncated-model",
-         load_with("eval.py", "checkpoints/step_4/model/model.safetensors", cut_in_half,
-                   checkpoint="checkpoints/step_4"),
-         ("step_4/model/model.safetensors", "cut short")),
+    Case(
+        "eval-missing-tokenizer",
+        load_with("eval.py", "final/tokenizer.json", remove),
+        ("final/tokenizer.json", "is missing"),
+    ),
+    Case(
+        "eval-no-manifest-truncated-model",
+        load_with("eval.py", "final/model.safetensors", cut_in_half, manifest=False),
+        ("final/model.safetensors", "cut short"),
+    ),
+    Case(
+        "eval-no-manifest-missing-tokenizer",
+        load_with("eval.py", "final", remove_tokenizer, manifest=False),
+        ("final: holds no tokenizer",),
+    ),
+    Case(
+        "eval-step-checkpoint-truncated-model",
+        load_with(
+            "eval.py", "checkpoints/step_4/model/model.safetensors", cut_in_half, checkpoint="checkpoints/step_4"
+        ),
+        ("step_4/model/model.safetensors", "cut short"),
+    ),
     Case("eval-corrupt-task-data", task_data, ("arc_easy.jsonl", "is not valid JSON", "task_data.arc_easy")),
-    Case("eval-garbage-run-config", load_with("eval.py", ".hydra/config.yaml", write_yaml_garbage),
-         (".hydra/config.yaml", "is not a readable run config")),
+    Case(
+        "eval-garbage-run-config",
+        load_with("eval.py", ".hydra/config.yaml", write_yaml_garbage),
+        (".hydra/config.yaml", "is not a readable run config"),
+    ),
     # generate.py
-    Case("generate-truncated-model", load_with("generate.py", "final/model.safetensors", cut_in_half),
-         ("final/model.safetensors", "cut short")),
+    Case(
+        "generate-truncated-model",
+        load_with("generate.py", "final/model.safetensors", cut_in_half),
+        ("final/model.safetensors", "cut short"),
+    ),
     Case("generate-garbage-config", load_with("generate.py", "final/config.json", scribble), ("final/config.json",)),
-    Case("generate-missing-tokenizer", load_with("generate.py", "final/tokenizer.json", remove),
-         ("final/tokenizer.json", "is missing")),
-    Case("generate-empty-prompt", load_with("generate.py", "final/config.json", lambda path: None,
-                                            extra=('prompts=""',)), ("prompts=''", "a prompt is empty")),
+    Case(
+        "generate-missing-tokenizer",
+        load_with("generate.py", "final/tokenizer.json", remove),
+        ("final/tokenizer.json", "is missing"),
+    ),
+    Case(
+        "generate-empty-prompt",
+        load_with("generate.py", "final/config.json", lambda path: None, extra=('prompts=""',)),
+        ("prompts=''", "a prompt is empty"),
+    ),
     Case("generate-garbage-tokenizer-option", tokenizer_option, ("tokenizer.json", "is not valid JSON")),
 ]
 
@@ -274,8 +379,15 @@ CASES = [
 def trained_run(tmp_path_factory) -> Path:
     """A 4-step run of the smallest model: checkpoints/step_2, checkpoints/step_4 and final/, each with a manifest."""
     run = tmp_path_factory.mktemp("bad_inputs") / "run"
-    done = subprocess.run([sys.executable, "train.py", *SMALL, f"hydra.run.dir={run}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False, env=child_env())
+    done = subprocess.run(
+        [sys.executable, "train.py", *SMALL, f"hydra.run.dir={run}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=child_env(),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
 

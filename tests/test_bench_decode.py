@@ -12,9 +12,26 @@ SCRIPT_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the script imports this 
 
 def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
     records = tmp_path / "records"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--size", "tiny", "--batches", "1,3",
-               "--prompt-len", "8", "--steps", "2", "--reps", "2", "--density-l0", "8", "--device", "cpu",
-               "--record-dir", str(records)]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_decode.py"),
+        "--size",
+        "tiny",
+        "--batches",
+        "1,3",
+        "--prompt-len",
+        "8",
+        "--steps",
+        "2",
+        "--reps",
+        "2",
+        "--density-l0",
+        "8",
+        "--device",
+        "cpu",
+        "--record-dir",
+        str(records),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=SCRIPT_ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     (record_file,) = records.glob("bench_decode-*.json")

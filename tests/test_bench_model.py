@@ -186,7 +186,9 @@ def test_cpu_smoke_run_prints_the_report_and_writes_a_record(tmp_path, capsys):
     assert "| train (largest fit) | auto | 4 |" in text
     (record_file,) = records.glob("bench_model-*.json")
     record = json.loads(record_file.read_text())
-    assert record["bench"] == "bench_model" and record["command"].startswith("python scripts/bench_model.py --size tiny")
+    assert record["bench"] == "bench_model" and record["command"].startswith(
+        "python scripts/bench_model.py --size tiny"
+    )
     assert record["hardware"]["gpu"] is None and record["settings"]["density_l0"] == 24.0
     assert record["settings"]["model"]["layers"] == 4
     assert len(record["results"]) == 11
@@ -249,15 +251,28 @@ def test_train_kernels_reach_only_the_auto_variant():
     """--train-kernels lets `auto` train on the sparse kernels (train.py's train_kernels=true); forced variants decide
     by themselves. The report's settings line repeats the command, so the choice is on record."""
     args = bench_model["parse_args"]([*TINY, "--train-kernels"])
-    model = build_model(ModelConfig(name="tiny", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                    vocab_size=64, max_position_embeddings=32), vocab_size=64)
+    model = build_model(
+        ModelConfig(
+            name="tiny",
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            vocab_size=64,
+            max_position_embeddings=32,
+        ),
+        vocab_size=64,
+    )
     for kernel, allowed in (("auto", True), ("twell", False), ("torch", False)):
         set_kernel(model, kernel, None, args.train_kernels)
         assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [allowed]
     set_kernel(model, "auto", None)
     assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [False]
-    settings = [line for line in bench_model["report_header"](args, model, torch.device("cpu"), "n/a", None)
-                if line.startswith("Settings:")]
+    settings = [
+        line
+        for line in bench_model["report_header"](args, model, torch.device("cpu"), "n/a", None)
+        if line.startswith("Settings:")
+    ]
     assert settings and "--train-kernels" in settings[0]
 
 
@@ -438,6 +453,7 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
 def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
     """`bench_mlp.py --mode train` runs bench_train_mlp.py with the shape (on a CPU it stops at the GPU check);
     training options are refused in inference mode."""
+
     def run(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, str(ROOT / "scripts" / "bench_mlp.py"), *args]
         return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120, env=SCRIPT_ENV)
@@ -451,5 +467,7 @@ def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
 
 def test_relative_error_is_over_all_elements_in_fp32():
     reference = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
-    assert relative_error(reference.bfloat16() + torch.tensor([[0.0, 0.5], [0.0, 0.0]]).bfloat16(), reference) == pytest.approx(0.1)
+    assert relative_error(
+        reference.bfloat16() + torch.tensor([[0.0, 0.5], [0.0, 0.0]]).bfloat16(), reference
+    ) == pytest.approx(0.1)
     assert relative_error(torch.ones(2), torch.zeros(2)) == pytest.approx(2**0.5 / 1e-30, rel=1e-6)

@@ -15,15 +15,34 @@ bench_report = runpy.run_path(str(ROOT / "scripts" / "bench_report.py"))
 
 
 def _fake(bench: str, time: str, gpu: str | None, settings: dict, results: list[dict], **extra) -> dict:
-    hardware = {"summary": gpu or "CPU", "gpu": gpu, "sm_count": 132 if gpu else None, "driver": None, "cuda": "13.0",
-                "torch": "2.11.0", "cupy": None, "cpu": "Test CPU"}
-    return {"schema": SCHEMA, "bench": bench, "time": time, "hardware": hardware, "commit": "0123456789abcdef",
-            "command": f"python scripts/{bench}.py --x", "settings": settings, "results": results, **extra}
+    hardware = {
+        "summary": gpu or "CPU",
+        "gpu": gpu,
+        "sm_count": 132 if gpu else None,
+        "driver": None,
+        "cuda": "13.0",
+        "torch": "2.11.0",
+        "cupy": None,
+        "cpu": "Test CPU",
+    }
+    return {
+        "schema": SCHEMA,
+        "bench": bench,
+        "time": time,
+        "hardware": hardware,
+        "commit": "0123456789abcdef",
+        "command": f"python scripts/{bench}.py --x",
+        "settings": settings,
+        "results": results,
+        **extra,
+    }
 
 
 def test_a_record_goes_through_the_writer_the_reader_and_the_generator(tmp_path):
-    rows = [{"kernel": "torch", "ms": 2.5, "ratio": float("nan"), "layers": [{"l0": 3.0}]},
-            {"kernel": "twell", "ms": 1.25, "ratio": 2.0, "layers": [{"l0": 3.0}]}]
+    rows = [
+        {"kernel": "torch", "ms": 2.5, "ratio": float("nan"), "layers": [{"l0": 3.0}]},
+        {"kernel": "twell", "ms": 1.25, "ratio": 2.0, "layers": [{"l0": 3.0}]},
+    ]
     record = make_record("bench_mlp", {"m": 16, "nnz": "28,56"}, rows, "cpu", ["--m", "16", "--note", "a b"])
     assert record["schema"] == SCHEMA and record["hardware"]["gpu"] is None and record["hardware"]["torch"]
     assert record["command"] == "python scripts/bench_mlp.py --m 16 --note 'a b'"
@@ -48,44 +67,52 @@ def test_a_record_of_another_schema_is_named(tmp_path):
 def test_the_generator_keeps_the_newest_record_per_bench_hardware_and_settings():
     records = {
         "bench_mlp-1.json": _fake("bench_mlp", "2026-01-01T00:00:00Z", "NVIDIA H100", {"m": 16}, [{"ms": 9.0}]),
-        "bench_mlp-2.json": _fake("bench_mlp", "2026-01-02T00:00:00Z", "NVIDIA H100", {"m": 16}, [{"ms": 1.5}],
-                                  source="notes.md, \"a section\""),
-        "bench_decode-1.json": _fake("bench_decode", "2026-01-01T00:00:00Z", None, {"batches": [1, 4], "size": None},
-                                     [{"batch": 1, "path": "a|b", "ok": True}]),
+        "bench_mlp-2.json": _fake(
+            "bench_mlp", "2026-01-02T00:00:00Z", "NVIDIA H100", {"m": 16}, [{"ms": 1.5}], source='notes.md, "a section"'
+        ),
+        "bench_decode-1.json": _fake(
+            "bench_decode",
+            "2026-01-01T00:00:00Z",
+            None,
+            {"batches": [1, 4], "size": None},
+            [{"batch": 1, "path": "a|b", "ok": True}],
+        ),
     }
-    expected = "\n".join([
-        BANNER,
-        "",
-        *render_benchmarks({}).split("\n")[2:-1],
-        "",
-        "## Decoding steps: the whole model feeding one token per row (`scripts/bench_decode.py`)",
-        "",
-        "### CPU: Test CPU, 2026-01-01 00:00:00 UTC",
-        "",
-        "- Hardware: no GPU, CUDA 13.0, torch 2.11.0, CPU Test CPU",
-        "- Settings: batches 1,4",
-        "- Command: `python scripts/bench_decode.py --x`",
-        "- Commit: 0123456789ab; record: [bench_decode-1.json](records/bench_decode-1.json)",
-        "",
-        "| batch | path | ok |",
-        "|---|---|---|",
-        "| 1 | a\\|b | yes |",
-        "",
-        "## One gated MLP block, inference: dense torch vs the twell backend (`scripts/bench_mlp.py`)",
-        "",
-        "### NVIDIA H100, 2026-01-02 00:00:00 UTC",
-        "",
-        "- Hardware: NVIDIA H100, SMs 132, CUDA 13.0, torch 2.11.0, CPU Test CPU",
-        "- Settings: m 16",
-        "- Command: `python scripts/bench_mlp.py --x`",
-        "- Commit: 0123456789ab; record: [bench_mlp-2.json](records/bench_mlp-2.json)",
-        '- Source: notes.md, "a section"',
-        "",
-        "| ms |",
-        "|---|",
-        "| 1.5 |",
-        "",
-    ])
+    expected = "\n".join(
+        [
+            BANNER,
+            "",
+            *render_benchmarks({}).split("\n")[2:-1],
+            "",
+            "## Decoding steps: the whole model feeding one token per row (`scripts/bench_decode.py`)",
+            "",
+            "### CPU: Test CPU, 2026-01-01 00:00:00 UTC",
+            "",
+            "- Hardware: no GPU, CUDA 13.0, torch 2.11.0, CPU Test CPU",
+            "- Settings: batches 1,4",
+            "- Command: `python scripts/bench_decode.py --x`",
+            "- Commit: 0123456789ab; record: [bench_decode-1.json](records/bench_decode-1.json)",
+            "",
+            "| batch | path | ok |",
+            "|---|---|---|",
+            "| 1 | a\\|b | yes |",
+            "",
+            "## One gated MLP block, inference: dense torch vs the twell backend (`scripts/bench_mlp.py`)",
+            "",
+            "### NVIDIA H100, 2026-01-02 00:00:00 UTC",
+            "",
+            "- Hardware: NVIDIA H100, SMs 132, CUDA 13.0, torch 2.11.0, CPU Test CPU",
+            "- Settings: m 16",
+            "- Command: `python scripts/bench_mlp.py --x`",
+            "- Commit: 0123456789ab; record: [bench_mlp-2.json](records/bench_mlp-2.json)",
+            '- Source: notes.md, "a section"',
+            "",
+            "| ms |",
+            "|---|",
+            "| 1.5 |",
+            "",
+        ]
+    )
     assert render_benchmarks(records) == expected
     # The same records in another order give the same file.
     assert render_benchmarks(dict(reversed(list(records.items())))) == expected

@@ -104,8 +104,11 @@ def test_resume_auto_refuses_when_no_checkpoint_is_intact_and_again_on_the_next_
     with pytest.raises(UserInputError, match=r"checkpoints: holds no intact checkpoint .*step_4/trainer_state.json"):
         resolve_resume("auto", tmp_path)
     # The damaged checkpoints are aside now: a requeued job must not take the empty list for a run never checkpointed.
-    with pytest.raises(UserInputError, match=r"holds no intact checkpoint to resume from \(step_2.damaged; "
-                                             r"step_4.damaged\)"):
+    with pytest.raises(
+        UserInputError,
+        match=r"holds no intact checkpoint to resume from \(step_2.damaged; "
+        r"step_4.damaged\)",
+    ):
         resolve_resume("auto", tmp_path)
 
 
@@ -132,8 +135,9 @@ def small_disk(tmp_path):
     """A 12 MB tmpfs: room for one checkpoint of the smallest model (~8.5 MB), not for a second beside it."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount
@@ -144,15 +148,25 @@ def small_disk(tmp_path):
 def test_a_full_disk_keeps_the_last_checkpoint_and_stops_with_code_2(small_disk):
     run = small_disk / "run"
     overrides = [o for o in SMALL if not o.startswith("checkpoint.keep_last")] + ["checkpoint.keep_last=1"]
-    done = subprocess.run([sys.executable, "train.py", *overrides, f"hydra.run.dir={run}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    done = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
     # torch.save on a full disk says only "unexpected pos ..." (RuntimeError): the free space tells the story.
-    for part in ("checkpoints/step_4: writing it failed (RuntimeError", "MB are free there",
-                 "checkpoints/step_2 (", "MB) is complete: checkpoint.resume=auto resumes from it"):
+    for part in (
+        "checkpoints/step_4: writing it failed (RuntimeError",
+        "MB are free there",
+        "checkpoints/step_2 (",
+        "MB) is complete: checkpoint.resume=auto resumes from it",
+    ):
         assert part in output, (part, output[-4000:])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
     checkpoint.verify_checkpoint(run / "checkpoints" / "step_2", "")

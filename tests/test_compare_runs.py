@@ -15,17 +15,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(root: Path, name: str, losses: list[float], dead: float) -> Path:
     run = root / name
     run.mkdir()
-    lines = [{"step": 10 * (i + 1), "loss": loss, "tokens_per_s": 1000.0 * (i + 1), "peak_mem_gb": 1.0,
-              "mj_per_token": 2.0, "l0/mean": 5.0, "dead/mean": dead} for i, loss in enumerate(losses)]
+    lines = [
+        {
+            "step": 10 * (i + 1),
+            "loss": loss,
+            "tokens_per_s": 1000.0 * (i + 1),
+            "peak_mem_gb": 1.0,
+            "mj_per_token": 2.0,
+            "l0/mean": 5.0,
+            "dead/mean": dead,
+        }
+        for i, loss in enumerate(losses)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run
 
 
 def _model(run: Path, ce: float, l0: float, never: list[float], acc: float) -> dict:
     layers = [{"layer": i, "l0_mean": l0, "never_fired": frac} for i, frac in enumerate(never)]
-    return {"checkpoint": str(run / "final"), "perplexity": {"ce": ce, "ppl": 2.718281828**ce},
-            "sparsity": {"neurons": 100, "l0_mean": l0, "sparsity_mean": 1 - l0 / 100, "layers": layers},
-            "tasks": {"piqa": {"acc": acc}}}
+    return {
+        "checkpoint": str(run / "final"),
+        "perplexity": {"ce": ce, "ppl": 2.718281828**ce},
+        "sparsity": {"neurons": 100, "l0_mean": l0, "sparsity_mean": 1 - l0 / 100, "layers": layers},
+        "tasks": {"piqa": {"acc": acc}},
+    }
 
 
 def test_training_and_quality_tables(tmp_path):
@@ -66,8 +79,17 @@ def test_quality_table_names_a_run_that_was_not_evaluated(tmp_path):
 
 
 def test_spread_table_groups_repeats_and_compares_means(tmp_path):
-    runs = [_run(tmp_path, name, [3.0, final], dead=0.0) for name, final in
-            [("one_r1", 1.0), ("one_r2", 1.2), ("one_r3", 1.1), ("ddp_r1", 1.3), ("ddp_r2", 1.1), ("fsdp", 1.25)]]
+    runs = [
+        _run(tmp_path, name, [3.0, final], dead=0.0)
+        for name, final in [
+            ("one_r1", 1.0),
+            ("one_r2", 1.2),
+            ("one_r3", 1.1),
+            ("ddp_r1", 1.3),
+            ("ddp_r2", 1.1),
+            ("fsdp", 1.25),
+        ]
+    ]
     header, rule, one, ddp, fsdp = compare_runs.spread_table(runs).splitlines()
     assert one == "| one | 3 | 1.1000 | 0.1000 | 1.0000-1.2000 | - | - | 2,000 | 1.00x |"
     # gap 1.2 - 1.1; its standard error sqrt(0.1^2 / 3 + 0.1414^2 / 2)
@@ -80,11 +102,22 @@ def test_command_line_prints_the_tables_and_writes_a_record(tmp_path, capsys):
     dense = _run(tmp_path, "dense", [3.0, 2.0], dead=0.0)
     sparse = _run(tmp_path, "sparse", [3.1, 2.05], dead=0.25)
     results = tmp_path / "results.json"
-    results.write_text(json.dumps({"models": [_model(dense, 2.0, 40.0, [0.0, 0.0], 0.6),
-                                              _model(sparse, 2.04, 1.0, [0.1, 0.3], 0.55)]}))
+    results.write_text(
+        json.dumps({"models": [_model(dense, 2.0, 40.0, [0.0, 0.0], 0.6), _model(sparse, 2.04, 1.0, [0.1, 0.3], 0.55)]})
+    )
     main = runpy.run_path(str(ROOT / "scripts" / "compare_runs.py"))["main"]
-    main([str(dense), str(sparse), "--eval", str(results), "--title", "dense vs sparse", "--record-dir",
-          str(tmp_path / "records")])
+    main(
+        [
+            str(dense),
+            str(sparse),
+            "--eval",
+            str(results),
+            "--title",
+            "dense vs sparse",
+            "--record-dir",
+            str(tmp_path / "records"),
+        ]
+    )
     assert "| sparse | 20 | 2.0500 | 0.1000 |" in capsys.readouterr().out
     (record_file,) = (tmp_path / "records").glob("compare_runs-*.json")
     record = json.loads(record_file.read_text())

@@ -11,11 +11,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from sparse_llm.training.config import TrainConfig, register_configs
+from sparse_llm.cli.overrides import unknown_key_message
 from sparse_llm.evaluation.evaluate import EvalConfig
 from sparse_llm.generation.generate import GenerateConfig
 from sparse_llm.model.llama import build_model, count_parameters
-from sparse_llm.cli.overrides import unknown_key_message
+from sparse_llm.training.config import TrainConfig, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -27,8 +27,9 @@ def _compose(*overrides: str) -> TrainConfig:
     return OmegaConf.to_object(cfg)
 
 
-@pytest.mark.parametrize("size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539),
-                                                  ("2b", 38, 2.053)])
+@pytest.mark.parametrize(
+    "size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539), ("2b", 38, 2.053)]
+)
 def test_paper_sizes_compose_and_build(size, layers, billions):
     cfg = _compose(f"model={size}", "l1=1e-5")
     assert (cfg.model.hidden_size, cfg.model.intermediate_size, cfg.model.num_layers) == (2048, 5632, layers)
@@ -64,27 +65,32 @@ def test_unknown_model_lists_the_available_ones():
 
 
 def test_cli_prints_resolved_config():
-    out = subprocess.run([sys.executable, "train.py", "model=1b", "--cfg", "job"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "train.py", "model=1b", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "num_layers: 18" in out.stdout and "intermediate_size: 5632" in out.stdout
 
 
 def test_cli_error_names_the_bad_key_and_the_likely_one():
-    out = subprocess.run([sys.executable, "train.py", "trainer.max_stesp=1"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "train.py", "trainer.max_stesp=1"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown config key 'trainer.max_stesp'" in out.stderr, out.stderr
     assert "Did you mean 'trainer.max_steps'?" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("schema,override,suggestion", [
-    (TrainConfig, "l11=1e-5", "'l1'"),
-    (TrainConfig, "model.hidden_sise=64", "'model.hidden_size'"),
-    (TrainConfig, "checkpoint.keep_lats=1", "'checkpoint.keep_last'"),
-    (EvalConfig, "checkpont=outputs/a/final", "'checkpoint'"),
-    (GenerateConfig, "max_new_token=5", "'max_new_tokens'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "schema,override,suggestion",
+    [
+        (TrainConfig, "l11=1e-5", "'l1'"),
+        (TrainConfig, "model.hidden_sise=64", "'model.hidden_size'"),
+        (TrainConfig, "checkpoint.keep_lats=1", "'checkpoint.keep_last'"),
+        (EvalConfig, "checkpont=outputs/a/final", "'checkpoint'"),
+        (GenerateConfig, "max_new_token=5", "'max_new_tokens'"),
+    ],
+)
 def test_misspelt_override_suggests_the_key_meant(schema, override, suggestion):
     message = unknown_key_message(["--cfg", "job", override], schema)
     assert message is not None and f"Did you mean {suggestion}" in message  # the closest first
@@ -94,12 +100,23 @@ def test_far_off_key_lists_the_keys_of_its_level():
     message = unknown_key_message(["trainer.zzzz=1"], TrainConfig)
     assert "TrainerConfig has no 'zzzz'" in message and "max_steps, micro_batch" in message
     assert unknown_key_message(["trainer.learning_rat=1"], TrainConfig).startswith(
-        "unknown config key 'trainer.learning_rat'")
+        "unknown config key 'trainer.learning_rat'"
+    )
 
 
 def test_overrides_the_check_leaves_to_hydra_pass():
-    overrides = ["model=2b", "data.paths=[a=b,c]", "+trainer.extra=1", "~logging.wandb", "hydra/job_logging=disabled",
-                 "hydra.run.dir=/tmp/x", "--cfg", "job", "-m", "trainer.seq_len=null"]
+    overrides = [
+        "model=2b",
+        "data.paths=[a=b,c]",
+        "+trainer.extra=1",
+        "~logging.wandb",
+        "hydra/job_logging=disabled",
+        "hydra.run.dir=/tmp/x",
+        "--cfg",
+        "job",
+        "-m",
+        "trainer.seq_len=null",
+    ]
     assert unknown_key_message(overrides, TrainConfig) is None
     assert unknown_key_message(["task_data.arc_easy=arc.jsonl", "tasks=paper"], EvalConfig) is None  # a mapping
 
@@ -124,8 +141,19 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
 
 
 def test_cli_input_error_is_a_message_not_a_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "data=local", f"data.paths=[{tmp_path}/missing.txt]",
-                          f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "data=local",
+            f"data.paths=[{tmp_path}/missing.txt]",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "missing.txt" in out.stderr + out.stdout and "Traceback" not in out.stderr
 
@@ -139,13 +167,16 @@ def test_several_machines_need_an_explicit_run_name(monkeypatch):
         launch_stamp()
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["trainer.micro_batch=0"], ["trainer.micro_batch=0 (give a value >= 1)"]),
-    (["trainer.seq_len=0"], ["trainer.seq_len=0 (give a value >= 1, or null"]),
-    (["trainer.lr=-1", "checkpoint.every=-2"], ["trainer.lr=-1.0 (give a value > 0)", "checkpoint.every=-2"]),
-    (["trainer.beta2=1.0", "l1=-1e-5"], ["trainer.beta2=1.0 (give a value within [0, 1))", "l1=-1e-05"]),
-    (["trainer.grad_clip=-1"], ["trainer.grad_clip=-1.0 (give a value >= 0 (0: no clipping))"]),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["trainer.micro_batch=0"], ["trainer.micro_batch=0 (give a value >= 1)"]),
+        (["trainer.seq_len=0"], ["trainer.seq_len=0 (give a value >= 1, or null"]),
+        (["trainer.lr=-1", "checkpoint.every=-2"], ["trainer.lr=-1.0 (give a value > 0)", "checkpoint.every=-2"]),
+        (["trainer.beta2=1.0", "l1=-1e-5"], ["trainer.beta2=1.0 (give a value within [0, 1))", "l1=-1e-05"]),
+        (["trainer.grad_clip=-1"], ["trainer.grad_clip=-1.0 (give a value >= 0 (0: no clipping))"]),
+    ],
+)
 def test_values_out_of_range_are_named_together(overrides, named):
     from sparse_llm.training.config import check_ranges
 

@@ -15,6 +15,7 @@ import torch
 from huggingface_hub import constants
 
 import sparse_llm.data.pipeline as data_module
+from sparse_llm.data.loader import TrainLoader, val_batches
 from sparse_llm.data.pipeline import (
     DataConfig,
     TokenArray,
@@ -23,7 +24,6 @@ from sparse_llm.data.pipeline import (
     read_token_file,
     write_token_file,
 )
-from sparse_llm.data.loader import TrainLoader, val_batches
 from sparse_llm.data.tokenizer import load_tokenizer
 
 SEQ = 64
@@ -78,7 +78,9 @@ NUMBERED = [f"Document number {i}. " + "word " * (i % 7 + 3) for i in range(60)]
 def test_embedded_tokenizer_round_trips_and_has_special_tokens(tokenizer):
     assert len(tokenizer) == 8192
     assert tokenizer.convert_ids_to_tokens([tokenizer.eos_token_id, tokenizer.pad_token_id]) == [
-        "<|endoftext|>", "<pad>"]
+        "<|endoftext|>",
+        "<pad>",
+    ]
     assert tokenizer.bos_token_id == tokenizer.eos_token_id
     text = "def f(x):\n    return x ** 2  # naïve café, 日本語 🙂\n\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -209,8 +211,12 @@ def test_local_directory_and_glob_paths(tmp_path):
 
 
 def test_cache_dir_writes_once_and_matches(tmp_path):
-    cfg = DataConfig(name="local", paths=[str(_write_jsonl(tmp_path / "c.jsonl", NUMBERED))], val_documents=5,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        name="local",
+        paths=[str(_write_jsonl(tmp_path / "c.jsonl", NUMBERED))],
+        val_documents=5,
+        cache_dir=str(tmp_path / "cache"),
+    )
     plain = build_token_data(DataConfig(**{**cfg.__dict__, "cache_dir": None}), 8)
     cached = build_token_data(cfg, 8)
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
@@ -222,8 +228,12 @@ def test_cache_dir_writes_once_and_matches(tmp_path):
 
 
 def test_cache_dir_complete_file_is_not_rewritten(tmp_path, monkeypatch):
-    cfg = DataConfig(name="local", paths=[str(_write_jsonl(tmp_path / "c.jsonl", NUMBERED))], val_documents=5,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        name="local",
+        paths=[str(_write_jsonl(tmp_path / "c.jsonl", NUMBERED))],
+        val_documents=5,
+        cache_dir=str(tmp_path / "cache"),
+    )
     build_token_data(cfg, 8)
 
     def fail(*args, **kwargs):
@@ -321,8 +331,14 @@ def test_embedded_and_token_paths_do_not_import_datasets(tmp_path):
         "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
     )
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                            env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -432,8 +448,9 @@ def test_step_data_does_not_depend_on_the_rank_split():
     across epoch boundaries too."""
     source = TokenArray(np.arange(64 * 53, dtype=np.uint16), 1)  # 52-53 blocks of 64: not a multiple of a step
     single = TrainLoader(source, micro_batch=4, seq_len=64, seed=3, step_sequences=8)
-    ranks = [TrainLoader(source, micro_batch=4, seq_len=64, seed=3, rank=r, world_size=2, step_sequences=8)
-             for r in range(2)]
+    ranks = [
+        TrainLoader(source, micro_batch=4, seq_len=64, seed=3, rank=r, world_size=2, step_sequences=8) for r in range(2)
+    ]
     for _ in range(20):  # ~3 epochs of 6 steps
         one = torch.cat([single.next_batch(), single.next_batch()])
         two = torch.cat([loader.next_batch() for loader in ranks])

@@ -17,8 +17,8 @@ def left_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tens
     ids_BS = torch.full((len(lengths), longest), PAD)
     mask_BS = torch.zeros_like(ids_BS)
     for row, n in enumerate(lengths):
-        ids_BS[row, longest - n:] = torch.randint(2, VOCAB, (n,), generator=gen)
-        mask_BS[row, longest - n:] = 1
+        ids_BS[row, longest - n :] = torch.randint(2, VOCAB, (n,), generator=gen)
+        mask_BS[row, longest - n :] = 1
     return ids_BS, mask_BS
 
 
@@ -28,10 +28,14 @@ def test_greedy_decoding_matches_transformers_generate():
     ids_BS, mask_BS = left_padded([5, 1, 9], seed=1)
     ours = decode(model, ids_BS, mask_BS, max_new_tokens=12, temperature=0, top_p=1.0, end_id=END, pad_id=PAD)
     theirs = model.generate(
-        input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=12, do_sample=False, eos_token_id=END,
+        input_ids=ids_BS,
+        attention_mask=mask_BS,
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=END,
         pad_token_id=PAD,
-    )  # fmt: skip
-    assert torch.equal(ours.new_ids_BT, theirs[:, ids_BS.shape[1]:])
+    )
+    assert torch.equal(ours.new_ids_BT, theirs[:, ids_BS.shape[1] :])
     assert ours.step_ms > 0  # 12 tokens: 11 model steps, the last 9 timed
 
 

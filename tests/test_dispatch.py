@@ -7,14 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparse_llm.ffn import registry
-
-from sparse_llm.ffn import dispatch
-from sparse_llm.ffn.backend import FFNBackend
-from sparse_llm.ffn.torch_backend import TorchFFN
-from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, Tail
+from sparse_llm.ffn import dispatch, registry
+from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail
 from sparse_llm.ffn.dispatch import LayerDispatcher, density_of
 from sparse_llm.ffn.mlp import SparseMLP, cuda_graphed
+from sparse_llm.ffn.torch_backend import TorchFFN
 
 
 class FakeSparse(FFNBackend):
@@ -256,8 +253,16 @@ def test_a_layers_trial_runs_its_own_call_on_each_backend(fake, timed, monkeypat
 
     def recording(self, x_MK, *weights, **kwargs):
         residual = kwargs["residual_MK"]
-        seen.append((self.name, x_MK.shape, kwargs["statistics"], residual is not None,
-                     None if residual is None else residual.data_ptr(), kwargs["residual_writable"]))
+        seen.append(
+            (
+                self.name,
+                x_MK.shape,
+                kwargs["statistics"],
+                residual is not None,
+                None if residual is None else residual.data_ptr(),
+                kwargs["residual_writable"],
+            )
+        )
         return forward(TorchFFN(), x_MK, *weights, **kwargs)
 
     monkeypatch.setattr(TorchFFN, "forward", recording)

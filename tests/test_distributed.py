@@ -59,8 +59,14 @@ def test_two_ranks_weigh_the_layers_as_one_process_does(tmp_path):
 
 def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
     run_dir = tmp_path / "stopped"
-    launcher = subprocess.Popen(train_py_command(run_dir, 2, "trainer.max_steps=400", "checkpoint.every=0"), cwd=ROOT,
-                                env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        train_py_command(run_dir, 2, "trainer.max_steps=400", "checkpoint.every=0"),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -86,9 +92,22 @@ def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
 
 
 def test_distributed_step_check_passes_where_ranks_agree():
-    launcher = [shutil.which("accelerate") or sys.executable, "launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--dynamo_backend", "no", "scripts/dist_step_check.py",
-                "--mixed-precision", "no", "--tol", "1e-4"]
+    launcher = [
+        shutil.which("accelerate") or sys.executable,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--dynamo_backend",
+        "no",
+        "scripts/dist_step_check.py",
+        "--mixed-precision",
+        "no",
+        "--tol",
+        "1e-4",
+    ]
     out = subprocess.run(launcher, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MULTI_CPU x 2" in out.stdout and "worst over 38 parameters" in out.stdout

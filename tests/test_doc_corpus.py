@@ -5,7 +5,6 @@ import re
 import shutil
 
 import pytest
-
 from helpers.script_modules import load_script
 
 corpus = load_script("build_doc_corpus")
@@ -106,7 +105,8 @@ def test_info_nodes_drop_headers_and_menus():
         "This is demo.info.\n\x1f\nFile: demo.info,  Node: Top,  Next: Intro\n\n"
         "Demo manual\n***********\n\nThis manual explains the demo program in detail.\n\n"
         "* Menu:\n\n* Intro::  Getting started.\n\n"
-        "\x1f\nFile: demo.info,  Node: Intro,  Prev: Top\n\nShort\n\x1f\nTag Table:\nNode: Top\x7f20\n\x1f\nEnd Tag Table\n"
+        "\x1f\nFile: demo.info,  Node: Intro,  Prev: Top\n\nShort\n"
+        "\x1f\nTag Table:\nNode: Top\x7f20\n\x1f\nEnd Tag Table\n"
     )
     assert corpus.info_nodes(info) == ["Demo manual\n***********\n\nThis manual explains the demo program in detail."]
 

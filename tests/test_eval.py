@@ -16,22 +16,26 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import sparse_llm.evaluation.evaluate as evaluation
-from sparse_llm.evaluation import tasks
 from sparse_llm.data.pipeline import DataConfig
-from sparse_llm.training.config import register_configs
+from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.evaluation import tasks
 from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs
 from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
 from sparse_llm.model.llama import build_model
 from sparse_llm.telemetry.metrics import LoggingConfig
-from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.training.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 register_eval_configs()
 
 ARC_ROWS = [
-    {"id": f"q{i}", "question": f"Which number follows {i}?", "answerKey": "A",
-     "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]}}
+    {
+        "id": f"q{i}",
+        "question": f"Which number follows {i}?",
+        "answerKey": "A",
+        "choices": {"text": [str(i + 1), "a cat", "the sky", "blue"], "label": ["A", "B", "C", "D"]},
+    }
     for i in range(5)
 ]
 
@@ -53,9 +57,12 @@ def models(trained_run, tmp_path_factory) -> dict[str, Path]:
 
 
 def eval_config(**changes) -> EvalConfig:
-    base = EvalConfig(batch_size=8, device="cpu",
-                      heldout=HeldOutTaskConfig(examples=24, context_words=24, continuation_words=8),
-                      logging=LoggingConfig(wandb=False, progress_bar=False, console=False))
+    base = EvalConfig(
+        batch_size=8,
+        device="cpu",
+        heldout=HeldOutTaskConfig(examples=24, context_words=24, continuation_words=8),
+        logging=LoggingConfig(wandb=False, progress_bar=False, console=False),
+    )
     return replace(base, **changes)
 
 
@@ -65,8 +72,9 @@ def arc_only(monkeypatch):
     from lm_eval.tasks import TaskManager
 
     arc_dir = Path(tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
-    monkeypatch.setattr(tasks, "task_manager",
-                        lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False))
+    monkeypatch.setattr(
+        tasks, "task_manager", lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -127,8 +135,7 @@ def test_compare_takes_one_checkpoint_or_a_list():
 
 def test_local_arc_file_runs_through_lm_eval(models, tmp_path, arc_only):
     data = tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
-    cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(data)},
-                      limit=4)
+    cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(data)}, limit=4)
     results = evaluate(cfg, tmp_path / "eval")
     arc = results["models"][0]["tasks"]["arc_easy"]
     assert arc["n"] == 4 and arc["version"] == 1.0
@@ -174,16 +181,19 @@ def test_default_heldout_requests_fit_the_models_context(models, tmp_path):
     evaluation._plan(cfg, tmp_path, [models["trained"]])
     rows = [json.loads(line) for line in (tmp_path / "heldout_continuation.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(str(models["trained"]))
-    lengths = [max(len(tokenizer(f"{row['context']} {c}", add_special_tokens=False)["input_ids"])
-                   for c in row["choices"]) for row in rows]
+    lengths = [
+        max(len(tokenizer(f"{row['context']} {c}", add_special_tokens=False)["input_ids"]) for c in row["choices"])
+        for row in rows
+    ]
     assert len(rows) == 300 and max(lengths) <= 128
     assert any(len(row["context"].split()) < 40 for row in rows)  # some passages had to be shortened
 
 
 def test_heldout_examples_need_two_documents():
     with pytest.raises(ValueError, match="two"):
-        build_heldout_examples(["one two three " * 20, "short"], HeldOutTaskConfig(context_words=5,
-                                                                                  continuation_words=5))
+        build_heldout_examples(
+            ["one two three " * 20, "short"], HeldOutTaskConfig(context_words=5, continuation_words=5)
+        )
 
 
 def test_task_names_expand_aliases_in_order():
@@ -209,10 +219,17 @@ def _local_documents(path: Path, n: int = 12) -> Path:
     return tasks.write_jsonl(rows, path)
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("data=local", True), ("data.paths=[a.jsonl]", True), ("+data.max_documents=5", True),
-    ("checkpoint=outputs/run/final", False), ("heldout.examples=3", False), ("database=x", False),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data=local", True),
+        ("data.paths=[a.jsonl]", True),
+        ("+data.max_documents=5", True),
+        ("checkpoint=outputs/run/final", False),
+        ("heldout.examples=3", False),
+        ("database=x", False),
+    ],
+)
 def test_data_overrides_are_recognised(override, expected):
     assert evaluation.overrides_data(["tasks=embedded", override]) is expected
 
@@ -298,8 +315,9 @@ def test_hub_task_offline_without_cache_fails_with_local_file_advice(models, tmp
 
 
 def test_missing_local_task_file_is_named(models, tmp_path, arc_only):
-    cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy",
-                      task_data={"arc_easy": str(tmp_path / "absent.jsonl")})
+    cfg = eval_config(
+        checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(tmp_path / "absent.jsonl")}
+    )
     with pytest.raises(TaskDataError, match="task_data.arc_easy=.*absent.jsonl.*does not exist"):
         evaluate(cfg, tmp_path / "eval")
 
@@ -341,8 +359,7 @@ def test_forced_twell_kernel_with_a_non_bf16_dtype_fails_before_loading(monkeypa
 
 
 def test_eval_config_composes_and_rejects_misspelt_keys():
-    overrides = ["tasks=[paper,piqa]", "task_data.piqa=/data/piqa.jsonl", "heldout.examples=10",
-                 "kernel=torch"]
+    overrides = ["tasks=[paper,piqa]", "task_data.piqa=/data/piqa.jsonl", "heldout.examples=10", "kernel=torch"]
     cfg: EvalConfig = OmegaConf.to_object(_compose("eval", overrides))
     assert cfg.tasks == ["paper", "piqa"] and cfg.task_data["piqa"] == "/data/piqa.jsonl"
     assert cfg.task_data["arc_easy"] is None and cfg.heldout.examples == 10 and cfg.data.name == "embedded"
@@ -360,8 +377,9 @@ def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(tmp_path):
     assert run.returncode == 2
     assert "missing' does not exist" in run.stderr and "Traceback" not in run.stderr
     assert not (out / "results.json").exists()
-    debug = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           env={**env, "HYDRA_FULL_ERROR": "1"})
+    debug = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"}
+    )
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
 
 
@@ -378,8 +396,13 @@ def test_twell_scores_match_torch_on_gpu(models, tmp_path):
         pytest.skip(f"twell kernels unavailable: {reason}")
     runs = {}
     for kernel in ("torch", "twell"):
-        cfg = eval_config(checkpoint=str(models["trained"]), kernel=kernel, device="cuda", dtype="bfloat16",
-                          heldout=HeldOutTaskConfig(examples=200))
+        cfg = eval_config(
+            checkpoint=str(models["trained"]),
+            kernel=kernel,
+            device="cuda",
+            dtype="bfloat16",
+            heldout=HeldOutTaskConfig(examples=200),
+        )
         runs[kernel] = evaluate(cfg, tmp_path / kernel)["models"][0]
     dense, sparse = runs["torch"], runs["twell"]
     assert all(layer.startswith("twell") for layer in sparse["backend"]["layers"])

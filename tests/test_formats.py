@@ -49,9 +49,7 @@ def _heavy_tailed_density_M(m: int, mean: float, gen: torch.Generator) -> torch.
     return (pareto_M * mean / 3).clamp(max=1.0)
 
 
-def _signed_sparse(
-    m: int, n: int, density_M: torch.Tensor, gen: torch.Generator, signed: bool
-) -> torch.Tensor:
+def _signed_sparse(m: int, n: int, density_M: torch.Tensor, gen: torch.Generator, signed: bool) -> torch.Tensor:
     """[M, N] fp32 with non-zeros at rate density_M[m]; elsewhere negative (a gate) or zero."""
     keep_MN = torch.rand(m, n, generator=gen) < density_M[:, None]
     mag_MN = torch.rand(m, n, generator=gen) * 4 + 0.01
@@ -77,9 +75,7 @@ def _mlp(m: int, k: int, n: int, density_M: torch.Tensor, dtype: torch.dtype, se
     return tuple(t.to(dtype) for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))
 
 
-def _assert_within_rule(
-    name: str, out: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor, atol: float
-) -> None:
+def _assert_within_rule(name: str, out: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor, atol: float) -> None:
     """|out - ref| <= 2 |lowp - ref| + atol (max norm), printing the diffs first."""
     err = (out.float() - ref.float()).abs()
     base = (lowp.float() - ref.float()).abs()
@@ -102,9 +98,7 @@ def test_constants() -> None:
 @pytest.mark.parametrize("m,n", [(1, 256), (9, 512), (33, 1024)])
 def test_twell_round_trip(m: int, n: int, density: float | str, compression: int) -> None:
     gen = _gen(m * n)
-    density_M = (
-        _heavy_tailed_density_M(m, 0.05, gen) if density == "heavy" else torch.full((m,), float(density))
-    )
+    density_M = _heavy_tailed_density_M(m, 0.05, gen) if density == "heavy" else torch.full((m,), float(density))
     gate_MN = _signed_sparse(m, n, density_M, gen, signed=False)
     packed = pack_twell(gate_MN, compression)
     slots = TILE // compression
@@ -379,9 +373,7 @@ def test_hybrid_forward_fp32_matches_dense() -> None:
 
     assert fwd.saved.g.capacity_grown and fwd.saved.g.backup_rows_R.numel() > 1
     torch.testing.assert_close(fwd.y_MK, y_ref_MK, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        unpack_hybrid(hybrid_mul(fwd.saved.g, fwd.saved.u)), h_ref_MN, rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(unpack_hybrid(hybrid_mul(fwd.saved.g, fwd.saved.u)), h_ref_MN, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fwd.l1_sum, h_ref_MN.abs().sum(), rtol=1e-5, atol=1e-5)
     assert torch.equal(fwd.l0_M.long(), (h_ref_MN != 0).sum(1))
 

@@ -23,8 +23,16 @@ EVERY_3 = "checkpoint.every=3"
 
 
 def _fsdp_run(run_dir: Path, *overrides: str) -> list[float]:
-    command = [shutil.which("torchrun") or sys.executable, "--nproc_per_node", "2", "tests/helpers/fsdp_cpu_train.py",
-               *SMALL, EVERY_3, *overrides, f"hydra.run.dir={run_dir}"]
+    command = [
+        shutil.which("torchrun") or sys.executable,
+        "--nproc_per_node",
+        "2",
+        "tests/helpers/fsdp_cpu_train.py",
+        *SMALL,
+        EVERY_3,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     out = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)
@@ -48,8 +56,14 @@ def test_fsdp_reinitialises_dead_neurons_as_one_process(tmp_path):
     """Dead-neuron reinit under FSDP2: every rank draws the noise of all the dead gate rows, as one process does, and
     mixes in the rows of its shard, so the run follows one process's. A steep L1 with a quick learning rate kills
     neurons in both ranks' shards within a few steps."""
-    overrides = ("trainer.max_steps=8", "sparsity.reinit_dead=true", "l1=3", "trainer.lr=1e-2",
-                 "trainer.warmup_steps=1", "logging.every=1")
+    overrides = (
+        "trainer.max_steps=8",
+        "sparsity.reinit_dead=true",
+        "l1=3",
+        "trainer.lr=1e-2",
+        "trainer.warmup_steps=1",
+        "logging.every=1",
+    )
     single = run_train_py(tmp_path / "single", 1, EVERY_3, *overrides)
     fsdp = _fsdp_run(tmp_path / "fsdp", *overrides)
     assert fsdp == pytest.approx(single, rel=1e-5)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.generation.generate import GenerateConfig, generate, report
 from sparse_llm.model.llama import ModelConfig, build_model
-from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.training.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +56,15 @@ def test_report_shows_prompts_speed_and_paths(checkpoint):
     assert re.search(r"tokens/s, 2 prompts decoded together, then [0-9.]+ ms a step\); FFN layers on: torch x2", text)
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"max_new_tokens": 100}, "exceeds the model's context of 64"),
-    ({"top_p": 0.0}, "top_p=0.0 must be in"),
-    ({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),
-    ({"prompts": []}, "pass a string or a list of strings"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"max_new_tokens": 100}, "exceeds the model's context of 64"),
+        ({"top_p": 0.0}, "top_p=0.0 must be in"),
+        ({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),
+        ({"prompts": []}, "pass a string or a list of strings"),
+    ],
+)
 def test_bad_options_are_named(checkpoint, changes, message):
     with pytest.raises(ValueError, match=message):
         generate(config(checkpoint, **changes))
@@ -72,6 +75,7 @@ def test_the_script_prints_continuations_and_exits_2_on_input_errors(checkpoint,
     ok = subprocess.run(run + ["prompts=Hello"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.startswith("--- Hello\nHello") and "one prompt" in ok.stdout
-    missing = subprocess.run(run[:2] + [f"checkpoint={tmp_path / 'nope'}"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120)
+    missing = subprocess.run(
+        run[:2] + [f"checkpoint={tmp_path / 'nope'}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -38,13 +38,30 @@ from sparse_llm.training.trainer import Trainer, train
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 TOKENIZER = load_tokenizer("embedded")
-SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "vocab_size": len(TOKENIZER), "max_position_embeddings": 64, "rope_theta": 1e5, "tie_word_embeddings": True}
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": len(TOKENIZER),
+    "max_position_embeddings": 64,
+    "rope_theta": 1e5,
+    "tie_word_embeddings": True,
+}
 IDS = torch.randint(0, len(TOKENIZER), (2, 24), generator=torch.Generator().manual_seed(0))
 # A run small enough for a few seconds on two cores: 2 micro-batches of 4 x 64 tokens a step, 200 documents.
-RUN = ["trainer.micro_batch=4", "trainer.global_batch=8", "trainer.warmup_steps=1", "trainer.val_every=100",
-       "trainer.val_batches=2", "logging.wandb=false", "logging.progress_bar=false", "logging.every=1",
-       "checkpoint.every=0", "data.max_documents=200"]
+RUN = [
+    "trainer.micro_batch=4",
+    "trainer.global_batch=8",
+    "trainer.warmup_steps=1",
+    "trainer.val_every=100",
+    "trainer.val_batches=2",
+    "logging.wandb=false",
+    "logging.progress_bar=false",
+    "logging.every=1",
+    "checkpoint.every=0",
+    "data.max_documents=200",
+]
 
 
 def stock(act: str = "relu", seed: int = 0, **changes) -> LlamaForCausalLM:
@@ -58,20 +75,41 @@ def write_reference(path: Path, model: LlamaForCausalLM, transposed_down: bool =
     sparsity_new_intermediate_size (intermediate_size keeps the dense width it replaced); down_proj as [N, K] where
     its hybrid kernel ran."""
     path.mkdir(parents=True)
-    config = {**model.config.to_dict(), "model_type": "llama_sparse_relu",
-              "architectures": ["SparseLlamaForCausalLM"], "hidden_act": "silu", "intermediate_size": 512,
-              "auto_map": {"AutoConfig": "sparse_models.SparseLlamaConfig",
-                           "AutoModelForCausalLM": "sparse_models.SparseLlamaForCausalLM"},
-              "sparsity_train_batch_size": 512, "sparsity_per_device_train_batch_size": 8, "sparsity_max_seq_len": 2048,
-              "sparsity_tokens_until_dead": None, "sparsity_l1_coeff": 2e-5, "sparsity_start_warmup_step": None,
-              "sparsity_end_warmup_step": None, "sparsity_new_intermediate_size": model.config.intermediate_size,
-              "sparsity_gated_mlp": True, "mlp_bias": False, "sparsity_reinitialize": True, "sparsity_do_track": True,
-              "sparsity_mlp_execution_logic": "training", "sparsity_baseline_run": False,
-              "sparsity_use_hybrid_kernel": transposed_down, "sparsity_l0_cutoff": -1, "sparsity_l0_cutoff_period": 20,
-              **fields}
+    config = {
+        **model.config.to_dict(),
+        "model_type": "llama_sparse_relu",
+        "architectures": ["SparseLlamaForCausalLM"],
+        "hidden_act": "silu",
+        "intermediate_size": 512,
+        "auto_map": {
+            "AutoConfig": "sparse_models.SparseLlamaConfig",
+            "AutoModelForCausalLM": "sparse_models.SparseLlamaForCausalLM",
+        },
+        "sparsity_train_batch_size": 512,
+        "sparsity_per_device_train_batch_size": 8,
+        "sparsity_max_seq_len": 2048,
+        "sparsity_tokens_until_dead": None,
+        "sparsity_l1_coeff": 2e-5,
+        "sparsity_start_warmup_step": None,
+        "sparsity_end_warmup_step": None,
+        "sparsity_new_intermediate_size": model.config.intermediate_size,
+        "sparsity_gated_mlp": True,
+        "mlp_bias": False,
+        "sparsity_reinitialize": True,
+        "sparsity_do_track": True,
+        "sparsity_mlp_execution_logic": "training",
+        "sparsity_baseline_run": False,
+        "sparsity_use_hybrid_kernel": transposed_down,
+        "sparsity_l0_cutoff": -1,
+        "sparsity_l0_cutoff_period": 20,
+        **fields,
+    }
     (path / "config.json").write_text(json.dumps(config))
-    state = {key: value.t().contiguous() if transposed_down and key.endswith("down_proj.weight") else value
-             for key, value in model.state_dict().items() if key != "lm_head.weight"}
+    state = {
+        key: value.t().contiguous() if transposed_down and key.endswith("down_proj.weight") else value
+        for key, value in model.state_dict().items()
+        if key != "lm_head.weight"
+    }
     save_file(state, path / "model.safetensors")
     TOKENIZER.save_pretrained(path)
     return path
@@ -98,7 +136,8 @@ def test_reference_checkpoint_reads_as_a_stock_relu_llama_and_says_so(tmp_path, 
         ours = load_pretrained(path, kernel="torch").eval()
     assert [r.message for r in caplog.records].count(
         f"{path}: the reference format (llama_sparse_relu) read as a stock LlamaForCausalLM(hidden_act='relu', "
-        "intermediate_size=256); its hidden_act='silu' is a leftover that the reference MLP never applied") == 1
+        "intermediate_size=256); its hidden_act='silu' is a leftover that the reference MLP never applied"
+    ) == 1
     assert ours.config.hidden_act == "relu" and ours.config.intermediate_size == 256
     assert not hasattr(ours.config, "sparsity_l1_coeff") and len(sparse_mlps(ours)) == 2
     torch.testing.assert_close(ours(IDS).logits, source(IDS).logits, rtol=0, atol=0)
@@ -110,8 +149,9 @@ def test_reference_hybrid_layout_down_proj_is_transposed_back(tmp_path):
     source = stock()
     path = write_reference(tmp_path / "ref", source, transposed_down=True)
     assert load_file(path / "model.safetensors")["model.layers.0.mlp.down_proj.weight"].shape == (256, 64)
-    torch.testing.assert_close(load_pretrained(path, kernel="torch").eval()(IDS).logits, source(IDS).logits,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        load_pretrained(path, kernel="torch").eval()(IDS).logits, source(IDS).logits, rtol=0, atol=0
+    )
 
 
 def test_generate_runs_on_a_reference_checkpoint(tmp_path):
@@ -120,16 +160,19 @@ def test_generate_runs_on_a_reference_checkpoint(tmp_path):
     assert result.new_tokens == 3
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"sparsity_gated_mlp": False}, "sparsity_gated_mlp=False"),
-    ({"sparsity_new_intermediate_size": 0}, "sparsity_new_intermediate_size=0"),
-    ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"vocab_size": None}, "lacks vocab_size"),
-    ({"model_type": "qwen2"}, "biases on q_proj/k_proj/v_proj"),
-    ({"model_type": "qwen2_sparse_relu"}, "biases on q_proj/k_proj/v_proj"),
-    ({"model_type": "qwen3"}, "q_norm, k_norm"),
-    ({"model_type": "gpt2"}, "not a Llama-architecture model"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"sparsity_gated_mlp": False}, "sparsity_gated_mlp=False"),
+        ({"sparsity_new_intermediate_size": 0}, "sparsity_new_intermediate_size=0"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"vocab_size": None}, "lacks vocab_size"),
+        ({"model_type": "qwen2"}, "biases on q_proj/k_proj/v_proj"),
+        ({"model_type": "qwen2_sparse_relu"}, "biases on q_proj/k_proj/v_proj"),
+        ({"model_type": "qwen3"}, "q_norm, k_norm"),
+        ({"model_type": "gpt2"}, "not a Llama-architecture model"),
+    ],
+)
 def test_unreadable_configs_name_the_field(tmp_path, change, message):
     path = write_reference(tmp_path / "ref", stock(), **change)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
@@ -142,16 +185,25 @@ def test_missing_and_misshapen_weights_are_named(tmp_path):
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.norm.weight"] = torch.ones(3)
     save_file(state, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing: model.layers.1.mlp.up_proj.weight; misshapen: "
-                                              r"model.norm.weight \(3,\) \(config says \(64,\)\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing: model.layers.1.mlp.up_proj.weight; misshapen: "
+        r"model.norm.weight \(3,\) \(config says \(64,\)\)",
+    ):
         load_pretrained(path)
 
 
 @pytest.mark.slow
 def test_entry_points_exit_2_on_an_unreadable_checkpoint(tmp_path):
     path = write_reference(tmp_path / "ref", stock(), sparsity_gated_mlp=False)
-    done = subprocess.run([sys.executable, "generate.py", f"checkpoint={path}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "generate.py", f"checkpoint={path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2 and "sparsity_gated_mlp=False" in done.stderr and "Traceback" not in done.stderr
     assert main([str(path), str(tmp_path / "out")]) == 2
 
@@ -216,8 +268,11 @@ def test_model_settings_that_disagree_with_the_checkpoint_are_named(tmp_path):
     found = checked_model_config(ModelConfig(), checkpoint, "ref")  # the default group: nothing given
     assert (found.hidden_size, found.intermediate_size, found.vocab_size) == (64, 256, len(TOKENIZER))
     assert checked_model_config(ModelConfig(hidden_size=64), checkpoint, "ref") == found  # given, and agreeing
-    with pytest.raises(ValueError, match=r"model.hidden_size=2048 \(the checkpoint has 64\); model.intermediate_size="
-                                         r"5632 \(the checkpoint has 256\); model.num_layers=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.hidden_size=2048 \(the checkpoint has 64\); model.intermediate_size="
+        r"5632 \(the checkpoint has 256\); model.num_layers=8",
+    ):
         Trainer(run_config(f"init={checkpoint.path}", "model=0.5b"), tmp_path / "run")
 
 
@@ -258,8 +313,12 @@ def test_a_resumed_init_run_resumes_the_run_not_the_init(tmp_path):
 
 @pytest.mark.slow
 def test_dense_silu_baseline_then_sparsify_then_eval(tmp_path):
-    small = ["model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2",
-             "model.max_position_embeddings=64"]
+    small = [
+        "model.hidden_size=64",
+        "model.intermediate_size=256",
+        "model.num_layers=2",
+        "model.max_position_embeddings=64",
+    ]
     dense_final = train(run_config(*small, "model.hidden_act=silu", "trainer.max_steps=2"), tmp_path / "dense")
     dense_records = read_metrics(tmp_path / "dense" / "metrics.jsonl")
     assert all(r["l1_coeff"] == 0 and "l0/mean" not in r for r in dense_records if "loss" in r)
@@ -274,8 +333,11 @@ def test_dense_silu_baseline_then_sparsify_then_eval(tmp_path):
     assert records[0]["val/ce_dense_source"] == pytest.approx(dense_ce, rel=1e-6)
     assert records[0]["val/ce"] == pytest.approx(swapped_ce, rel=1e-6) and swapped_ce != dense_ce
     first = records[1]  # recipe=sparsify: a lower peak lr (reached at once: RUN's one warm-up step), L1 along a sine
-    assert first["lr"] == pytest.approx(3e-4) and first["l1_coeff"] == pytest.approx(
-        l1_coefficient(trainer.cfg.l1, 0, 200, "sine")) and first["l0/layer_00"] > 0
+    assert (
+        first["lr"] == pytest.approx(3e-4)
+        and first["l1_coeff"] == pytest.approx(l1_coefficient(trainer.cfg.l1, 0, 200, "sine"))
+        and first["l0/layer_00"] > 0
+    )
     model = load_pretrained(final, kernel="torch")
     scored = held_out_metrics(model, torch.randint(0, len(TOKENIZER), (130,)), seq_len=64, batch_size=2)
     assert 0 <= scored["sparsity"]["sparsity_mean"] <= 1 and math.isfinite(scored["perplexity"]["ce"])

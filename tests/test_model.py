@@ -9,9 +9,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from sparse_llm.ffn import registry
-from sparse_llm.ffn.torch_backend import TorchFFN
-from sparse_llm.ffn.registry import get_backend
 from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.ffn.registry import get_backend
+from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.model.llama import (
     CausalLlamaModel,
     ModelConfig,
@@ -23,8 +23,9 @@ from sparse_llm.model.llama import (
     sparse_mlps,
 )
 
-TINY = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, vocab_size=97,
-                   max_position_embeddings=64)
+TINY = ModelConfig(
+    hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, vocab_size=97, max_position_embeddings=64
+)
 
 
 def test_sparse_mlp_matches_llama_mlp_relu():
@@ -47,11 +48,19 @@ def test_parameter_names_are_the_stock_ones():
     assert list(ours.state_dict()) == list(stock.state_dict())
 
 
-@pytest.mark.parametrize("size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539),
-                                                  ("2b", 38, 2.053)])
+@pytest.mark.parametrize(
+    "size,layers,billions", [("0.5b", 8, 0.512), ("1b", 18, 1.026), ("1.5b", 28, 1.539), ("2b", 38, 2.053)]
+)
 def test_paper_sizes_on_meta_device(size, layers, billions):
-    cfg = ModelConfig(name=size, hidden_size=2048, intermediate_size=5632, num_layers=layers, num_heads=32,
-                      vocab_size=49152, max_position_embeddings=2048)
+    cfg = ModelConfig(
+        name=size,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=layers,
+        num_heads=32,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+    )
     with torch.device("meta"):
         model = build_model(cfg)
     assert len(sparse_mlps(model)) == layers
@@ -262,8 +271,12 @@ def test_fused_rms_norm_matches_stock_forward_and_backward(dtype):
     assert y_fused.dtype == dtype
     torch.testing.assert_close(y_fused, y_stock, **tol)
     torch.testing.assert_close(x_fused.grad, x_stock.grad, **tol)
-    torch.testing.assert_close(fused.weight.grad, stock.weight.grad, rtol=2**-7 if dtype != torch.float32 else 1e-5,
-                               atol=5e-2 if dtype != torch.float32 else 1e-5)
+    torch.testing.assert_close(
+        fused.weight.grad,
+        stock.weight.grad,
+        rtol=2**-7 if dtype != torch.float32 else 1e-5,
+        atol=5e-2 if dtype != torch.float32 else 1e-5,
+    )
 
 
 def test_fused_rms_norm_keeps_the_stock_cast_order_on_mixed_dtypes():
@@ -319,8 +332,10 @@ def test_fused_attention_matches_stock_with_padding_and_a_kv_cache():
         torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=0, atol=0)
         step = torch.randint(0, TINY.vocab_size, (2, 1))
         mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
-        nexts = [m(input_ids=step, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
-                 for m, o in zip((stock, ours), outs)]
+        nexts = [
+            m(input_ids=step, attention_mask=mask, past_key_values=o.past_key_values, use_cache=True)
+            for m, o in zip((stock, ours), outs)
+        ]
     torch.testing.assert_close(nexts[1].logits, nexts[0].logits, rtol=0, atol=0)
 
 
@@ -354,8 +369,12 @@ def test_add_linear_adds_into_the_accumulator_in_every_dtype_case():
 
     torch.manual_seed(7)
     a, w, bias = torch.randn(6, 16), torch.randn(8, 16), torch.randn(8)
-    for acc_dtype, ab_dtype, b in [(torch.float32, torch.float32, None), (torch.float32, torch.float32, bias),
-                                   (torch.float32, torch.bfloat16, None), (torch.bfloat16, torch.bfloat16, None)]:
+    for acc_dtype, ab_dtype, b in [
+        (torch.float32, torch.float32, None),
+        (torch.float32, torch.float32, bias),
+        (torch.float32, torch.bfloat16, None),
+        (torch.bfloat16, torch.bfloat16, None),
+    ]:
         acc = torch.randn(6, 8, dtype=acc_dtype)
         want = acc + nn.functional.linear(a.to(ab_dtype), w.to(ab_dtype), None if b is None else b.to(ab_dtype))
         got = add_linear_(acc, a.to(ab_dtype), w.to(ab_dtype), None if b is None else b.to(ab_dtype))
@@ -463,8 +482,11 @@ def test_training_forward_leaves_each_ffn_add_to_the_next_layer():
     layer = model.model.layers[0]
     layer.mlp = LlamaMLP(llama_config(TINY))
     with pytest.raises(ValueError, match="defer_ffn_add=True needs the layer's MLP to be a SparseMLP"):
-        layer(torch.randn(2, 16, TINY.hidden_size), position_embeddings=model.model.rotary_emb(
-            torch.randn(2, 16, TINY.hidden_size), torch.arange(16)[None]), defer_ffn_add=True)
+        layer(
+            torch.randn(2, 16, TINY.hidden_size),
+            position_embeddings=model.model.rotary_emb(torch.randn(2, 16, TINY.hidden_size), torch.arange(16)[None]),
+            defer_ffn_add=True,
+        )
     assert model(ids, use_cache=False).logits.shape == training_logits.shape  # a stock MLP in a layer: no deferring
 
 
@@ -477,8 +499,9 @@ def test_fsdp_wraps_the_fused_decoder_layers_and_names_the_class_on_a_stale_conf
     from sparse_llm.training.trainer import check_fsdp_wrap
 
     def plugin(names: list[str] | None) -> FullyShardedDataParallelPlugin:
-        return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-                                              transformer_cls_names_to_wrap=names)
+        return FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap=names
+        )
 
     model = build_model(TINY, kernel="torch")
     config = Path(__file__).resolve().parents[1] / "configs/accelerate/fsdp.yaml"

@@ -37,7 +37,9 @@ def test_cpu_run_lists_every_phase_of_each_step_and_skips_what_cannot_run(capsys
     assert record["settings"]["accumulate"] == 3 and record["settings"]["kernels"] == ["torch", "twell"]
     phases = [row["phase"] for row in record["results"] if row["kernel"] == "torch"]
     assert phases == [f"micro-batch {i} {part}" for i in range(3) for part in ("forward", "backward")] + [
-        "optimizer", "whole step"]
+        "optimizer",
+        "whole step",
+    ]
     assert len(record["results"][-2]["step_ms"]) == 2 and "CUDA" in record["results"][-1]["skipped"]
 
 
@@ -74,7 +76,8 @@ def test_step_scope_is_entered_once_per_step_unless_switched_off(off, monkeypatc
     entered = []
     real = train_step.optimizer_step
     monkeypatch.setattr(train_step, "optimizer_step", lambda **kw: entered.append(kw) or real(**kw))
-    profile_train_step["main"]([*TINY, "--accumulate", "2", "--steps", "2", "--kernels", "torch",
-                             *(["--no-step-scope"] if off else [])])  # fmt: skip
+    profile_train_step["main"](
+        [*TINY, "--accumulate", "2", "--steps", "2", "--kernels", "torch", *(["--no-step-scope"] if off else [])]
+    )
     assert entered == ([] if off else [{"reuse_casts": True, "add_into_grads": True, "graph_forwards": False}] * 2)
     assert ("no step scope" in capsys.readouterr().out) == off

@@ -264,8 +264,13 @@ def test_layer_balance_through_the_tracker_logs_and_resumes():
     assert SparsityTracker(mlps, SparsityConfig()).l1_weights_L is None  # off by default: the plain mean
 
 
-@pytest.mark.parametrize(("key", "value", "names"), [("layer_balance", -0.1, "sparsity.layer_balance=-0.1"),
-                                                     ("layer_balance_max", 0.5, "sparsity.layer_balance_max=0.5")])
+@pytest.mark.parametrize(
+    ("key", "value", "names"),
+    [
+        ("layer_balance", -0.1, "sparsity.layer_balance=-0.1"),
+        ("layer_balance_max", 0.5, "sparsity.layer_balance_max=0.5"),
+    ],
+)
 def test_layer_balance_refuses_bad_settings_by_name(key, value, names):
     cfg = SparsityConfig(**{"layer_balance": 0.1, key: value})
     with pytest.raises(ValueError, match=names.replace(".", r"\.")):

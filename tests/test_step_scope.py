@@ -1,4 +1,5 @@
-"""CPU tests of sparse_llm.ffn.step_scope and of the training op's use of it (the torch reference path; the kernels' side
+"""CPU tests of sparse_llm.ffn.step_scope and of the training op's use of it (the torch reference path; the kernels'
+side
 is tests/gpu/test_step_scope_gpu.py): weight casts reused over one optimizer step, weight gradients added into held
 `.grad` tensors, and the cases where either must not happen."""
 
@@ -16,11 +17,9 @@ import torch
 from helpers.runs import child_env
 
 from sparse_llm.ffn import step_scope
-
-from sparse_llm.ffn.twell import graphs as train_graphs
-
-from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast
+from sparse_llm.ffn.twell import graphs as train_graphs
+from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.twell.train_launch import STATE_NAMES
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 

@@ -13,8 +13,6 @@ import torch
 
 from sparse_llm.telemetry import energy as energy_mod
 from sparse_llm.telemetry.energy import EnergyMeter
-from sparse_llm.telemetry.plots import main as plots_main
-from sparse_llm.telemetry.plots import plot_run
 from sparse_llm.telemetry.metrics import (
     LoggingConfig,
     Telemetry,
@@ -22,6 +20,8 @@ from sparse_llm.telemetry.metrics import (
     read_metrics,
     resolve_wandb_mode,
 )
+from sparse_llm.telemetry.plots import main as plots_main
+from sparse_llm.telemetry.plots import plot_run
 
 QUIET = LoggingConfig(wandb=False, progress_bar=False, console=False)
 
@@ -177,9 +177,7 @@ def _fake_nvml(readings_mj: list[int], mig: bool = False) -> types.ModuleType:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(energy_mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(energy_mod.torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(
-        energy_mod.torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="abc")
-    )
+    monkeypatch.setattr(energy_mod.torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="abc"))
 
 
 def test_energy_meter_laps_counter_deltas(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,15 +15,25 @@ from helpers.runs import losses, small_config
 from safetensors.torch import load_file, save_file
 
 from sparse_llm.ffn import step_scope
+from sparse_llm.model.llama import build_model, sparse_mlps
+from sparse_llm.telemetry.metrics import read_metrics
 from sparse_llm.training import checkpoint
 from sparse_llm.training import trainer as training
 from sparse_llm.training.checkpoint import list_checkpoints, load_hf_weights
 from sparse_llm.training.config import TrainerConfig
-from sparse_llm.model.llama import build_model, sparse_mlps
-from sparse_llm.telemetry.metrics import read_metrics
 from sparse_llm.training.preemption import TrainingStopped
-from sparse_llm.training.trainer import (FrozenHeap, NonFiniteLossError, Trainer, cosine_with_warmup, make_optimizer,
-                                 plain_tensor, plan_batches, skip_update_if_non_finite, sparse_training_hint, train)
+from sparse_llm.training.trainer import (
+    FrozenHeap,
+    NonFiniteLossError,
+    Trainer,
+    cosine_with_warmup,
+    make_optimizer,
+    plain_tensor,
+    plan_batches,
+    skip_update_if_non_finite,
+    sparse_training_hint,
+    train,
+)
 
 # The uninterrupted run that resumed runs must reproduce: 8 steps, a checkpoint every 4.
 EIGHT_STEPS = ("trainer.max_steps=8", "checkpoint.every=4")
@@ -177,8 +187,10 @@ def test_an_unknown_compile_backend_is_named(tmp_path):
     [
         (["trainer.cuda_graphs=true"], "trainer.compile=true"),
         (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.compile_backend=aot_eager"], "inductor"),
-        (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.gradient_checkpointing=true"],
-         "gradient_checkpointing"),
+        (
+            ["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.gradient_checkpointing=true"],
+            "gradient_checkpointing",
+        ),
         (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.cpu=true"], "needs a CUDA GPU"),
     ],
 )
@@ -321,8 +333,11 @@ def test_hf_weights_load_from_shards_with_a_tied_head_and_another_models_are_nam
     with pytest.raises(ValueError, match=r"does not hold this model's weights \(missing \['model\.layers\.2"):
         load_hf_weights(deeper, tmp_path / "hf")
     wider = build_model(replace(model_cfg, intermediate_size=512))
-    with pytest.raises(ValueError, match=r"\(shapes \['model\.layers\.0\.mlp\.gate_proj\.weight \(256, 64\) for "
-                                         r"\(512, 64\)'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(shapes \['model\.layers\.0\.mlp\.gate_proj\.weight \(256, 64\) for "
+        r"\(512, 64\)'",
+    ):
         load_hf_weights(wider, tmp_path / "hf")
 
 
@@ -386,8 +401,14 @@ def test_cosine_schedule_shape():
 def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
     """The open dead-neuron window, the dispatchers' observations and the layers' L1 weights travel with the
     checkpoint."""
-    common = ["trainer.max_steps=8", "checkpoint.every=4", "sparsity.reinit_dead=true",
-              "sparsity.dead_window_steps=3", "logging.every=1", "sparsity.layer_balance=0.5"]
+    common = [
+        "trainer.max_steps=8",
+        "checkpoint.every=4",
+        "sparsity.reinit_dead=true",
+        "sparsity.dead_window_steps=3",
+        "logging.every=1",
+        "sparsity.layer_balance=0.5",
+    ]
 
     def run(run_dir: Path, *overrides: str) -> None:
         trainer = Trainer(small_config(*common, *overrides), run_dir)
@@ -414,8 +435,7 @@ def test_resume_mid_dead_window_with_reinit_reproduces_the_run(tmp_path):
 
 
 def test_validation_runs_on_its_own_schedule(tmp_path):
-    train(small_config("trainer.max_steps=6", "trainer.val_every=2", "logging.every=3", "checkpoint.every=0"),
-          tmp_path)
+    train(small_config("trainer.max_steps=6", "trainer.val_every=2", "logging.every=3", "checkpoint.every=0"), tmp_path)
     with_val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val/ce" in r]
     assert with_val == [2, 4, 6]
 
@@ -536,9 +556,13 @@ def test_checkpoints_make_room_before_a_write(pruned_run):
 
 
 # Failures a writer meets: a full disk, a permission, torch.save's own error (it raises RuntimeError, not OSError).
-WRITE_FAILURES = [OSError(28, "No space left on device"), PermissionError(13, "Permission denied"),
-                  RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
-                               "data/3: file write failed")]
+WRITE_FAILURES = [
+    OSError(28, "No space left on device"),
+    PermissionError(13, "Permission denied"),
+    RuntimeError(
+        "[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file data/3: file write failed"
+    ),
+]
 
 
 @pytest.mark.parametrize("failure", WRITE_FAILURES, ids=lambda error: type(error).__name__)
@@ -558,8 +582,15 @@ def test_a_failed_checkpoint_write_says_what_to_change_and_leaves_no_partial(tmp
     with pytest.raises(checkpoint.CheckpointWriteError) as raised:
         train(small_config(*common), tmp_path)
     message = str(raised.value)
-    for part in ("checkpoints/step_4: writing it failed", str(failure).split(":")[0], "B are free there", "step_2 (",
-                 "checkpoint.resume=auto", "checkpoint.keep_last (now 1", "checkpoint.every"):
+    for part in (
+        "checkpoints/step_4: writing it failed",
+        str(failure).split(":")[0],
+        "B are free there",
+        "step_2 (",
+        "checkpoint.resume=auto",
+        "checkpoint.keep_last (now 1",
+        "checkpoint.every",
+    ):
         assert part in message, part
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
     monkeypatch.setattr(torch, "save", real_save)
@@ -580,8 +611,11 @@ def test_a_failed_final_export_leaves_no_partial_and_names_the_checkpoint_to_res
 
     monkeypatch.setattr(checkpoint, "export_model", export)
     common = ["trainer.max_steps=4", "checkpoint.every=4"]
-    with pytest.raises(checkpoint.CheckpointWriteError, match=rf"final: writing it failed \({type(failure).__name__}.*"
-                                                              r"step_4 \("):
+    with pytest.raises(
+        checkpoint.CheckpointWriteError,
+        match=rf"final: writing it failed \({type(failure).__name__}.*"
+        r"step_4 \(",
+    ):
         train(small_config(*common), tmp_path)
     assert not (tmp_path / "final.partial").exists() and not (tmp_path / "final").exists()
     monkeypatch.setattr(checkpoint, "export_model", real_export)

@@ -18,33 +18,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
-from sparse_llm.cuda import runtime as cuda
-
 from sparse_llm import doctor
-
-from sparse_llm.ffn import kernel_set
-
+from sparse_llm.cuda import runtime as cuda
 from sparse_llm.cuda import tensor_map
-
-from sparse_llm.ffn.twell import backend as twell_backend
+from sparse_llm.ffn import kernel_set
 from sparse_llm.ffn.backend import Tail
-from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.ffn.registry import get_backend
-from sparse_llm.model.llama import ModelConfig, build_model
-from sparse_llm.ffn.twell.cost_model import CUBLAS_GEMM_TFLOPS, SLICES_MIN_M, column_parts, dense_ms, dense_row_split, direct_walk, heavy_share, row_slowdown, rows_walk_ms, slice_width, slices_walk_ms, twell_estimated_ms
-from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, dense_row_stats, flagged_parts
+from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.twell import backend as twell_backend
+from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
 from sparse_llm.ffn.twell.backend import TwellFFN
-from sparse_llm.ffn.twell.validation import check_inputs
+from sparse_llm.ffn.twell.cost_model import (
+    CUBLAS_GEMM_TFLOPS,
+    SLICES_MIN_M,
+    column_parts,
+    dense_ms,
+    dense_row_split,
+    direct_walk,
+    heavy_share,
+    row_slowdown,
+    rows_walk_ms,
+    slice_width,
+    slices_walk_ms,
+    twell_estimated_ms,
+)
+from sparse_llm.ffn.twell.infer_launch import TransposeCache, dense_row_stats, direct_up_down, flagged_parts
 from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.validation import check_inputs
+from sparse_llm.model.llama import ModelConfig, build_model
 
 KERNEL_FILES = (
-    "twell_gate_wgmma.cu", "gate_up_down.cu", "gate_up_then_down.cu",
-    "transpose.cu", "rope.cu", "dense_rows.cu", "decode_ffn.cu",
+    "twell_gate_wgmma.cu",
+    "gate_up_down.cu",
+    "gate_up_then_down.cu",
+    "transpose.cu",
+    "rope.cu",
+    "dense_rows.cu",
+    "decode_ffn.cu",
 )
-NVCC = shutil.which("nvcc") or (
-    "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-)
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -281,9 +293,15 @@ def test_dispatch_picks_sparse_only_where_it_pays():
 # The decode kernel in CUDA graphs at K x N = 2048 x 5632 (H200, 2026-11-29): (tokens, non-zeros per token, us), the
 # tokens past 16 in groups of 16 whose blocks run side by side.
 MEASURED_DECODES = [
-    (16, 28, 27.2), (32, 28, 30.1), (48, 28, 36.4), (64, 28, 43.8),
-    (16, 56, 31.8), (32, 56, 36.9), (48, 56, 45.8), (64, 56, 56.7),
-]  # fmt: skip
+    (16, 28, 27.2),
+    (32, 28, 30.1),
+    (48, 28, 36.4),
+    (64, 28, 43.8),
+    (16, 56, 31.8),
+    (32, 56, 36.9),
+    (48, 56, 45.8),
+    (64, 56, 56.7),
+]
 
 
 @pytest.mark.parametrize("m, l0, us", MEASURED_DECODES)
@@ -297,16 +315,25 @@ def test_decode_price_follows_its_groups(m, l0, us):
 # density (one pass at 44 MiB of rows, two from 66 to 224, three from 128 at 56 non-zeros, which the price takes
 # for two): (M, K, N, non-zeros per token, ms).
 MEASURED_WALKS = [
-    (16384, 2048, 5632, 28.0, 0.613), (16384, 2048, 5632, 56.2, 1.087),
-    (16384, 2048, 8448, 27.8, 0.724), (16384, 2048, 8448, 57.4, 1.183),
-    (16384, 2048, 11264, 27.7, 0.839), (16384, 2048, 11264, 56.1, 1.303),
-    (16384, 2048, 16896, 28.1, 1.133), (16384, 2048, 16896, 55.6, 1.518),
-    (16384, 3072, 8192, 28.2, 1.285), (16384, 3072, 8192, 55.6, 2.018),
-    (8192, 4096, 5632, 28.1, 0.788), (8192, 4096, 5632, 56.2, 1.265),
-    (8192, 4096, 11008, 20.3, 0.899), (8192, 4096, 11008, 57.4, 1.719),
-    (16384, 4096, 11008, 28.5, 2.206), (16384, 4096, 11008, 57.4, 3.413),
-    (8192, 4096, 14336, 20.5, 0.992), (8192, 4096, 14336, 57.0, 1.959),
-]  # fmt: skip
+    (16384, 2048, 5632, 28.0, 0.613),
+    (16384, 2048, 5632, 56.2, 1.087),
+    (16384, 2048, 8448, 27.8, 0.724),
+    (16384, 2048, 8448, 57.4, 1.183),
+    (16384, 2048, 11264, 27.7, 0.839),
+    (16384, 2048, 11264, 56.1, 1.303),
+    (16384, 2048, 16896, 28.1, 1.133),
+    (16384, 2048, 16896, 55.6, 1.518),
+    (16384, 3072, 8192, 28.2, 1.285),
+    (16384, 3072, 8192, 55.6, 2.018),
+    (8192, 4096, 5632, 28.1, 0.788),
+    (8192, 4096, 5632, 56.2, 1.265),
+    (8192, 4096, 11008, 20.3, 0.899),
+    (8192, 4096, 11008, 57.4, 1.719),
+    (16384, 4096, 11008, 28.5, 2.206),
+    (16384, 4096, 11008, 57.4, 3.413),
+    (8192, 4096, 14336, 20.5, 0.992),
+    (8192, 4096, 14336, 57.0, 1.959),
+]
 
 
 @pytest.mark.parametrize("m, k, n, l0, walk_ms", MEASURED_WALKS)
@@ -334,11 +361,19 @@ def test_dispatch_on_wide_blocks_follows_the_walks():
 # on an H200 with the tokens ordered by count; the rest on an H100 before that (the 8-column ones not re-measured
 # since).
 MEASURED_SLICES = [
-    (16384, 2048, 5632, 28.0, 52, 0.598), (16384, 2048, 5632, 56.0, 91, 0.932), (8192, 2048, 5632, 55.9, 93, 0.516),
-    (32768, 2048, 5632, 28.1, 55, 1.137), (16384, 2048, 11264, 27.8, 58, 0.892), (16384, 2048, 11264, 79.8, 129, 1.575),
-    (16384, 3072, 8192, 28.3, 56, 1.131), (16384, 4096, 11008, 28.5, 57, 1.828), (16384, 4096, 11008, 57.3, 95, 2.689),
-    (16384, 4096, 11008, 81.5, 125, 3.573), (8192, 4096, 14336, 20.4, 41, 1.046), (8192, 4096, 14336, 56.8, 96, 1.666),
-]  # fmt: skip
+    (16384, 2048, 5632, 28.0, 52, 0.598),
+    (16384, 2048, 5632, 56.0, 91, 0.932),
+    (8192, 2048, 5632, 55.9, 93, 0.516),
+    (32768, 2048, 5632, 28.1, 55, 1.137),
+    (16384, 2048, 11264, 27.8, 58, 0.892),
+    (16384, 2048, 11264, 79.8, 129, 1.575),
+    (16384, 3072, 8192, 28.3, 56, 1.131),
+    (16384, 4096, 11008, 28.5, 57, 1.828),
+    (16384, 4096, 11008, 57.3, 95, 2.689),
+    (16384, 4096, 11008, 81.5, 125, 3.573),
+    (8192, 4096, 14336, 20.4, 41, 1.046),
+    (8192, 4096, 14336, 56.8, 96, 1.666),
+]
 
 
 @pytest.mark.parametrize("m, k, n, l0_mean, l0_max, walk_ms", MEASURED_SLICES)
@@ -410,11 +445,15 @@ def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
     for the slices walk, which wins (1.15x dense at mean 82 / max 125)."""
     sparse, dense = TwellFFN(), TorchFFN()
     m = 16384
-    assert sparse.estimated_ms(m, 2048, 11264, 80, 142, False) < 0.95 * dense.estimated_ms(m, 2048, 11264, 80, 142, False)
+    assert sparse.estimated_ms(m, 2048, 11264, 80, 142, False) < 0.95 * dense.estimated_ms(
+        m, 2048, 11264, 80, 142, False
+    )
     gate_ms = 2.0 * m * 4096 * 11008 / (CUBLAS_GEMM_TFLOPS * 1e9)
     assert gate_ms + rows_walk_ms(m, 4096, 11008, 82, 142) > dense.estimated_ms(m, 4096, 11008, 82, 142, False)
     assert direct_walk(m, 4096, 11008, (82, 142)) == "slices"
-    assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) < 0.95 * dense.estimated_ms(m, 4096, 11008, 82, 142, False)
+    assert sparse.estimated_ms(m, 4096, 11008, 82, 142, False) < 0.95 * dense.estimated_ms(
+        m, 4096, 11008, 82, 142, False
+    )
     at, over = twell_estimated_ms(m, 2048, 5632, 80, 128), twell_estimated_ms(m, 2048, 5632, 80, 131)
     assert at <= over < 1.02 * at  # no step at the threshold
     assert heavy_share(28, 100) == 0.0 and 0.1 < heavy_share(28, 1353) < 0.3 < heavy_share(112, 1788) < 1.0
@@ -424,17 +463,21 @@ def test_tail_price_grows_with_the_share_of_non_zeros_in_the_tail():
 # and max non-zeros per token, the heavy tokens' shares of tokens and non-zeros, the measured calls in ms (dense:
 # 1.74-1.86).
 MEASURED_TAILS = [
-    (28.2, 796, 0.0571, 0.475, (1.244, 1.269)), (56.0, 990, 0.138, 0.626, (1.507, 1.485)),
-    (111.5, 1192, 0.295, 0.774, (1.774, 1.824)), (28.4, 1353, 0.0628, 0.725, (1.139, 1.117)),
-    (56.1, 1556, 0.126, 0.803, (1.288, 1.306)), (112.1, 1788, 0.237, 0.870, (1.510, 1.580)),
+    (28.2, 796, 0.0571, 0.475, (1.244, 1.269)),
+    (56.0, 990, 0.138, 0.626, (1.507, 1.485)),
+    (111.5, 1192, 0.295, 0.774, (1.774, 1.824)),
+    (28.4, 1353, 0.0628, 0.725, (1.139, 1.117)),
+    (56.1, 1556, 0.126, 0.803, (1.288, 1.306)),
+    (112.1, 1788, 0.237, 0.870, (1.510, 1.580)),
     (279.5, 2083, 0.489, 0.943, (1.929, 1.957)),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("l0_mean, l0_max, tokens, nonzeros, calls_ms", MEASURED_TAILS)
 def test_heavy_tails_are_priced_from_their_measured_shares(l0_mean, l0_max, tokens, nonzeros, calls_ms):
     """With the heavy tokens' measured shares the price lands within 0.97x of the slower and 1.05x of the faster
-    measured call (these tails hold 47-94% of their non-zeros on heavy tokens, which the log-normal model puts at 20-60%:
+    measured call (these tails hold 47-94% of their non-zeros on heavy tokens, which the log-normal model puts at
+    20-60%:
     without the shares the price is up to 1.6x the call, which keeps such layers dense)."""
     m, k, n = 16384, 2048, 5632
     priced = twell_estimated_ms(m, k, n, l0_mean, l0_max, Tail(tokens, nonzeros))
@@ -533,16 +576,21 @@ def test_cpu_falls_back_to_torch_with_one_warning():
     torch.testing.assert_close(result.y_MK, TorchFFN().forward(*args, training=False).y_MK)
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                              (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)],
+)
 def test_non_bf16_inference_is_an_error_naming_the_dtypes_and_the_fix(monkeypatch, x_dtype, w_dtype):
     """A forced twell layer never falls back silently: non-bf16 tensors say what they are and what to do."""
     monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     x, *weights = block()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning-and-fallback either
-        with pytest.raises(ValueError, match=rf"got x {str(x_dtype)[6:]} and weights {str(w_dtype)[6:]}.*"
-                                             r"dtype=bfloat16.*kernel=auto"):
+        with pytest.raises(
+            ValueError,
+            match=rf"got x {str(x_dtype)[6:]} and weights {str(w_dtype)[6:]}.*"
+            r"dtype=bfloat16.*kernel=auto",
+        ):
             TwellFFN().forward(x.to(x_dtype), *(w.to(w_dtype) for w in weights), training=False)
 
 
@@ -550,9 +598,7 @@ def test_bf16_autocast_inference_runs_the_kernels_on_bf16_casts(monkeypatch):
     """Validation of fp32 weights under autocast (kernel=twell training) takes the kernels in bf16."""
     monkeypatch.setattr(cuda, "unavailable_reason", lambda device=None: None)
     seen = []
-    monkeypatch.setattr(
-        twell_backend, "twell_gated_mlp", lambda *tensors, **_: seen.append([t.dtype for t in tensors])
-    )  # fmt: skip
+    monkeypatch.setattr(twell_backend, "twell_gated_mlp", lambda *tensors, **_: seen.append([t.dtype for t in tensors]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         TwellFFN().forward(*(t.float() for t in block()), training=False)
     assert seen == [[torch.bfloat16] * 4]

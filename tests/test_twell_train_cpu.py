@@ -14,20 +14,25 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sparse_llm.ffn.twell import cost_model
-from sparse_llm.ffn import backend as backends
-
 from sparse_llm.cuda import runtime as cuda
-
-from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn import backend as backends
 from sparse_llm.ffn.dispatch import SWITCH_MARGIN
-from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
-from sparse_llm.ffn.twell.csc import CSC_CHUNK, CSC_WHOLE_COLUMN, CSC_WHOLE_PER_MEAN, csc_chunk_starts, csc_keys, csc_order, csc_shared_ranks
-from sparse_llm.ffn.twell.train_launch import STATE_NAMES
-from sparse_llm.ffn.twell.train_op import twell_train_backward_op, twell_train_ffn, twell_train_forward_op
-from sparse_llm.ffn.twell.train_launch import backup_gate_up, heavy_rows
-from sparse_llm.ffn.twell.validation import check_train_inputs
+from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.twell import cost_model
 from sparse_llm.ffn.twell.cost_model import dx_by_slices, train_estimated_ms, walk_by_slices
+from sparse_llm.ffn.twell.csc import (
+    CSC_CHUNK,
+    CSC_WHOLE_COLUMN,
+    CSC_WHOLE_PER_MEAN,
+    csc_chunk_starts,
+    csc_keys,
+    csc_order,
+    csc_shared_ranks,
+)
+from sparse_llm.ffn.twell.train_launch import STATE_NAMES, backup_gate_up, heavy_rows
+from sparse_llm.ffn.twell.train_op import twell_train_backward_op, twell_train_ffn, twell_train_forward_op
+from sparse_llm.ffn.twell.validation import check_train_inputs
+from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
 
 KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -319,9 +324,15 @@ def test_training_tail_price_has_no_step_at_the_threshold():
 
 @pytest.mark.parametrize(
     "l0_mean, l0_max, eager_wins, compiled_wins",
-    [(28, 56, True, True), (56, 95, True, True), (60, 1173, True, False), (110, 169, False, False),
-     (155, 2015, False, False), (279, 362, False, False)],
-)  # fmt: skip
+    [
+        (28, 56, True, True),
+        (56, 95, True, True),
+        (60, 1173, True, False),
+        (110, 169, False, False),
+        (155, 2015, False, False),
+        (279, 362, False, False),
+    ],
+)
 def test_auto_follows_the_measured_block(l0_mean, l0_max, eager_wins, compiled_wins):
     """bench_train_mlp.py on the H100 (M = 16384, docs/benchmarks.md 2026-11-26 09:55): the op beat the eager dense path
     at 28, 56 and heavy-tailed 60 non-zeros per token (2.44x, 1.57x, 1.25x) and the compiled one at 28 and 56 only
@@ -403,7 +414,6 @@ def test_csc_chunk_starts_count_whole_chunks_per_column():
     assert starts([300] * 8 + [620, 700, 0]) == expected([1] * 8 + [1, 11, 1])  # 3720 entries / 11: bound 676
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backup_rows_match_the_reference(dtype):
     """The backup rows' g and u as the backward recomputes them (all tokens heavy) equal formats' hybrid reference
@@ -433,8 +443,17 @@ def test_kernels_compile_for_sm90a_without_spills(filename, tmp_path):
     """Compiles as NVRTC sees it; the K <= 2048 instantiations (KV <= 8) keep everything in registers."""
     src = tmp_path / filename
     src.write_text(cuda.kernel_source(filename))
-    cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--cubin", "-Xptxas", "-v",
-           "-o", str(tmp_path / "k.cubin"), str(src)]  # fmt: skip
+    cmd = [
+        NVCC,
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-std=c++17",
+        "--cubin",
+        "-Xptxas",
+        "-v",
+        "-o",
+        str(tmp_path / "k.cubin"),
+        str(src),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # ptxas prints "Compiling entry function '<mangled>'" then "<n> bytes spill stores" per kernel.

@@ -145,7 +145,9 @@ def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | N
     result.mj_per_token = None if energy_mj is None else energy_mj / result.tokens
 
 
-def write_profile(fn: Callable[[], object], result: VariantResult, device: torch.device, options: MeasureOptions) -> None:
+def write_profile(
+    fn: Callable[[], object], result: VariantResult, device: torch.device, options: MeasureOptions
+) -> None:
     """With a profile_dir: one profiled call of fn, as <dir>/<mode>_<kernel>.json (trace) and .txt (top ops)."""
     if not options.profile_dir:
         return
@@ -225,9 +227,14 @@ def bench_train(
         with FrozenHeap() as heap:  # as the trainer runs its steps
             with PeakMemory(device) as peak:
                 step = TrainStep(
-                    model, ids, options.l1, options.lr, after=heap.freeze, cuda_graphs=options.cuda_graphs,
+                    model,
+                    ids,
+                    options.l1,
+                    options.lr,
+                    after=heap.freeze,
+                    cuda_graphs=options.cuda_graphs,
                     accumulate=options.accumulate,
-                )  # fmt: skip
+                )
                 # Steps back to back, as the trainer issues them: a step's time is from its first kernel's turn on
                 # the device to its last, including any wait of the device for the host within it.
                 samples = time_samples_ms(step, options.warmup, options.reps, device, drain=False)
@@ -273,12 +280,14 @@ def train_breakdown(model: LlamaForCausalLM, step: TrainStep, gate_ms: float) ->
             step.update(loss)
             marks.append(clock.mark())
             spans = [clock.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
-            runs.append({
-                "total": clock.elapsed_ms(marks[0], marks[-1]),
-                **split_forward(sum(spans[0:-1:2]), timer.totals_ms(), gate_ms * step.accumulate),
-                "backward": sum(spans[1:-1:2]),
-                "optimizer": spans[-1],
-            })  # fmt: skip
+            runs.append(
+                {
+                    "total": clock.elapsed_ms(marks[0], marks[-1]),
+                    **split_forward(sum(spans[0:-1:2]), timer.totals_ms(), gate_ms * step.accumulate),
+                    "backward": sum(spans[1:-1:2]),
+                    "optimizer": spans[-1],
+                }
+            )
     return median_dicts(runs)
 
 

@@ -32,9 +32,9 @@ from sparse_llm.bench.timing import l0_summary
 from sparse_llm.data.pipeline import read_token_file
 from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.ffn.backend import Tail
-from sparse_llm.ffn.registry import get_backend
 from sparse_llm.ffn.dispatch import density_of
 from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.ffn.twell.graphs import release_graphs
 from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 from sparse_llm.model.llama import (

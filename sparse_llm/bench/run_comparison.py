@@ -32,9 +32,16 @@ def summarize(run_dir: Path, baseline: dict[int, dict] | None) -> dict[str, floa
     if baseline is not None:
         common = [s for s in steps if s in baseline]
         gap = max((abs(records[s]["loss"] - baseline[s]["loss"]) for s in common), default=float("nan"))
-    return {"run": run_dir.name, "steps": steps[-1], "final_loss": records[steps[-1]]["loss"], "max_gap": gap,
-            "tokens_per_s": median("tokens_per_s"), "peak_mem_gb": median("peak_mem_gb"),
-            "mj_per_token": median("mj_per_token"), "l0": records[steps[-1]].get("l0/mean", float("nan"))}
+    return {
+        "run": run_dir.name,
+        "steps": steps[-1],
+        "final_loss": records[steps[-1]]["loss"],
+        "max_gap": gap,
+        "tokens_per_s": median("tokens_per_s"),
+        "peak_mem_gb": median("peak_mem_gb"),
+        "mj_per_token": median("mj_per_token"),
+        "l0": records[steps[-1]].get("l0/mean", float("nan")),
+    }
 
 
 def _cell(value: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -51,12 +58,23 @@ def summaries(run_dirs: list[Path]) -> list[dict[str, float | str]]:
 def table(run_dirs: list[Path]) -> str:
     rows = summaries(run_dirs)
     base_tps = rows[0]["tokens_per_s"]
-    lines = ["| run | steps | final loss | max loss gap vs first | tokens/s | speed vs first | peak GB/rank | "
-             "mJ/token | mean L0 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | steps | final loss | max loss gap vs first | tokens/s | speed vs first | peak GB/rank | "
+        "mJ/token | mean L0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        cells = [r["run"], str(r["steps"]), _cell(r["final_loss"], ".4f"), _cell(r["max_gap"], ".4f"),
-                 _cell(r["tokens_per_s"], ",.0f"), _cell(r["tokens_per_s"] / base_tps, ".2f", suffix="x"),
-                 _cell(r["peak_mem_gb"], ".1f"), _cell(r["mj_per_token"], ".2f"), _cell(r["l0"], ".1f")]
+        cells = [
+            r["run"],
+            str(r["steps"]),
+            _cell(r["final_loss"], ".4f"),
+            _cell(r["max_gap"], ".4f"),
+            _cell(r["tokens_per_s"], ",.0f"),
+            _cell(r["tokens_per_s"] / base_tps, ".2f", suffix="x"),
+            _cell(r["peak_mem_gb"], ".1f"),
+            _cell(r["mj_per_token"], ".2f"),
+            _cell(r["l0"], ".1f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -82,8 +100,11 @@ def spread_table(run_dirs: list[Path]) -> str | None:
     first = next(iter(groups.values()))
     base_finals, base_mean, base_sd = spread(first)
     base_tps = statistics.median(r["tokens_per_s"] for r in first)
-    lines = ["| configuration | runs | final loss mean | sd | range | mean gap vs first | its standard error | "
-             "tokens/s | speed vs first |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | runs | final loss mean | sd | range | mean gap vs first | its standard error | "
+        "tokens/s | speed vs first |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in groups.items():
         finals, mean, sd = spread(rows)
         gap = error = float("nan")
@@ -92,8 +113,17 @@ def spread_table(run_dirs: list[Path]) -> str | None:
             # NaN unless both configurations were repeated
             error = math.sqrt(base_sd**2 / len(base_finals) + sd**2 / len(finals))
         tps = statistics.median(r["tokens_per_s"] for r in rows)
-        cells = [name, str(len(finals)), f"{mean:.4f}", _cell(sd, ".4f"), f"{min(finals):.4f}-{max(finals):.4f}",
-                 _cell(gap, "+.4f"), _cell(error, ".4f"), _cell(tps, ",.0f"), _cell(tps / base_tps, ".2f", suffix="x")]
+        cells = [
+            name,
+            str(len(finals)),
+            f"{mean:.4f}",
+            _cell(sd, ".4f"),
+            f"{min(finals):.4f}-{max(finals):.4f}",
+            _cell(gap, "+.4f"),
+            _cell(error, ".4f"),
+            _cell(tps, ",.0f"),
+            _cell(tps / base_tps, ".2f", suffix="x"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -114,17 +144,19 @@ def quality_rows(run_dirs: list[Path], eval_results: Path) -> list[dict]:
         if model is None:
             raise SystemExit(f"{eval_results} has no result for {run_dir / 'final'}; evaluate it with eval.py")
         sparsity = model["sparsity"]
-        rows.append({
-            "run": run_dir.name,
-            "ce": model["perplexity"]["ce"],
-            "perplexity": model["perplexity"]["ppl"],
-            "l0_mean": sparsity["l0_mean"],
-            "neurons": sparsity["neurons"],
-            "sparsity": sparsity["sparsity_mean"],
-            "never_fired": sum(layer["never_fired"] for layer in sparsity["layers"]) / len(sparsity["layers"]),
-            "dead": _last(read_metrics(run_dir / "metrics.jsonl"), "dead/mean"),
-            **{f"{task}_acc": result["acc"] for task, result in model.get("tasks", {}).items()},
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": run_dir.name,
+                "ce": model["perplexity"]["ce"],
+                "perplexity": model["perplexity"]["ppl"],
+                "l0_mean": sparsity["l0_mean"],
+                "neurons": sparsity["neurons"],
+                "sparsity": sparsity["sparsity_mean"],
+                "never_fired": sum(layer["never_fired"] for layer in sparsity["layers"]) / len(sparsity["layers"]),
+                "dead": _last(read_metrics(run_dir / "metrics.jsonl"), "dead/mean"),
+                **{f"{task}_acc": result["acc"] for task, result in model.get("tasks", {}).items()},
+            }
+        )
     base_ce = rows[0]["ce"]
     for row in rows:
         row["ce_vs_first"] = row["ce"] / base_ce - 1
@@ -135,13 +167,28 @@ def quality_table(run_dirs: list[Path], eval_results: Path) -> str:
     """`quality_rows` as a markdown table."""
     rows = quality_rows(run_dirs, eval_results)
     tasks = sorted({key.removesuffix("_acc") for row in rows for key in row if key.endswith("_acc")})
-    header = ["run", "held-out CE", "CE vs first", "perplexity", "mean L0 / N", "sparsity", "never fired (held-out)",
-              "dead (last training window)"] + [f"{t} acc" for t in tasks]
+    header = [
+        "run",
+        "held-out CE",
+        "CE vs first",
+        "perplexity",
+        "mean L0 / N",
+        "sparsity",
+        "never fired (held-out)",
+        "dead (last training window)",
+    ] + [f"{t} acc" for t in tasks]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for row in rows:
         accs = [f"{row[f'{t}_acc']:.3f}" if f"{t}_acc" in row else "-" for t in tasks]
-        cells = [row["run"], f"{row['ce']:.4f}", f"{100 * row['ce_vs_first']:+.2f}%", f"{row['perplexity']:.2f}",
-                 f"{row['l0_mean']:.1f} / {row['neurons']}", f"{100 * row['sparsity']:.2f}%",
-                 f"{100 * row['never_fired']:.1f}%", _cell(row["dead"], ".1f", 100, "%")] + accs
+        cells = [
+            row["run"],
+            f"{row['ce']:.4f}",
+            f"{100 * row['ce_vs_first']:+.2f}%",
+            f"{row['perplexity']:.2f}",
+            f"{row['l0_mean']:.1f} / {row['neurons']}",
+            f"{100 * row['sparsity']:.2f}%",
+            f"{100 * row['never_fired']:.1f}%",
+            _cell(row["dead"], ".1f", 100, "%"),
+        ] + accs
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

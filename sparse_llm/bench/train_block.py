@@ -26,10 +26,10 @@ import json
 import torch
 
 from sparse_llm.bench.timing import relative_error, time_ms, wall_ms
-from sparse_llm.ffn.torch_backend import dense_block
 from sparse_llm.ffn.dispatch import LayerDispatcher
-from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.torch_backend import dense_block
 from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH, dx_by_slices
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
 # name: (mean gate non-zeros per token, sigma of the log-normal token scale)
@@ -112,10 +112,17 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
     result = twell_train_ffn(*leaves)
     l0 = result.l0_M.float()
     row = {
-        "case": name, "M": m, "K": k, "N": n, "sigma": sigma,
-        "nnz_mean": l0.mean().item(), "nnz_p99": l0.quantile(0.99).item(), "nnz_max": l0.max().item(),
-        "backup_rows": result.dense_rows(), "path": result.path,
-    }  # fmt: skip
+        "case": name,
+        "M": m,
+        "K": k,
+        "N": n,
+        "sigma": sigma,
+        "nnz_mean": l0.mean().item(),
+        "nnz_p99": l0.quantile(0.99).item(),
+        "nnz_max": l0.max().item(),
+        "backup_rows": result.dense_rows(),
+        "path": result.path,
+    }
     l0_hint = (row["nnz_mean"], row["nnz_max"])
     row["dx_walk"] = "slices" if dx_by_slices(m, k, n, DEFAULT_WIDTH, l0_hint) else "rows"
     row["auto"] = auto_choice(x, wg, l0_hint)
@@ -143,10 +150,12 @@ def bench_case(name: str, m: int, k: int, n: int, reps: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| case | nnz mean / p99 / max | backup rows | dx walk | dense ms | twell ms | speedup | dense compiled ms "
-            "| speedup vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell "
-            "| fwd ms dense / twell | peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) | auto "
-            "| auto speedup |")  # fmt: skip
+    head = (
+        "| case | nnz mean / p99 / max | backup rows | dx walk | dense ms | twell ms | speedup | dense compiled ms "
+        "| speedup vs compiled | isolated ms dense / twell (speedup) | wall ms dense / twell "
+        "| fwd ms dense / twell | peak MB dense / twell (ratio) | grad rel. err twell (dense bf16) | auto "
+        "| auto speedup |"
+    )
     lines = [head, "|" + "---|" * 16]
     for r in rows:
         errs = ", ".join(

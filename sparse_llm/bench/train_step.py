@@ -47,7 +47,8 @@ class TrainStep:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
         self.accumulate = accumulate  # micro-batches (forward + backward passes) per optimizer step
         self.step_scope = step_scope  # False: casts per micro-batch, gradients through autograd (for an A/B)
-        # the training op's forward as a CUDA graph per layer (`train_graphs`); by default with cuda_graphs, as the trainer
+        # the training op's forward as a CUDA graph per layer (`train_graphs`); by default with cuda_graphs, as the
+        # trainer
         self.graph_forwards = cuda_graphs if graph_forwards is None else graph_forwards
         cfg = TrainConfig()
         cfg.trainer.lr = lr

@@ -50,7 +50,11 @@ class UserInputError(Exception):
 # Besides UserInputError: what the code raises for settings and files it checks itself (its messages name the key or
 # file and the fix), and an unreachable data source.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (
-    UserInputError, ValueError, FileNotFoundError, FileExistsError, ConnectionError,
+    UserInputError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    ConnectionError,
 )
 
 
@@ -59,8 +63,9 @@ def _print_to_stderr(message: str) -> None:
 
 
 @contextlib.contextmanager
-def exit_on_input_error(script: str, also: tuple[type[BaseException], ...] = (),
-                        report: Callable[[str], None] = _print_to_stderr) -> Iterator[None]:
+def exit_on_input_error(
+    script: str, also: tuple[type[BaseException], ...] = (), report: Callable[[str], None] = _print_to_stderr
+) -> Iterator[None]:
     """Run the body; an input error (INPUT_ERRORS, or a type in `also`) ends the process with one message through
     `report` and exit code 2, unless HYDRA_FULL_ERROR=1 asks for the traceback."""
     try:

@@ -48,11 +48,15 @@ def read_json(path: Path, fix: str) -> Any:
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise UserInputError(path, f"is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}): "
-                                   "a binary file, not JSON", fix) from None
+        raise UserInputError(
+            path,
+            f"is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}): a binary file, not JSON",
+            fix,
+        ) from None
     except json.JSONDecodeError as error:
-        raise UserInputError(path, f"is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})",
-                             fix) from None
+        raise UserInputError(
+            path, f"is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})", fix
+        ) from None
 
 
 def read_json_object(path: Path, fix: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -80,17 +84,22 @@ def sniff_text(path: Path, fix: str) -> None:
     _check_text_bytes(path, head, 0, codecs.getincrementaldecoder("utf-8")(), final=False, fix=fix)
 
 
-def _check_text_bytes(path: Path, data: bytes, offset: int, decoder: codecs.IncrementalDecoder, final: bool,
-                      fix: str) -> None:
+def _check_text_bytes(
+    path: Path, data: bytes, offset: int, decoder: codecs.IncrementalDecoder, final: bool, fix: str
+) -> None:
     zero = data.find(b"\0")
     if zero >= 0:
         raise UserInputError(path, f"holds a NUL byte at byte {offset + zero}: a binary file, not text", fix)
     try:
         decoder.decode(data, final=final)
     except UnicodeDecodeError as error:
-        raise UserInputError(path, f"is not UTF-8 text (byte {offset + error.start} is "
-                                   f"{data[error.start]:#04x}): a binary file, or text in another encoding "
-                                   "(convert it with iconv -t utf-8)", fix) from None
+        raise UserInputError(
+            path,
+            f"is not UTF-8 text (byte {offset + error.start} is "
+            f"{data[error.start]:#04x}): a binary file, or text in another encoding "
+            "(convert it with iconv -t utf-8)",
+            fix,
+        ) from None
 
 
 def find_text_damage(path: Path, fix: str) -> UserInputError | None:
@@ -125,7 +134,8 @@ def find_json_rows_damage(path: Path, text_field: str | None, fix: str) -> UserI
         whole = None
     rows: list[tuple[int, str]] = (
         [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
-        if whole is None else [(1, json.dumps(row)) for row in (whole if isinstance(whole, list) else [whole])]
+        if whole is None
+        else [(1, json.dumps(row)) for row in (whole if isinstance(whole, list) else [whole])]
     )
     if not rows:
         return UserInputError(path, "holds no rows (only blank lines)", fix)
@@ -134,14 +144,17 @@ def find_json_rows_damage(path: Path, text_field: str | None, fix: str) -> UserI
             row = json.loads(line)
         except json.JSONDecodeError as error:
             cut = " (the file ends there: it was cut short)" if number == rows[-1][0] else ""
-            return UserInputError(path, f"line {number} is not valid JSON (column {error.colno}: {error.msg}){cut}",
-                                  fix)
+            return UserInputError(
+                path, f"line {number} is not valid JSON (column {error.colno}: {error.msg}){cut}", fix
+            )
         if not isinstance(row, dict):
-            return UserInputError(path, f"line {number} holds {_json_kind(row)}, not a JSON object (one row per "
-                                        "line)", fix)
+            return UserInputError(
+                path, f"line {number} holds {_json_kind(row)}, not a JSON object (one row per line)", fix
+            )
         if text_field is not None and not isinstance(row.get(text_field), (str, type(None))):
-            return UserInputError(path, f"line {number}: field {text_field!r} holds {_json_kind(row[text_field])}, "
-                                        "not text", fix)
+            return UserInputError(
+                path, f"line {number}: field {text_field!r} holds {_json_kind(row[text_field])}, not text", fix
+            )
     return None
 
 
@@ -176,15 +189,17 @@ def check_safetensors(path: Path, fix: str) -> None:
             raise UserInputError(path, f"holds {size} bytes, fewer than a safetensors header", fix)
         (header_bytes,) = struct.unpack("<Q", prefix)
         if header_bytes > size - 8:
-            raise UserInputError(path, f"is cut short or not a safetensors file: its header claims {header_bytes} "
-                                       f"bytes, the file has {size}", fix)
+            raise UserInputError(
+                path,
+                f"is cut short or not a safetensors file: its header claims {header_bytes} bytes, the file has {size}",
+                fix,
+            )
         raw = fh.read(header_bytes)
     try:
         header = json.loads(raw)
         ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError):
-        raise UserInputError(path, "has no readable safetensors header: it is damaged or another format", fix) \
-            from None
+        raise UserInputError(path, "has no readable safetensors header: it is damaged or another format", fix) from None
     expected = 8 + header_bytes + max(ends, default=0)
     if size != expected:
         how = "it was cut short" if size < expected else "it is longer than its tensors"

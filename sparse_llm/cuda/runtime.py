@@ -223,9 +223,7 @@ def get_function(filename: str, name: str, device: torch.device | None = None) -
     `name` is an `extern "C"` symbol or a template instantiation such as "gate_up_down_heavy<8>".
     """
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    return _function(
-        device.index if device.index is not None else torch.cuda.current_device(), filename, name
-    )
+    return _function(device.index if device.index is not None else torch.cuda.current_device(), filename, name)
 
 
 def sm_count(device: torch.device) -> int:

@@ -44,8 +44,16 @@ def _check_positive(**values: int) -> None:
 class _ArrayCursor:
     """Shuffled blocks of a ``TokenArray``; each epoch draws a new block offset and permutation."""
 
-    def __init__(self, source: TokenArray, micro_batch: int, seq_len: int, seed: int, rank: int, world_size: int,
-                 step_sequences: int):
+    def __init__(
+        self,
+        source: TokenArray,
+        micro_batch: int,
+        seq_len: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        step_sequences: int,
+    ):
         self.source, self.micro_batch, self.seq_len = source, micro_batch, seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step_sequences = step_sequences
@@ -56,8 +64,13 @@ class _ArrayCursor:
                 "lower seq_len or add data"
             )
         if worst_blocks < step_sequences:
-            log.warning("The training split holds %d sequences of %d tokens, fewer than one optimizer step (%d): "
-                        "every step repeats data.", worst_blocks, seq_len, step_sequences)
+            log.warning(
+                "The training split holds %d sequences of %d tokens, fewer than one optimizer step (%d): "
+                "every step repeats data.",
+                worst_blocks,
+                seq_len,
+                step_sequences,
+            )
         self.epoch, self.batch = 0, 0
         self._order = self._epoch_starts(0)
 
@@ -94,8 +107,7 @@ class _ArrayCursor:
 class _StreamCursor:
     """Packs a ``DocumentStream`` into blocks; its position is (epoch, document, offset in document)."""
 
-    def __init__(self, source: DocumentStream, micro_batch: int, seq_len: int, seed: int, rank: int,
-                 world_size: int):
+    def __init__(self, source: DocumentStream, micro_batch: int, seq_len: int, seed: int, rank: int, world_size: int):
         self.source, self.micro_batch, self.seq_len = source, micro_batch, seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self._open(epoch=0, document=0, offset=0)
@@ -166,22 +178,39 @@ class TrainLoader:
     block of the epoch's order, so the ranks' micro-batches of one step cover one contiguous stretch of it.
     """
 
-    def __init__(self, source: TokenSource, micro_batch: int, seq_len: int, seed: int, rank: int = 0,
-                 world_size: int = 1, step_sequences: int | None = None):
+    def __init__(
+        self,
+        source: TokenSource,
+        micro_batch: int,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        step_sequences: int | None = None,
+    ):
         _check_positive(micro_batch=micro_batch, seq_len=seq_len, world_size=world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         step_sequences = step_sequences or micro_batch * world_size
         if step_sequences % (micro_batch * world_size):
-            raise ValueError(f"step_sequences={step_sequences} is not a multiple of micro_batch x world_size "
-                             f"= {micro_batch * world_size}")
+            raise ValueError(
+                f"step_sequences={step_sequences} is not a multiple of micro_batch x world_size "
+                f"= {micro_batch * world_size}"
+            )
         if isinstance(source, TokenArray):
             self._cursor = _ArrayCursor(source, micro_batch, seq_len, seed, rank, world_size, step_sequences)
         else:
             self._cursor = _StreamCursor(source, micro_batch, seq_len, seed, rank, world_size)
         cursor_type = type(self._cursor)
-        self._identity = {"micro_batch": micro_batch, "seq_len": seq_len, "seed": seed, "rank": rank,
-                          "world_size": world_size, "step_sequences": step_sequences, "kind": cursor_type.__name__}
+        self._identity = {
+            "micro_batch": micro_batch,
+            "seq_len": seq_len,
+            "seed": seed,
+            "rank": rank,
+            "world_size": world_size,
+            "step_sequences": step_sequences,
+            "kind": cursor_type.__name__,
+        }
         self.batches_seen = 0
 
     @property
@@ -202,8 +231,9 @@ class TrainLoader:
         """Restore a position saved by a loader with the same source, micro_batch, seq_len, seed and rank."""
         # An array position is the same on every rank, so any rank may load rank 0's state; a stream's is not.
         per_rank = self._identity["kind"] == _StreamCursor.__name__
-        mismatched = {k: (state.get(k), v) for k, v in self._identity.items()
-                      if state.get(k) != v and (k != "rank" or per_rank)}
+        mismatched = {
+            k: (state.get(k), v) for k, v in self._identity.items() if state.get(k) != v and (k != "rank" or per_rank)
+        }
         if mismatched:
             raise ValueError(
                 "loader state does not match this loader (saved, current): "

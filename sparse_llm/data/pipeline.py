@@ -51,8 +51,16 @@ TOKENIZER_FROM_FILE = "from_file"
 LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TOKEN_FILE_VERSION = 1
 TOKEN_DTYPES = ("uint16", "uint32")
-TOKEN_META_KEYS = ("version", "dtype", "vocab_size", "tokenizer", "n_tokens", "n_train_documents", "n_val_documents",
-                   "val_start")
+TOKEN_META_KEYS = (
+    "version",
+    "dtype",
+    "vocab_size",
+    "tokenizer",
+    "n_tokens",
+    "n_train_documents",
+    "n_val_documents",
+    "val_start",
+)
 CORPUS_FIX = "Fix or replace the file, or leave it out of data.paths."
 TOKEN_FILE_FIX = "Write the token file again with scripts/tokenize_corpus.py."
 ENCODE_BATCH = 256  # documents per tokenizer call: large enough for the fast tokenizer's batching
@@ -237,8 +245,9 @@ def _corpus_damage(cfg: DataConfig, builder: str, files: list[str], error: Excep
         if damage is not None:
             return damage
     cause = error.__cause__ or error.__context__ or error
-    return UserInputError(", ".join(files), f"the {builder} reader of `datasets` failed ({type(cause).__name__}: "
-                                            f"{cause})", CORPUS_FIX)
+    return UserInputError(
+        ", ".join(files), f"the {builder} reader of `datasets` failed ({type(cause).__name__}: {cause})", CORPUS_FIX
+    )
 
 
 def _load_local_dataset(cfg: DataConfig, streaming: bool) -> Any:
@@ -248,8 +257,9 @@ def _load_local_dataset(cfg: DataConfig, streaming: bool) -> Any:
         _check_corpus_file(Path(name), builder)
     kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
     try:
-        dataset = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=streaming,
-                                        **kwargs)
+        dataset = datasets.load_dataset(
+            builder, data_files={"train": files}, split="train", streaming=streaming, **kwargs
+        )
     except Exception as error:  # datasets wraps a bad file in DatasetGenerationError, naming neither file nor line
         raise _corpus_damage(cfg, builder, files, error) from error
     columns = dataset.column_names
@@ -361,8 +371,14 @@ def _private_temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def _write_token_file(prefix: str | Path, train: Iterable[np.ndarray], val: Iterable[np.ndarray],
-                      tokenizer_name: str, vocab_size: int, extra: dict[str, Any]) -> dict[str, Any]:
+def _write_token_file(
+    prefix: str | Path,
+    train: Iterable[np.ndarray],
+    val: Iterable[np.ndarray],
+    tokenizer_name: str,
+    vocab_size: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Stream documents' tokens to disk; validation documents go after all training documents.
 
     Both files are written under private temporary names and renamed into place (``os.replace`` is atomic),
@@ -406,21 +422,31 @@ def _token_file_meta(meta_path: Path) -> dict[str, Any]:
     """The meta of a token file, checked: its keys, a token dtype, counts that fit each other."""
     meta = file_checks.read_json_object(meta_path, TOKEN_FILE_FIX, keys=TOKEN_META_KEYS)
     if meta["version"] != TOKEN_FILE_VERSION:
-        raise UserInputError(meta_path, f"is a version {meta['version']!r} token file; this code reads version "
-                                        f"{TOKEN_FILE_VERSION}", TOKEN_FILE_FIX)
+        raise UserInputError(
+            meta_path,
+            f"is a version {meta['version']!r} token file; this code reads version {TOKEN_FILE_VERSION}",
+            TOKEN_FILE_FIX,
+        )
     if meta["dtype"] not in TOKEN_DTYPES:
-        raise UserInputError(meta_path, f"gives dtype {meta['dtype']!r}; token ids are stored as one of "
-                                        f"{', '.join(TOKEN_DTYPES)}", TOKEN_FILE_FIX)
+        raise UserInputError(
+            meta_path,
+            f"gives dtype {meta['dtype']!r}; token ids are stored as one of {', '.join(TOKEN_DTYPES)}",
+            TOKEN_FILE_FIX,
+        )
     counts = ("vocab_size", "n_tokens", "n_train_documents", "n_val_documents", "val_start")
     bad = [key for key in counts if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0]
     if bad:
         raise UserInputError(meta_path, f"holds {bad} that are not counts (integers >= 0)", TOKEN_FILE_FIX)
     if meta["val_start"] > meta["n_tokens"]:
-        raise UserInputError(meta_path, f"says validation starts at token {meta['val_start']}, past its "
-                                        f"{meta['n_tokens']} tokens", TOKEN_FILE_FIX)
+        raise UserInputError(
+            meta_path,
+            f"says validation starts at token {meta['val_start']}, past its {meta['n_tokens']} tokens",
+            TOKEN_FILE_FIX,
+        )
     if meta["vocab_size"] > np.iinfo(np.dtype(meta["dtype"])).max + 1:
-        raise UserInputError(meta_path, f"gives vocab_size {meta['vocab_size']}, more ids than {meta['dtype']} "
-                                        "holds", TOKEN_FILE_FIX)
+        raise UserInputError(
+            meta_path, f"gives vocab_size {meta['vocab_size']}, more ids than {meta['dtype']} holds", TOKEN_FILE_FIX
+        )
     return meta
 
 
@@ -436,16 +462,22 @@ def read_token_file(path: str | Path) -> tuple[dict[str, Any], TokenArray, Token
     itemsize = np.dtype(meta["dtype"]).itemsize
     size = bin_path.stat().st_size
     if size != meta["n_tokens"] * itemsize:
-        raise UserInputError(bin_path, f"holds {size} bytes, but {meta_path.name} says {meta['n_tokens']} "
-                                       f"{meta['dtype']} tokens ({meta['n_tokens'] * itemsize} bytes): the two do "
-                                       "not belong together, or the .bin was cut short",
-                             TOKEN_FILE_FIX)
+        raise UserInputError(
+            bin_path,
+            f"holds {size} bytes, but {meta_path.name} says {meta['n_tokens']} "
+            f"{meta['dtype']} tokens ({meta['n_tokens'] * itemsize} bytes): the two do "
+            "not belong together, or the .bin was cut short",
+            TOKEN_FILE_FIX,
+        )
     if meta["n_tokens"] == 0:
         raise UserInputError(bin_path, "holds no tokens", TOKEN_FILE_FIX)
     tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r")
     split = meta["val_start"]
-    return (meta, TokenArray(tokens[:split], meta["n_train_documents"]),
-            TokenArray(tokens[split:], meta["n_val_documents"]))
+    return (
+        meta,
+        TokenArray(tokens[:split], meta["n_train_documents"]),
+        TokenArray(tokens[split:], meta["n_val_documents"]),
+    )
 
 
 def write_token_file(cfg: DataConfig, out: str | Path) -> dict[str, Any]:
@@ -468,8 +500,9 @@ def write_token_file(cfg: DataConfig, out: str | Path) -> dict[str, Any]:
         train_texts = opener(cfg.split_seed, 0, 0, 1, 0)  # one pass, shuffled by split_seed
     else:
         train_texts, val_texts = _split_documents(cfg, _documents(cfg))
-    return _write_token_file(out, _encode_all(encode, train_texts), _encode_all(encode, val_texts),
-                             cfg.tokenizer, len(tokenizer), extra)
+    return _write_token_file(
+        out, _encode_all(encode, train_texts), _encode_all(encode, val_texts), cfg.tokenizer, len(tokenizer), extra
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -484,8 +517,10 @@ def _check_hub_reachable(cfg: DataConfig) -> None:
     """Fail in seconds, not minutes, when the hub cannot be reached."""
     from huggingface_hub import constants
 
-    advice = ("Use data=local (files on disk) or data=tokens (a token file from scripts/tokenize_corpus.py), "
-              "or run where the hub is reachable.")
+    advice = (
+        "Use data=local (files on disk) or data=tokens (a token file from scripts/tokenize_corpus.py), "
+        "or run where the hub is reachable."
+    )
     if constants.HF_HUB_OFFLINE or _import_datasets(cfg).config.HF_HUB_OFFLINE:
         raise ConnectionError(
             "data=fineweb_edu streams from the hub, but offline mode is on (HF_HUB_OFFLINE or "

@@ -13,9 +13,9 @@ from typing import Any
 from huggingface_hub import constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from sparse_llm.model.convert import read_checkpoint
 from sparse_llm.checks.errors import UserInputError
 from sparse_llm.checks.files import read_json
+from sparse_llm.model.convert import read_checkpoint
 
 EMBEDDED = "embedded"
 EMBEDDED_TOKENIZER_FILE = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
@@ -24,9 +24,11 @@ PAD_TOKEN = "<pad>"
 TOKENIZER_FILE = "tokenizer.json"
 # Files from which transformers can build a tokenizer without tokenizer.json (converted from a slow tokenizer).
 SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-TOKENIZER_FIX = ("Point the tokenizer setting (data.tokenizer for train.py, tokenizer= for eval.py and generate.py) at "
-                 "a directory holding the model's tokenizer (tokenizer.save_pretrained writes it), a tokenizer.json "
-                 "file, or `embedded`.")
+TOKENIZER_FIX = (
+    "Point the tokenizer setting (data.tokenizer for train.py, tokenizer= for eval.py and generate.py) at "
+    "a directory holding the model's tokenizer (tokenizer.save_pretrained writes it), a tokenizer.json "
+    "file, or `embedded`."
+)
 
 
 def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
@@ -49,8 +51,9 @@ def _from_directory(path: Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as error:  # transformers and tokenizers raise many types for a malformed tokenizer
-        raise UserInputError(path, f"holds a tokenizer that does not load ({type(error).__name__}: {error})",
-                             TOKENIZER_FIX) from None
+        raise UserInputError(
+            path, f"holds a tokenizer that does not load ({type(error).__name__}: {error})", TOKENIZER_FIX
+        ) from None
 
 
 def _stock_config(name: str) -> dict[str, Any]:

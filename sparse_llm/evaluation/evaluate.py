@@ -37,19 +37,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparse_llm.checks.errors import UserInputError
 from sparse_llm.checks.files import read_json_object
-from sparse_llm.ffn import kernel_set
-
-from sparse_llm.evaluation import tasks as mc_tasks
-from sparse_llm.ffn.registry import get_backend
 from sparse_llm.data.pipeline import DataConfig, held_out_documents
-from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.evaluation import tasks as mc_tasks
 from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results
 from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError
+from sparse_llm.ffn import kernel_set
+from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.ffn.mlp import recording_statistics
+from sparse_llm.ffn.registry import get_backend
 from sparse_llm.model.convert import read_checkpoint
 from sparse_llm.model.llama import load_pretrained, sparse_mlps
 from sparse_llm.telemetry.metrics import LoggingConfig
-from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.training import manifest
 
 log = logging.getLogger(__name__)
@@ -152,8 +151,10 @@ def resolve_checkpoint(path: str, key: str = "checkpoint") -> Path:
             f"{key}={path!r} is not a model directory in HF layout (no config.json in it, nor in final/ or "
             "model/ below it). Pass a run's final/ or checkpoints/step_N/model directory."
         )
-    damaged = (f"Pass an intact checkpoint (another checkpoints/step_N/model of the run), or restore this one from a "
-               f"copy; if you edited a file on purpose, delete its {manifest.MANIFEST_FILE} to skip the checksums.")
+    damaged = (
+        f"Pass an intact checkpoint (another checkpoints/step_N/model of the run), or restore this one from a "
+        f"copy; if you edited a file on purpose, delete its {manifest.MANIFEST_FILE} to skip the checksums."
+    )
     root, under = manifest.model_dir_root(candidate)
     manifest.verify(root, damaged, under)  # before anything loads: a damaged file is named, not a loader's traceback
     read_json_object(candidate / "config.json", damaged)  # garbage is named with its line, not a JSON traceback
@@ -217,17 +218,18 @@ def run_data_config(model_dir: Path) -> DataConfig | None:
     try:
         section = OmegaConf.load(saved).get("data")
     except Exception as error:  # YAML's scanner and parser errors, or a file that is not a mapping
-        raise UserInputError(saved, f"is not a readable run config ({type(error).__name__}: "
-                                    f"{' '.join(str(error).split())})",
-                             "Restore it from a copy of the run, or pass the held-out data on the command line "
-                             "(data=<name> and its data.* keys).") from None
+        raise UserInputError(
+            saved,
+            f"is not a readable run config ({type(error).__name__}: {' '.join(str(error).split())})",
+            "Restore it from a copy of the run, or pass the held-out data on the command line "
+            "(data=<name> and its data.* keys).",
+        ) from None
     if section is None:
         return None
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), section))
     except OmegaConfBaseException as error:
-        log.warning("%s: its data section does not fit this version's DataConfig (%s); ignoring it", saved,
-                    error)
+        log.warning("%s: its data section does not fit this version's DataConfig (%s); ignoring it", saved, error)
         return None
 
 
@@ -257,9 +259,13 @@ def choose_data(given: DataConfig, data_set_by_user: bool, model_dirs: list[Path
         log.info("Held-out text: %s (%s)", _describe(chosen), why)
     for model_dir, trained_on in runs:
         if trained_on is not None and _held_out_identity(trained_on) != _held_out_identity(chosen):
-            log.warning("%s was trained on %s but the held-out text is %s: perplexity and "
-                        "heldout_continuation are not on its validation split", model_dir,
-                        _describe(trained_on), _describe(chosen))
+            log.warning(
+                "%s was trained on %s but the held-out text is %s: perplexity and "
+                "heldout_continuation are not on its validation split",
+                model_dir,
+                _describe(trained_on),
+                _describe(chosen),
+            )
     return chosen
 
 
@@ -291,11 +297,14 @@ def check_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> None:
         return
     reason = get_backend(kernel).unavailable_reason(device)
     if reason is not None:
-        raise ValueError(f"kernel={kernel} cannot run on {device}: {reason.rstrip('.')}. Use kernel=auto or "
-                         "kernel=torch.")
+        raise ValueError(
+            f"kernel={kernel} cannot run on {device}: {reason.rstrip('.')}. Use kernel=auto or kernel=torch."
+        )
     if kernel == "twell" and dtype != torch.bfloat16:
-        raise ValueError(f"kernel=twell runs bf16 models, but dtype={str(dtype).removeprefix('torch.')}; use "
-                         "dtype=bfloat16 (or dtype=auto on a GPU), or kernel=auto")
+        raise ValueError(
+            f"kernel=twell runs bf16 models, but dtype={str(dtype).removeprefix('torch.')}; use "
+            "dtype=bfloat16 (or dtype=auto on a GPU), or kernel=auto"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,19 +347,28 @@ class _LayerStats:
         layers = []
         for layer in range(len(self.l0_sum)):
             l0 = self.l0_sum[layer] / self.tokens
-            layers.append({
-                "layer": layer, "l0_mean": l0, "l0_max": self.l0_max[layer], "sparsity": 1 - l0 / self.n,
-                "never_fired": float((~self.fired_LN[layer]).float().mean()),
-                "backend": "+".join(sorted(self.paths[layer])),
-            })
+            layers.append(
+                {
+                    "layer": layer,
+                    "l0_mean": l0,
+                    "l0_max": self.l0_max[layer],
+                    "sparsity": 1 - l0 / self.n,
+                    "never_fired": float((~self.fired_LN[layer]).float().mean()),
+                    "backend": "+".join(sorted(self.paths[layer])),
+                }
+            )
         l0_mean = sum(x["l0_mean"] for x in layers) / len(layers)
-        return {"neurons": self.n, "tokens": self.tokens, "l0_mean": l0_mean,
-                "sparsity_mean": 1 - l0_mean / self.n, "layers": layers}
+        return {
+            "neurons": self.n,
+            "tokens": self.tokens,
+            "l0_mean": l0_mean,
+            "sparsity_mean": 1 - l0_mean / self.n,
+            "layers": layers,
+        }
 
 
 @torch.no_grad()
-def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
-                     batch_size: int) -> dict[str, Any]:
+def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, batch_size: int) -> dict[str, Any]:
     """Cross-entropy / perplexity of ``tokens`` [n_tokens] in windows of ``seq_len``; FFN sparsity on them.
 
     Windows do not overlap (each starts without context); a last window shorter than ``seq_len`` is scored
@@ -373,12 +391,15 @@ def held_out_metrics(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int,
             ids_BT = ids_BT.to(device)
             logits_BTV = model(input_ids=ids_BT).logits
             stats.add(mlps)
-            nll += float(F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), ids_BT[:, 1:].flatten(),
-                                         reduction="sum"))
+            nll += float(
+                F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), ids_BT[:, 1:].flatten(), reduction="sum")
+            )
             predicted += ids_BT[:, 1:].numel()
     ce = nll / predicted
-    return {"perplexity": {"ce": ce, "ppl": math.exp(min(ce, 50.0)), "tokens": predicted, "seq_len": seq_len},
-            "sparsity": stats.summary()}
+    return {
+        "perplexity": {"ce": ce, "ppl": math.exp(min(ce, 50.0)), "tokens": predicted, "seq_len": seq_len},
+        "sparsity": stats.summary(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,8 +423,9 @@ class _FirstTruncationOnly(logging.Filter):
         return self.dropped == 1
 
 
-def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig,
-                hub_tasks: list[str]) -> dict[str, Any]:
+def run_lm_eval(
+    model: torch.nn.Module, tokenizer: Any, specs: list[Any], manager: Any, cfg: EvalConfig, hub_tasks: list[str]
+) -> dict[str, Any]:
     """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's results."""
     lm_eval = mc_tasks.import_lm_eval()
     from lm_eval.models.huggingface import HFLM
@@ -413,23 +435,26 @@ def run_lm_eval(model: torch.nn.Module, tokenizer: Any, specs: list[Any], manage
     truncations = _FirstTruncationOnly()
     hf_log.addFilter(truncations)
     try:
-        output = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=cfg.limit,
-                                         num_fewshot=cfg.num_fewshot, log_samples=False)
+        output = lm_eval.simple_evaluate(
+            model=lm, tasks=specs, task_manager=manager, limit=cfg.limit, num_fewshot=cfg.num_fewshot, log_samples=False
+        )
     except (ConnectionError, FileNotFoundError) as error:
-        advice = "".join(f"\n- {n}: {mc_tasks.local_data_advice(n, manager.task_index[n].cfg)}"
-                         for n in hub_tasks if n in manager.task_index and manager.task_index[n].cfg)
+        advice = "".join(
+            f"\n- {n}: {mc_tasks.local_data_advice(n, manager.task_index[n].cfg)}"
+            for n in hub_tasks
+            if n in manager.task_index and manager.task_index[n].cfg
+        )
         raise TaskDataError(
             f"lm-eval could not load a task's data ({type(error).__name__}: {error}).{advice}"
         ) from error
     finally:
         hf_log.removeFilter(truncations)
     if truncations.dropped:
-        log.warning("%d lm-eval requests were longer than the model's context and lost tokens on the left",
-                    truncations.dropped)
-    if output is None:
-        raise RuntimeError(
-            "lm-eval returned no results (it does so only on non-zero ranks of distributed runs)"
+        log.warning(
+            "%d lm-eval requests were longer than the model's context and lost tokens on the left", truncations.dropped
         )
+    if output is None:
+        raise RuntimeError("lm-eval returned no results (it does so only on non-zero ranks of distributed runs)")
     return output
 
 
@@ -444,8 +469,12 @@ def summarize_tasks(output: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], 
                 metric, filt = key.split(",", 1)
                 row[metric if filt == "none" else key] = value
         samples = output.get("n-samples", {}).get(name)
-        row.update(n=samples["effective"] if samples else None, version=output.get("versions", {}).get(name),
-                   n_shot=output.get("n-shot", {}).get(name), group=name in groups)
+        row.update(
+            n=samples["effective"] if samples else None,
+            version=output.get("versions", {}).get(name),
+            n_shot=output.get("n-shot", {}).get(name),
+            group=name in groups,
+        )
         tasks[name] = row
     leaves = {n: r for n, r in tasks.items() if not r["group"] and "acc" in r}
     means: dict[str, Any] = {"mean_over": sorted(leaves)}
@@ -478,8 +507,7 @@ def _checkpoint_tokenizer(model_dir: Path, cfg: EvalConfig) -> Any:
     try:
         return load_tokenizer(cfg.tokenizer or str(model_dir))
     except ValueError as error:
-        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") \
-            from None
+        raise ValueError(f"{model_dir}: no usable tokenizer ({error}); pass tokenizer=<name or path>") from None
 
 
 def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[str, Any]:
@@ -488,12 +516,17 @@ def evaluate_checkpoint(model_dir: Path, cfg: EvalConfig, plan: _Plan) -> dict[s
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=plan.dtype, device=str(plan.device))
     kernel_set.warm(model, plan.device, training=False)
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
-                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
+            f"{model.config.vocab_size}; pass the tokenizer the model was trained with"
+        )
     seq_len = cfg.seq_len or model.config.max_position_embeddings
     tokens = held_out_tokens(tokenizer, plan.documents, cfg.perplexity_tokens)
-    record: dict[str, Any] = {"label": checkpoint_label(model_dir), "checkpoint": str(model_dir.resolve()),
-                              "step": training_step(model_dir)}
+    record: dict[str, Any] = {
+        "label": checkpoint_label(model_dir),
+        "checkpoint": str(model_dir.resolve()),
+        "step": training_step(model_dir),
+    }
     record.update(held_out_metrics(model, tokens, seq_len, cfg.batch_size))
     record["backend"] = {"kernel": cfg.kernel, "layers": [x["backend"] for x in record["sparsity"]["layers"]]}
     if plan.specs:
@@ -516,12 +549,17 @@ def _software(ran_lm_eval: bool) -> dict[str, Any]:
     import transformers
 
     lm_eval_version = mc_tasks.import_lm_eval().__version__ if ran_lm_eval else None
-    return {"lm_eval": lm_eval_version, "torch": torch.__version__,
-            "transformers": transformers.__version__, "hf_offline": mc_tasks.hub_env_summary()}
+    return {
+        "lm_eval": lm_eval_version,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_offline": mc_tasks.hub_env_summary(),
+    }
 
 
-def _heldout_fitted(cfg: HeldOutTaskConfig, model_dirs: list[Path],
-                    tokenizers: dict[Path, Any]) -> tuple[HeldOutTaskConfig, Callable[[str], int]]:
+def _heldout_fitted(
+    cfg: HeldOutTaskConfig, model_dirs: list[Path], tokenizers: dict[Path, Any]
+) -> tuple[HeldOutTaskConfig, Callable[[str], int]]:
     """``cfg`` with ``max_tokens`` resolved (default: the smallest context of the models) and a token counter.
 
     The counter takes the most tokens any of the models' tokenizers needs, without special tokens (lm-eval
@@ -556,8 +594,13 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     if mc_tasks.HELDOUT_TASK in names:
         rows = mc_tasks.build_heldout_examples(documents, heldout, count_tokens)
         heldout_file = mc_tasks.write_jsonl(rows, out_dir / f"{mc_tasks.HELDOUT_TASK}.jsonl")
-        log.info("%s: %d examples from %d held-out documents -> %s", mc_tasks.HELDOUT_TASK, len(rows),
-                 len(documents), heldout_file)
+        log.info(
+            "%s: %d examples from %d held-out documents -> %s",
+            mc_tasks.HELDOUT_TASK,
+            len(rows),
+            len(documents),
+            heldout_file,
+        )
     specs = mc_tasks.task_specs(names, dict(cfg.task_data), heldout_file, manager)
     hub_tasks = [n for n in names if n != mc_tasks.HELDOUT_TASK and not cfg.task_data.get(n)]
     if hub_tasks:
@@ -598,12 +641,21 @@ def evaluate(cfg: EvalConfig, out_dir: Path, data_set_by_user: bool = True) -> d
         log.info("Evaluating %s (kernel=%s, %s, %s)", model_dir, cfg.kernel, plan.device, plan.dtype)
         models.append(evaluate_checkpoint(model_dir, cfg, plan))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint", "compare", "logging", "out")}
-    settings.update(tasks=plan.names, heldout=asdict(plan.heldout), device=str(plan.device),
-                    dtype=str(plan.dtype).removeprefix("torch."),
-                    device_name=torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu")
+    settings.update(
+        tasks=plan.names,
+        heldout=asdict(plan.heldout),
+        device=str(plan.device),
+        dtype=str(plan.dtype).removeprefix("torch."),
+        device_name=torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu",
+    )
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    results = {"complete": True, "created_utc": created, "settings": settings, "software": _software(bool(plan.specs)),
-               "models": models}
+    results = {
+        "complete": True,
+        "created_utc": created,
+        "settings": settings,
+        "software": _software(bool(plan.specs)),
+        "models": models,
+    }
     print(format_table(models), flush=True)
     log_telemetry(cfg.logging, out_dir, results)
     log.info("Results: %s", write_results(out_dir, results))

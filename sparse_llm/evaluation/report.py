@@ -13,7 +13,6 @@ from sparse_llm.telemetry.metrics import LoggingConfig, Telemetry
 RESULTS_FILE = "results.json"
 
 
-
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -32,14 +31,19 @@ def table_rows(models: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("step", [str(m["step"]) if m["step"] is not None else "-" for m in models]),
         ("held-out perplexity", [_num(m["perplexity"]["ppl"], ".3f") for m in models]),
         ("held-out CE", [_num(m["perplexity"]["ce"], ".4f") for m in models]),
-        ("L0 mean (non-zeros/token)",
-         [f"{m['sparsity']['l0_mean']:.1f} / {m['sparsity']['neurons']}" for m in models]),
+        ("L0 mean (non-zeros/token)", [f"{m['sparsity']['l0_mean']:.1f} / {m['sparsity']['neurons']}" for m in models]),
         ("sparsity mean", [f"{100 * m['sparsity']['sparsity_mean']:.2f}%" for m in models]),
     ]
     for layer in range(len(models[0]["sparsity"]["layers"])):
-        rows.append((f"  layer {layer} L0 / never fired / backend", [
-            "{l0_mean:.1f} / {fired:.1f}% / {backend}".format(fired=100 * x["never_fired"], **x)
-            for x in (m["sparsity"]["layers"][layer] for m in models)]))
+        rows.append(
+            (
+                f"  layer {layer} L0 / never fired / backend",
+                [
+                    "{l0_mean:.1f} / {fired:.1f}% / {backend}".format(fired=100 * x["never_fired"], **x)
+                    for x in (m["sparsity"]["layers"][layer] for m in models)
+                ],
+            )
+        )
     for task in models[0].get("tasks", {}):
         for metric in ("acc", "acc_norm"):
             cells = [_score(m["tasks"].get(task, {}), metric) for m in models]
@@ -56,8 +60,10 @@ def format_table(models: list[dict[str, Any]]) -> str:
     header = ("metric", [m["label"] for m in models])
     rows = [header] + table_rows(models)
     widths = [max(len(r[0]) for r in rows)] + [max(len(r[1][i]) for r in rows) for i in range(len(models))]
-    lines = ["  ".join([name.ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells, widths[1:], strict=False)])
-             for name, cells in rows]
+    lines = [
+        "  ".join([name.ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells, widths[1:], strict=False)])
+        for name, cells in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -73,14 +79,21 @@ def write_results(out_dir: Path, results: dict[str, Any]) -> Path:
 
 def _flat_metrics(record: dict[str, Any], prefix: str) -> dict[str, float | str]:
     """The scalars of one checkpoint's record, for W&B / metrics.jsonl."""
-    flat: dict[str, float | str] = {f"{prefix}/ppl": record["perplexity"]["ppl"],
-                                    f"{prefix}/ce": record["perplexity"]["ce"],
-                                    f"{prefix}/l0/mean": record["sparsity"]["l0_mean"],
-                                    f"{prefix}/sparsity/mean": record["sparsity"]["sparsity_mean"]}
+    flat: dict[str, float | str] = {
+        f"{prefix}/ppl": record["perplexity"]["ppl"],
+        f"{prefix}/ce": record["perplexity"]["ce"],
+        f"{prefix}/l0/mean": record["sparsity"]["l0_mean"],
+        f"{prefix}/sparsity/mean": record["sparsity"]["sparsity_mean"],
+    }
     for layer in record["sparsity"]["layers"]:
         tag = f"layer_{layer['layer']:02d}"
-        flat.update({f"{prefix}/l0/{tag}": layer["l0_mean"], f"{prefix}/sparsity/{tag}": layer["sparsity"],
-                     f"{prefix}/backend/{tag}": layer["backend"]})
+        flat.update(
+            {
+                f"{prefix}/l0/{tag}": layer["l0_mean"],
+                f"{prefix}/sparsity/{tag}": layer["sparsity"],
+                f"{prefix}/backend/{tag}": layer["backend"],
+            }
+        )
     for task, metrics in record.get("tasks", {}).items():
         flat.update({f"{prefix}/{task}/{k}": v for k, v in metrics.items() if k in ("acc", "acc_norm")})
     flat.update({f"{prefix}/{k}": record[k] for k in ("mean_acc", "mean_acc_norm") if k in record})

@@ -99,15 +99,16 @@ def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
     names: list[str] = []
     for item in items:
         if not isinstance(item, str):
-            raise TypeError(
-                f"tasks: {item!r} is not a task name; pass a name, names joined by commas, or a list"
-            )
+            raise TypeError(f"tasks: {item!r} is not a task name; pass a name, names joined by commas, or a list")
         for part in (p.strip() for p in item.split(",")):
             for name in TASK_ALIASES.get(part, (part,)):
                 if name and name not in names:
                     names.append(name)
     if not names:
-        raise ValueError(f"tasks={tasks!r} names no task; use e.g. tasks=embedded, tasks=paper or tasks=none (perplexity and sparsity only)")
+        raise ValueError(
+            f"tasks={tasks!r} names no task; use e.g. tasks=embedded, tasks=paper or tasks=none (perplexity and "
+            "sparsity only)"
+        )
     return names
 
 
@@ -160,8 +161,7 @@ def _passages(document: str, context_words: int, continuation_words: int) -> lis
     return pairs
 
 
-def _fit_context(context: str, choices: Sequence[str], count_tokens: Callable[[str], int],
-                 max_tokens: int) -> str:
+def _fit_context(context: str, choices: Sequence[str], count_tokens: Callable[[str], int], max_tokens: int) -> str:
     """``context`` without as few leading words as needed for ``context + " " + choice`` to fit ``max_tokens``.
 
     Dropping words at the start keeps the text right before the continuations, which is what the model
@@ -177,8 +177,9 @@ def _fit_context(context: str, choices: Sequence[str], count_tokens: Callable[[s
     )
 
 
-def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig,
-                           count_tokens: Callable[[str], int] | None = None) -> list[dict[str, Any]]:
+def build_heldout_examples(
+    documents: Sequence[str], cfg: HeldOutTaskConfig, count_tokens: Callable[[str], int] | None = None
+) -> list[dict[str, Any]]:
     """Deterministic multiple-choice examples from held-out documents.
 
     Returns rows ``{"id", "context", "choices": [str] * cfg.choices, "label": int}``; the true continuation
@@ -198,8 +199,11 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig,
         raise ValueError(f"heldout.max_tokens={cfg.max_tokens} must be >= 2 (a passage and a continuation)")
     if (count_tokens is None) != (cfg.max_tokens is None):
         raise ValueError("build_heldout_examples: pass count_tokens together with heldout.max_tokens")
-    pool = [(doc, ctx, cont) for doc, text in enumerate(documents)
-            for ctx, cont in _passages(text, cfg.context_words, cfg.continuation_words)]
+    pool = [
+        (doc, ctx, cont)
+        for doc, text in enumerate(documents)
+        for ctx, cont in _passages(text, cfg.context_words, cfg.continuation_words)
+    ]
     doc_ids = np.array([doc for doc, _, _ in pool], dtype=np.int64)
     if len(set(doc_ids.tolist())) < 2:
         raise ValueError(
@@ -218,20 +222,22 @@ def build_heldout_examples(documents: Sequence[str], cfg: HeldOutTaskConfig,
         candidates = list(dict.fromkeys(pool[j][2] for j in rng.permutation(others).tolist()))
         distractors = [c for c in candidates if c != truth][: cfg.choices - 1]
         if len(distractors) < cfg.choices - 1:
-            raise ValueError(
-                f"only {len(distractors)} distinct distractor continuations exist; lower heldout.choices"
-            )
+            raise ValueError(f"only {len(distractors)} distinct distractor continuations exist; lower heldout.choices")
         label = int(rng.integers(cfg.choices))
         choices = distractors[:label] + [truth] + distractors[label:]
         if count_tokens is not None and cfg.max_tokens is not None:
             fitted = _fit_context(context, choices, count_tokens, cfg.max_tokens)
             shortened += fitted != context
             context = fitted
-        rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices,
-                     "label": label})
+        rows.append({"id": f"{HELDOUT_TASK}-{number}", "context": context, "choices": choices, "label": label})
     if shortened:
-        log.info("%s: %d of %d passages lost words at their start to fit %d tokens", HELDOUT_TASK, shortened,
-                 len(rows), cfg.max_tokens)
+        log.info(
+            "%s: %d of %d passages lost words at their start to fit %d tokens",
+            HELDOUT_TASK,
+            shortened,
+            len(rows),
+            cfg.max_tokens,
+        )
     return rows
 
 
@@ -301,8 +307,10 @@ def check_task_file(name: str, data_file: str) -> tuple[Path, str]:
         )
     if not path.is_file():
         raise TaskDataError(f"task_data.{name}={data_file!r} does not exist; pass the path of its data file")
-    fix = (f"task_data.{name} needs the rows of the split the task scores, in its Hugging Face dataset's schema: "
-           "export them again (README, Evaluation) or repair the file.")
+    fix = (
+        f"task_data.{name} needs the rows of the split the task scores, in its Hugging Face dataset's schema: "
+        "export them again (README, Evaluation) or repair the file."
+    )
     if builder == "parquet":
         file_checks.check_parquet(path, fix)
     else:
@@ -417,17 +425,22 @@ def check_hub_tasks(names: Sequence[str], manager: Any, timeout_s: float) -> Non
     if not missing:
         return
     if offline:
-        why = ("they are not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE / "
-               "HF_DATASETS_OFFLINE; eval.py sets them by default). With network, run with HF_HUB_OFFLINE=0 "
-               "HF_DATASETS_OFFLINE=0.")
+        why = (
+            "they are not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE / "
+            "HF_DATASETS_OFFLINE; eval.py sets them by default). With network, run with HF_HUB_OFFLINE=0 "
+            "HF_DATASETS_OFFLINE=0."
+        )
     else:
-        why = (f"the Hugging Face hub cannot be reached ({unreachable}). Datasets already in the cache are "
-               "read with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1.")
+        why = (
+            f"the Hugging Face hub cannot be reached ({unreachable}). Datasets already in the cache are "
+            "read with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1."
+        )
     raise TaskDataError(f"{len(missing)} task(s) cannot read their data: {why}\n" + "\n".join(missing))
 
 
-def task_specs(names: Sequence[str], task_data: dict[str, str | None], heldout_file: Path | None,
-               manager: Any) -> list[str | dict[str, Any]]:
+def task_specs(
+    names: Sequence[str], task_data: dict[str, str | None], heldout_file: Path | None, manager: Any
+) -> list[str | dict[str, Any]]:
     """What to hand to ``lm_eval.simple_evaluate(tasks=...)``: a name or a config dict per task.
 
     ``task_data`` maps task names to local files; None values (the unset defaults of eval.yaml) are ignored.
@@ -435,9 +448,7 @@ def task_specs(names: Sequence[str], task_data: dict[str, str | None], heldout_f
     task_data = {name: path for name, path in task_data.items() if path}
     unused = sorted(set(task_data) - set(names))
     if unused:
-        raise ValueError(
-            f"task_data names tasks that are not run: {unused}; add them to tasks, or remove them"
-        )
+        raise ValueError(f"task_data names tasks that are not run: {unused}; add them to tasks, or remove them")
     specs: list[str | dict[str, Any]] = []
     for name in names:
         if name == HELDOUT_TASK:

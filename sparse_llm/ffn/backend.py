@@ -15,15 +15,17 @@ This module is the interface only (no project imports); `torch_backend` and `twe
 """
 
 from __future__ import annotations
+
 import abc
 import time
 from dataclasses import dataclass
-import torch
 
+import torch
 
 # Tokens with more non-zeros than this are "heavy": the sparse inference kernels compute them by dense GEMMs, over as
 # many rows as the layer's observed share of such tokens calls for (sparse_llm/ffn/twell/cost_model.py, DENSE_ROW_NNZ).
 HEAVY_TOKEN_NNZ = 128
+
 
 @dataclass(frozen=True)
 class Tail:
@@ -32,6 +34,7 @@ class Tail:
 
     tokens: float
     nonzeros: float
+
 
 @dataclass
 class FFNResult:
@@ -68,11 +71,13 @@ class FFNResult:
             return landed(self.overflow_rows)[0]
         return self.overflow_rows
 
+
 class HostWaits:
     """Host seconds that `landed` has spent waiting for counts still on their way, over the process: a diagnostic
     (scripts/profile_train_step.py reads it around each phase of a training step)."""
 
     seconds = 0.0
+
 
 def landed(values_host: torch.Tensor) -> list[int]:
     """The values of a pinned CPU tensor that an asynchronous device-to-host copy fills, once they are there.
@@ -100,9 +105,11 @@ def landed(values_host: torch.Tensor) -> list[int]:
     HostWaits.seconds += time.perf_counter() - start
     return values
 
+
 def _current_stream_drained() -> bool:
     """Whether the current CUDA stream has run all the work queued on it."""
     return torch.cuda.current_stream().query()
+
 
 class FFNBackend(abc.ABC):
     """One way of running the gated FFN. Subclasses are registered with `register_backend`."""
@@ -146,9 +153,16 @@ class FFNBackend(abc.ABC):
 
     @abc.abstractmethod
     def estimated_ms(
-        self, m: int, k: int, n: int, l0_mean: float, l0_max: float, training: bool, compiled: bool = False,
+        self,
+        m: int,
+        k: int,
+        n: int,
+        l0_mean: float,
+        l0_max: float,
+        training: bool,
+        compiled: bool = False,
         tail: Tail | None = None,
-    ) -> float | None:  # fmt: skip
+    ) -> float | None:
         """Predicted time of one call in ms on the current GPU, or None if this case cannot run here. `compiled`:
         the call runs with a `compile_backend` (torch ops fused by torch.compile); `tail`: the layer's heavy tokens'
         shares, where known."""

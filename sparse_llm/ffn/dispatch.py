@@ -20,15 +20,17 @@ Outside the trainer (evaluation, generation) a layer observes its own statistics
 """
 
 from __future__ import annotations
+
 import functools
-from collections.abc import Callable
-import torch
 import logging
 import math
+from collections.abc import Callable
+
+import torch
+
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail
 from sparse_llm.ffn.registry import backend_names, get_backend
 from sparse_llm.ffn.trials import best_times_ms, can_time, env_choice, log_bucket, loop_times_ms
-
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,12 @@ AUTO_CHOICE_MEANING = (
 
 _warned: set[str] = set()
 
+
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
 
 def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     """(mean, max, tail) of per-token non-zero counts l0_M [M], M >= 1, read back with one host sync: what
@@ -94,11 +98,13 @@ def density_of(l0_M: torch.Tensor) -> tuple[float, float, Tail]:
     mean, top, heavy_tokens, heavy_nonzeros, nonzeros = values.tolist()
     return mean, top, Tail(heavy_tokens, heavy_nonzeros / nonzeros if nonzeros else 0.0)
 
+
 @functools.cache
 def _has_autocast(device_type: str) -> bool:
     """Whether torch has an autocast for `device_type` (not for meta, say); asked once per type: a layer's every call
     asks `_autocast_dtype`."""
     return torch.amp.is_autocast_available(device_type)
+
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes in on `device_type` now, None where it is off (or has no autocast: meta)."""
@@ -106,9 +112,11 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
         return None
     return torch.get_autocast_dtype(device_type)
 
+
 def validate_kernel(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel={kernel!r} is not a valid choice; use one of {list(KERNEL_CHOICES)}.")
+
 
 class LayerDispatcher:
     """Chooses and remembers the backend of one FFN layer."""
@@ -149,9 +157,14 @@ class LayerDispatcher:
         self._chosen.clear()
 
     def choose(
-        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool = False,
-        trial: Callable[[FFNBackend], object] | None = None, graphed: bool = False,
-    ) -> FFNBackend:  # fmt: skip
+        self,
+        x_MK: torch.Tensor,
+        w_gate_NK: torch.Tensor,
+        training: bool,
+        compiled: bool = False,
+        trial: Callable[[FFNBackend], object] | None = None,
+        graphed: bool = False,
+    ) -> FFNBackend:
         """The backend for this call: x_MK [M, K] tokens, w_gate_NK [N, K] the layer's gate weight; `compiled`:
         the layer runs its torch ops through torch.compile (the dense path is cheaper then). `trial(backend)` runs
         this inference call's block on `backend` (for a trial where the prices are close, see TRIAL_BAND, or where
@@ -168,8 +181,18 @@ class LayerDispatcher:
             self.current = backend.name
             return backend
         device = x_MK.device
-        kind = (x_MK.shape[0], device, x_MK.dtype, w_gate_NK.dtype, _autocast_dtype(device.type), training, compiled,
-                graphed, trial is not None, self.current)  # fmt: skip
+        kind = (
+            x_MK.shape[0],
+            device,
+            x_MK.dtype,
+            w_gate_NK.dtype,
+            _autocast_dtype(device.type),
+            training,
+            compiled,
+            graphed,
+            trial is not None,
+            self.current,
+        )
         backend = self._chosen.get(kind)
         if backend is None:
             choice, settled = self._cheapest(x_MK, w_gate_NK, training, compiled, trial, graphed)
@@ -182,9 +205,14 @@ class LayerDispatcher:
         return backend
 
     def _cheapest(
-        self, x_MK: torch.Tensor, w_gate_NK: torch.Tensor, training: bool, compiled: bool,
-        trial: Callable[[FFNBackend], object] | None, graphed: bool,
-    ) -> tuple[str, bool]:  # fmt: skip
+        self,
+        x_MK: torch.Tensor,
+        w_gate_NK: torch.Tensor,
+        training: bool,
+        compiled: bool,
+        trial: Callable[[FFNBackend], object] | None,
+        graphed: bool,
+    ) -> tuple[str, bool]:
         """The backend for this call, and whether calls of its kind may keep it until the next observation (not where a
         trial was due but could not run now)."""
         if self.l0_mean is None:
@@ -224,7 +252,7 @@ class LayerDispatcher:
     def _tried(
         self, x_MK: torch.Tensor, sparse: str, trial: Callable[[FFNBackend], object], host_bound: bool
     ) -> str | None:
-        """"torch" or `sparse`, whichever a trial on this call found faster at its token count's and density's buckets
+        """ "torch" or `sparse`, whichever a trial on this call found faster at its token count's and density's buckets
         (one trial per pair, remembered: lm-eval's and generation's token counts vary from call to call); None where
         no trial can run now (`can_time`). A host-bound call's trial times the host's pace, which a call in a CUDA
         graph does not pay: it is remembered apart."""

@@ -19,11 +19,11 @@ from torch import nn
 
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.mlp import SparseMLP
-from sparse_llm.ffn.twell.decode import decode_kernel_name
-from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 from sparse_llm.ffn.twell.cost_model import slice_width
 from sparse_llm.ffn.twell.csc import KEY_CTYPES, OUT_CTYPES, csc_key_dtype
+from sparse_llm.ffn.twell.decode import decode_kernel_name
 from sparse_llm.ffn.twell.train_launch import row_pieces, wgrad_slices
+from sparse_llm.ffn.twell.validation import shape_unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,10 @@ def inference_kernels(k: int, n: int) -> list[Kernel]:
     return [
         *[
             ("decode_ffn.cu", decode_kernel_name(kv, sums, mma, finish))
-            for sums in (False, True) for mma in (False, True) for finish in (True, False)
-        ],  # fmt: skip
+            for sums in (False, True)
+            for mma in (False, True)
+            for finish in (True, False)
+        ],
         ("decode_ffn.cu", "decode_finish"),  # after the unfinished variants, in CUDA graphs
         *[("gate_up_down.cu", f"gate_up_down_light<{kv},{packed}>") for packed in ("false", "true")],
         ("gate_up_down.cu", f"gate_up_down_heavy<{kv}>"),
@@ -86,8 +88,11 @@ def training_kernels(k: int, n: int) -> list[Kernel]:
         ("train_backward.cu", f"train_csc_columns<{key}>"),
         ("train_backward.cu", "train_csc_chunks"),
         ("train_backward.cu", "train_backup_grads"),
-        *(("train_backward.cu", f"train_csc_wgrad<{kw},{values},{out}>")
-          for values in (1, 2) for out in OUT_CTYPES.values()),  # fmt: skip
+        *(
+            ("train_backward.cu", f"train_csc_wgrad<{kw},{values},{out}>")
+            for values in (1, 2)
+            for out in OUT_CTYPES.values()
+        ),
         ("gate_up_then_down.cu", "order_tokens"),
         ("gate_up_then_down.cu", "ell_to_slots<true>"),
         ("gate_up_then_down.cu", "ell_to_slots<false>"),
@@ -123,8 +128,11 @@ def warm(model: nn.Module, device: torch.device, training: bool) -> None:
     missing = [kernel for kernel in model_kernels(model, training) if not runtime.is_compiled(*kernel)]
     if not missing:
         return
-    log.info("Compiling %d CUDA kernels this model may run, several at a time (once per machine; cached in %s)",
-             len(missing), runtime.cache_dir())
+    log.info(
+        "Compiling %d CUDA kernels this model may run, several at a time (once per machine; cached in %s)",
+        len(missing),
+        runtime.cache_dir(),
+    )
     start = time.perf_counter()
     failures = runtime.precompile(missing)
     for (filename, name), error in failures.items():

@@ -60,9 +60,12 @@ class SparseMLP(nn.Module):
     # choice and the statistics kept in `last_result` are host-side state, and the kernels are CuPy launches.
     @torch.compiler.disable
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_writable: bool = False,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_writable: bool = False,
         next_norm: tuple[torch.Tensor, float] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """x: [..., K] -> [..., K]; plus `residual` (x's shape) when given: a decoder layer's residual add done here
         (`model.FusedDecoderLayer`), which the sparse inference kernels fold into their output. With
         `residual_writable` the caller gives up `residual`: the result may be written into its memory (the dense
@@ -99,11 +102,16 @@ class SparseMLP(nn.Module):
             return backend.forward(x_MK, *weights, statistics=False, **{**call, "residual_MK": scratch[0]})
 
         backend = self.dispatcher.choose(
-            x_MK, weights[0], training=training, compiled=compiled, trial=None if training else trial,
+            x_MK,
+            weights[0],
+            training=training,
+            compiled=compiled,
+            trial=None if training else trial,
             graphed=self.in_cuda_graph,
-        )  # fmt: skip
+        )
         result = backend.forward(x_MK, *weights, statistics=self.record_statistics or observing, **call)
-        # Written past nn.Module.__setattr__, which first looks for a parameter, buffer or submodule of the name (~1.3 us
+        # Written past nn.Module.__setattr__, which first looks for a parameter, buffer or submodule of the name
+        # (~1.3 us
         # a write on a CPU, more on a GPU machine's host): an eager decoding step pays this per layer and token.
         object.__setattr__(self, "last_result", result)
         if observing and result.l0_M.numel():

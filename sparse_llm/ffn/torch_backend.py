@@ -5,12 +5,14 @@ op's benchmarks compare against.
 """
 
 from __future__ import annotations
+
 import functools
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from sparse_llm.ffn.backend import FFNBackend
-from sparse_llm.ffn.backend import FFNResult
+
+from sparse_llm.ffn.backend import FFNBackend, FFNResult
 
 
 def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,10 +20,16 @@ def _sparsity_of(h_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nonzero_MN = h_MN.detach() != 0
     return nonzero_MN.sum(dim=1, dtype=torch.int32), nonzero_MN.any(dim=0)  # one compare, two reads of the mask
 
+
 def dense_block(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, statistics: bool,
-    residual_MK: torch.Tensor | None = None, residual_writable: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    statistics: bool,
+    residual_MK: torch.Tensor | None = None,
+    residual_writable: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(y_MK, l1_sum, l0_M, fired_N) of the gated block in torch ops (y_MK plus residual_MK when given, written into
     residual_MK's memory when `residual_writable`); the last three None without statistics."""
     g_MN = F.relu(F.linear(x_MK, w_gate_NK))
@@ -40,11 +48,13 @@ def dense_block(
     l0_M, fired_N = _sparsity_of(h_MN)
     return y_MK, l1_sum, l0_M, fired_N
 
+
 @functools.cache
 def _compiled_dense_block(backend: str) -> Callable[..., tuple]:
     """dense_block through torch.compile: the ReLU, the product and the statistics fuse into the GEMMs' neighbours
     (one pass over h instead of five, forward and backward)."""
     return torch.compile(dense_block, backend=backend)
+
 
 # The eager statistics pass over h (L1, L0, fired) per element of [M, N]: memory-bound, fitted on the H100 block
 # (docs/kernels.md, tuned constants).
@@ -56,6 +66,7 @@ STATS_MS_PER_ELEMENT = 0.85 / (16384 * 5632)
 DENSE_WEIGHT_FIXED_MS = 0.010
 
 DENSE_WEIGHT_GBPS = 2800.0
+
 
 def add_linear_(
     acc_MK: torch.Tensor, a_MJ: torch.Tensor, w_KJ: torch.Tensor, bias_K: torch.Tensor | None = None
@@ -71,11 +82,13 @@ def add_linear_(
         return acc_MK.addmm_(a_MJ, w_KJ.t())
     return acc_MK.add_(F.linear(a_MJ, w_KJ, bias_K))
 
+
 def with_residual(result: FFNResult, residual_MK: torch.Tensor | None) -> FFNResult:
     """result with residual_MK added to its y_MK (for backends that cannot add it as they write y)."""
     if residual_MK is not None:
         result.y_MK = residual_MK + result.y_MK
     return result
+
 
 class TorchFFN(FFNBackend):
     """The reference path: three dense GEMMs through torch (cuBLAS on GPU). Runs everywhere."""
@@ -86,9 +99,21 @@ class TorchFFN(FFNBackend):
         return None
 
     def forward(
-        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        residual_writable=False, l0=None, tail=None, output_norm=None,
-    ):  # fmt: skip
+        self,
+        x_MK,
+        w_gate_NK,
+        w_up_NK,
+        w_down_KN,
+        *,
+        training,
+        statistics=True,
+        compile_backend=None,
+        residual_MK=None,
+        residual_writable=False,
+        l0=None,
+        tail=None,
+        output_norm=None,
+    ):
         block = dense_block if compile_backend is None else _compiled_dense_block(compile_backend)
         # a compiled block writes nothing in place: inductor would copy the result back into the input
         writable = residual_writable and compile_backend is None

@@ -6,18 +6,19 @@ turn trials off for bit-reproducible choices (`env_choice`).
 """
 
 from __future__ import annotations
-import time
-from collections.abc import Callable
-import torch
+
 import math
 import os
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
+import torch
 
 CHOICES = ("measured", "priced")
 
 Key = TypeVar("Key", bound=Hashable)
+
 
 def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key, float]:
     """Each of `calls` timed on the current CUDA stream: one untimed run each (a first call may load its kernels), then
@@ -35,6 +36,7 @@ def best_times_ms(calls: dict[Key, Callable[[], object]], reps: int) -> dict[Key
             events[key].append((start, end))
     end.synchronize()  # the last event recorded: every timed call is done
     return {key: min(s.elapsed_time(e) for s, e in pairs) for key, pairs in events.items()}
+
 
 def loop_times_ms(
     calls: dict[Key, Callable[[], object]], rounds: int, per_run: int, device: torch.device
@@ -54,10 +56,12 @@ def loop_times_ms(
                 best[key] = min(best[key], (time.perf_counter() - start) * 1e3 / per_run)
     return best
 
+
 def can_time(x: torch.Tensor) -> bool:
     """Whether a trial may time calls on x's device now: a GPU, and no CUDA graph being captured (a trial waits for
     the GPU, which a capture forbids)."""
     return x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
 
 def env_choice(env: str, meaning: str) -> str:
     """The environment variable `env`'s choice between a measured and a priced decision: "measured" (default) or
@@ -66,6 +70,7 @@ def env_choice(env: str, meaning: str) -> str:
     if choice not in CHOICES:
         raise ValueError(f"{env}={choice!r} is not valid; use one of {list(CHOICES)} ({meaning})")
     return choice
+
 
 def log_bucket(value: float, per_doubling: int) -> int:
     """The bucket of `value` (>= 1 counted; below, as 1) on a log scale of `per_doubling` buckets per doubling: what

@@ -42,17 +42,13 @@ def _check_same(ref: Tensor, ref_name: str, t: Tensor, name: str) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; cast them to one dtype")
     if t.device != ref.device:
-        raise ValueError(
-            f"{name} is on {t.device} but {ref_name} is on {ref.device}; move them to one device"
-        )
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; move them to one device")
 
 
 def _check_n_cols(n: int, name: str, twell: bool) -> None:
     """Raise unless N fits 16-bit column indices (and the TwELL tiling when ``twell``)."""
     if n > MAX_N:
-        raise ValueError(
-            f"{name} has N={n} columns; the formats store 16-bit column indices, so N must be <= {MAX_N}"
-        )
+        raise ValueError(f"{name} has N={n} columns; the formats store 16-bit column indices, so N must be <= {MAX_N}")
     if twell and n % TILE != 0:
         raise ValueError(
             f"{name} has N={n} columns; TwELL needs N to be a multiple of {TILE} "
@@ -66,9 +62,7 @@ def _check_compression(compression: object) -> int:
     return int(compression)  # type: ignore[call-overload]
 
 
-def _check_mlp_args(
-    x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor
-) -> tuple[int, int, int]:
+def _check_mlp_args(x_MK: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, w_down_KN: Tensor) -> tuple[int, int, int]:
     """Validate the four block operands; returns (M, K, N)."""
     _check_matrix(x_MK, "x_MK")
     for name, w in (("w_gate_NK", w_gate_NK), ("w_up_NK", w_up_NK), ("w_down_KN", w_down_KN)):
@@ -87,9 +81,7 @@ def _check_mlp_args(
             f"(up_proj.weight in nn.Linear layout, same shape as w_gate_NK)"
         )
     if tuple(w_down_KN.shape) != (k, n):
-        hint = (
-            " (it looks transposed: pass down_proj.weight itself)" if tuple(w_down_KN.shape) == (n, k) else ""
-        )
+        hint = " (it looks transposed: pass down_proj.weight itself)" if tuple(w_down_KN.shape) == (n, k) else ""
         raise ValueError(
             f"w_down_KN has shape {tuple(w_down_KN.shape)}, expected [K, N] = [{k}, {n}]: "
             f"down_proj.weight in nn.Linear layout{hint}"
@@ -126,9 +118,7 @@ def _spmm(n_out: int, dst_E: Tensor, src_E: Tensor, value_E: Tensor, src_SK: Ten
     Runs as a COO [n_out, S] @ dense [S, K] product: the same sum as a scatter-add loop, many
     times faster on CPU than index_add_ over gathered rows.
     """
-    coo = torch.sparse_coo_tensor(
-        torch.stack([dst_E, src_E]), value_E, (n_out, src_SK.shape[0]), check_invariants=True
-    )
+    coo = torch.sparse_coo_tensor(torch.stack([dst_E, src_E]), value_E, (n_out, src_SK.shape[0]), check_invariants=True)
     return torch.sparse.mm(coo, src_SK)
 
 

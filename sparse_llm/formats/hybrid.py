@@ -30,13 +30,13 @@ import torch.nn.functional as F
 
 from sparse_llm.formats.common import (
     Tensor,
-    accumulation_dtype,
     _check_matrix,
     _check_mlp_args,
     _check_n_cols,
     _check_same,
     _gather_dot,
     _spmm,
+    accumulation_dtype,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -175,9 +175,7 @@ def _ell_entries(packed: HybridPacked) -> tuple[Tensor, Tensor, Tensor]:
 
 def unpack_hybrid(packed: HybridPacked) -> Tensor:
     """Dense [M, N] in the packed dtype."""
-    dense_MN = torch.zeros(
-        packed.n_rows, packed.n_cols, dtype=packed.dtype, device=packed.ell_values_MW.device
-    )
+    dense_MN = torch.zeros(packed.n_rows, packed.n_cols, dtype=packed.dtype, device=packed.ell_values_MW.device)
     row_E, col_E, value_E = _ell_entries(packed)
     dense_MN[row_E, col_E] = value_E
     dense_MN[packed.backup_rows_R] = packed.backup_values_RN
@@ -186,17 +184,11 @@ def unpack_hybrid(packed: HybridPacked) -> Tensor:
 
 def _check_rows(t: Tensor, name: str, packed: HybridPacked, packed_name: str) -> None:
     if t.shape[0] != packed.n_rows:
-        raise ValueError(
-            f"{name} has {t.shape[0]} rows but {packed_name} has M={packed.n_rows}; they must match"
-        )
+        raise ValueError(f"{name} has {t.shape[0]} rows but {packed_name} has M={packed.n_rows}; they must match")
 
 
 def _same_structure(a: HybridPacked, b: HybridPacked) -> None:
-    if (
-        a.ell_cols_MW is b.ell_cols_MW
-        and a.ell_count_M is b.ell_count_M
-        and a.backup_rows_R is b.backup_rows_R
-    ):
+    if a.ell_cols_MW is b.ell_cols_MW and a.ell_count_M is b.ell_count_M and a.backup_rows_R is b.backup_rows_R:
         return  # derived from one support: the structure tensors are shared
     same = (
         a.n_cols == b.n_cols
@@ -208,9 +200,7 @@ def _same_structure(a: HybridPacked, b: HybridPacked) -> None:
         and torch.equal(a.backup_rows_R, b.backup_rows_R)
     )
     if not same:
-        raise ValueError(
-            "hybrid operands have different structures; derive both from one support (hybrid_sddmm)"
-        )
+        raise ValueError("hybrid operands have different structures; derive both from one support (hybrid_sddmm)")
 
 
 def _zip_values(a: HybridPacked, b: HybridPacked, fn: Callable[[Tensor, Tensor], Tensor]) -> HybridPacked:
@@ -270,9 +260,7 @@ def hybrid_matmul(h: HybridPacked, w_KN: Tensor) -> Tensor:
     """
     _check_matrix(w_KN, "w_KN")
     if w_KN.shape[1] != h.n_cols:
-        raise ValueError(
-            f"w_KN has shape {tuple(w_KN.shape)} but h has N={h.n_cols} columns; w_KN must be [K, N]"
-        )
+        raise ValueError(f"w_KN has shape {tuple(w_KN.shape)} but h has N={h.n_cols} columns; w_KN must be [K, N]")
     out_dtype = torch.promote_types(h.dtype, w_KN.dtype)
     acc = accumulation_dtype(out_dtype)
     w_acc_KN = w_KN.to(acc)

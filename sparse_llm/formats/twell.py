@@ -33,13 +33,13 @@ from sparse_llm.formats.common import (
     MAX_N,
     TILE,
     Tensor,
-    accumulation_dtype,
     _check_compression,
     _check_matrix,
     _check_mlp_args,
     _check_n_cols,
     _gather_dot,
     _spmm,
+    accumulation_dtype,
     gated_mlp_ref,
 )
 

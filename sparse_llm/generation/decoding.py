@@ -84,9 +84,13 @@ class DecodeSteps:
 
     def _forward(self, ids_BS: torch.Tensor, positions_BS: torch.Tensor, mask_B1SL: torch.Tensor) -> torch.Tensor:
         out = self.model(
-            input_ids=ids_BS, position_ids=positions_BS, attention_mask=mask_B1SL, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
+            input_ids=ids_BS,
+            position_ids=positions_BS,
+            attention_mask=mask_B1SL,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1]
 
     def _step(self) -> torch.Tensor:

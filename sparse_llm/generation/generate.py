@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 
+from sparse_llm.data.tokenizer import load_tokenizer
+from sparse_llm.evaluation.evaluate import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
 from sparse_llm.ffn import kernel_set
 from sparse_llm.generation.decoding import decode
-from sparse_llm.evaluation.evaluate import check_kernel, resolve_checkpoint, resolve_device, resolve_dtype
 from sparse_llm.model.llama import load_pretrained, sparse_mlps
-from sparse_llm.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,10 @@ def _prompt_list(prompts: Any) -> list[str]:
     if not all(p.strip() for p in listed):
         # The model would sample from the start of a document with nothing to continue: almost always a prompt
         # lost to shell quoting.
-        raise ValueError(f"prompts={prompts!r}: a prompt is empty; pass text to continue, e.g. prompts=\"The\" "
-                         "(quote it for the shell and for Hydra: 'prompts=\"two words\"')")
+        raise ValueError(
+            f'prompts={prompts!r}: a prompt is empty; pass text to continue, e.g. prompts="The" '
+            "(quote it for the shell and for Hydra: 'prompts=\"two words\"')"
+        )
     return listed
 
 
@@ -108,8 +110,8 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> tuple[torch.Tensor, to
     input_ids = torch.full((len(ids), longest), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, tokens in enumerate(ids):
-        input_ids[row, longest - len(tokens):] = torch.tensor(tokens)
-        attention_mask[row, longest - len(tokens):] = 1
+        input_ids[row, longest - len(tokens) :] = torch.tensor(tokens)
+        attention_mask[row, longest - len(tokens) :] = 1
     return input_ids, attention_mask
 
 
@@ -125,24 +127,35 @@ def generate(cfg: GenerateConfig) -> Generation:
     model = load_pretrained(model_dir, kernel=cfg.kernel, dtype=dtype, device=str(device)).eval()
     kernel_set.warm(model, device, training=False)
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
-                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but {model_dir} was built for "
+            f"{model.config.vocab_size}; pass the tokenizer the model was trained with"
+        )
 
     input_ids, attention_mask = encode_prompts(tokenizer, prompts)
     longest = input_ids.shape[1]
     context = model.config.max_position_embeddings
     if longest + cfg.max_new_tokens > context:
-        raise ValueError(f"the longest prompt has {longest - 1} tokens; with max_new_tokens={cfg.max_new_tokens} "
-                         f"that exceeds the model's context of {context}. Shorten it or lower max_new_tokens.")
+        raise ValueError(
+            f"the longest prompt has {longest - 1} tokens; with max_new_tokens={cfg.max_new_tokens} "
+            f"that exceeds the model's context of {context}. Shorten it or lower max_new_tokens."
+        )
 
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     decoded = decode(
-        model, input_ids, attention_mask, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-        end_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, cuda_graph=cfg.cuda_graph,
-    )  # fmt: skip
+        model,
+        input_ids,
+        attention_mask,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_p,
+        end_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        cuda_graph=cfg.cuda_graph,
+    )
     new_ids = decoded.new_ids_BT.cpu()
     seconds = time.perf_counter() - start  # .cpu() waited for the GPU
 
@@ -151,9 +164,7 @@ def generate(cfg: GenerateConfig) -> Generation:
     first_end = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new_ids.shape[1])
     continuations = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new_ids, first_end)]
     paths = collections.Counter(mlp.dispatcher.current for mlp in sparse_mlps(model))
-    return Generation(
-        prompts, continuations, int(first_end.sum()), seconds, decoded.step_ms, dict(paths.most_common())
-    )
+    return Generation(prompts, continuations, int(first_end.sum()), seconds, decoded.step_ms, dict(paths.most_common()))
 
 
 def report(result: Generation) -> str:
@@ -162,6 +173,8 @@ def report(result: Generation) -> str:
     paths = ", ".join(f"{path} x{n}" for path, n in result.ffn_paths.items())
     together = f"{len(result.prompts)} prompts decoded together" if len(result.prompts) > 1 else "one prompt"
     steady = "" if result.step_ms is None else f", then {result.step_ms:.2f} ms a step"
-    blocks.append(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s, "
-                  f"{together}{steady}); FFN layers on: {paths}")
+    blocks.append(
+        f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s, "
+        f"{together}{steady}); FFN layers on: {paths}"
+    )
     return "\n\n".join(blocks)

@@ -40,22 +40,37 @@ READABLE_TYPES = ("llama", REFERENCE_TYPE, "mistral")
 # Why a family that looks close to Llama is not read as one.
 REFUSED_TYPES = {
     "qwen2": "Qwen2's attention has biases on q_proj/k_proj/v_proj and none on o_proj; a Llama attention has a bias "
-             "on all four or on none",
+    "on all four or on none",
     "qwen2_sparse_relu": "the reference code's sparse Qwen2 keeps Qwen2's attention: biases on q_proj/k_proj/v_proj "
-                         "and none on o_proj, which a Llama attention cannot hold",
+    "and none on o_proj, which a Llama attention cannot hold",
     "qwen3": "Qwen3 normalises q and k in every attention layer (q_norm, k_norm), which a Llama attention lacks",
 }
 # config.json keys LlamaConfig reads (older files spell the rotary settings rope_theta / rope_scaling); the rest
 # (architectures, auto_map, sparsity_*, sliding_window, ...) describe the source and are dropped.
 LLAMA_KEYS = (set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}) - {
-    "model_type", "architectures", "transformers_version", "_name_or_path", "dtype"
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
 }
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # Files besides the weights that a model directory carries for its users: the tokenizer's and the decoding defaults.
-COMPANION_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                      "chat_template*", "generation_config.json")
+COMPANION_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template*",
+    "generation_config.json",
+)
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
 
 
@@ -84,8 +99,9 @@ class Checkpoint:
 
     @property
     def has_tokenizer(self) -> bool:
-        return any((self.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                              "tokenizer.model"))
+        return any(
+            (self.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
 
 
 def resolve_model_dir(name: str, key: str = "init") -> Path:
@@ -94,14 +110,17 @@ def resolve_model_dir(name: str, key: str = "init") -> Path:
     path = Path(name).expanduser()
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{key}={name!r} is not a model directory in HF layout (no config.json in it). "
-                                    "Pass a directory holding config.json and the weights, or a hub id.")
+            raise FileNotFoundError(
+                f"{key}={name!r} is not a model directory in HF layout (no config.json in it). "
+                "Pass a directory holding config.json and the weights, or a hub id."
+            )
         return path
     from huggingface_hub import constants, snapshot_download
 
     try:
-        found = Path(snapshot_download(name, local_files_only=constants.HF_HUB_OFFLINE,
-                                       allow_patterns=list(HUB_PATTERNS)))
+        found = Path(
+            snapshot_download(name, local_files_only=constants.HF_HUB_OFFLINE, allow_patterns=list(HUB_PATTERNS))
+        )
     except Exception as error:  # noqa: BLE001 (not cached, unknown repository, network: one message for all)
         raise FileNotFoundError(
             f"{key}={name!r} is neither a local directory nor a model in the Hugging Face cache ({type(error).__name__}"
@@ -123,11 +142,15 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     raw = json.loads(config_file.read_text())
     model_type = raw.get("model_type")
     if model_type in REFUSED_TYPES:
-        raise CheckpointError(f"{config_file}: model_type={model_type!r} is not supported: {REFUSED_TYPES[model_type]}."
-                              f" Readable: {', '.join(READABLE_TYPES)}.")
+        raise CheckpointError(
+            f"{config_file}: model_type={model_type!r} is not supported: {REFUSED_TYPES[model_type]}."
+            f" Readable: {', '.join(READABLE_TYPES)}."
+        )
     if model_type not in READABLE_TYPES:
-        raise CheckpointError(f"{config_file}: model_type={model_type!r} is not a Llama-architecture model. "
-                              f"Readable: {', '.join(READABLE_TYPES)}.")
+        raise CheckpointError(
+            f"{config_file}: model_type={model_type!r} is not a Llama-architecture model. "
+            f"Readable: {', '.join(READABLE_TYPES)}."
+        )
     missing = [key for key in REQUIRED_KEYS if not isinstance(raw.get(key), int)]
     if missing:
         raise CheckpointError(f"{config_file} lacks {', '.join(missing)} (an integer each).")
@@ -153,14 +176,18 @@ def _reference_fields(raw: dict[str, Any], fields: dict[str, Any], config_file: 
     width = raw.get("sparsity_new_intermediate_size")
     if width is not None:
         if not isinstance(width, int) or width <= 0:
-            raise CheckpointError(f"{config_file}: sparsity_new_intermediate_size={width!r}; give a positive integer "
-                                  "or null (then intermediate_size holds the FFN width).")
+            raise CheckpointError(
+                f"{config_file}: sparsity_new_intermediate_size={width!r}; give a positive integer "
+                "or null (then intermediate_size holds the FFN width)."
+            )
         fields["intermediate_size"] = width
     act = raw.get("hidden_act")
     fields["hidden_act"] = "relu"
-    return (f"the reference format ({REFERENCE_TYPE}) read as a stock LlamaForCausalLM(hidden_act='relu', "
-            f"intermediate_size={fields['intermediate_size']}); its hidden_act={act!r} is a leftover that the "
-            "reference MLP never applied")
+    return (
+        f"the reference format ({REFERENCE_TYPE}) read as a stock LlamaForCausalLM(hidden_act='relu', "
+        f"intermediate_size={fields['intermediate_size']}); its hidden_act={act!r} is a leftover that the "
+        "reference MLP never applied"
+    )
 
 
 def _mistral_fields(raw: dict[str, Any], fields: dict[str, Any]) -> str:
@@ -169,8 +196,10 @@ def _mistral_fields(raw: dict[str, Any], fields: dict[str, Any]) -> str:
     if window is None or window >= context:
         return "a Mistral checkpoint read as a stock LlamaForCausalLM (no sliding window applies)"
     fields["max_position_embeddings"] = window
-    return (f"a Mistral checkpoint read as a stock LlamaForCausalLM with its context capped at sliding_window={window}"
-            f" (from {context}): within the window both attend alike")
+    return (
+        f"a Mistral checkpoint read as a stock LlamaForCausalLM with its context capped at sliding_window={window}"
+        f" (from {context}): within the window both attend alike"
+    )
 
 
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
@@ -183,20 +212,34 @@ def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
         expected = {key: tuple(value.shape) for key, value in LlamaForCausalLM(config).state_dict().items()}
     down_KN = (config.hidden_size, config.intermediate_size)
     square = down_KN[0] == down_KN[1]
-    transposed = [key for key, value in state.items() if key.endswith("mlp.down_proj.weight")
-                  and tuple(value.shape) == down_KN[::-1] and (not square or checkpoint.hybrid_layout)]
+    transposed = [
+        key
+        for key, value in state.items()
+        if key.endswith("mlp.down_proj.weight")
+        and tuple(value.shape) == down_KN[::-1]
+        and (not square or checkpoint.hybrid_layout)
+    ]
     if transposed:
         # The reference's hybrid training kernel keeps down_proj as [N, K], and its runs saved it so.
-        log.info("%s: %d down_proj weights stored as [N, K] (the reference's hybrid-kernel layout), transposed back",
-                 checkpoint.path, len(transposed))
+        log.info(
+            "%s: %d down_proj weights stored as [N, K] (the reference's hybrid-kernel layout), transposed back",
+            checkpoint.path,
+            len(transposed),
+        )
         state.update({key: state[key].t().contiguous() for key in transposed})
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = [key for key in expected if key not in state and key not in optional]
     unexpected = [key for key in state if key not in expected]
-    misshapen = [f"{key} {tuple(state[key].shape)} (config says {expected[key]})" for key in expected
-                 if key in state and tuple(state[key].shape) != expected[key]]
-    problems = [f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                for what, keys in (("missing", missing), ("misshapen", misshapen), ("unexpected", unexpected)) if keys]
+    misshapen = [
+        f"{key} {tuple(state[key].shape)} (config says {expected[key]})"
+        for key in expected
+        if key in state and tuple(state[key].shape) != expected[key]
+    ]
+    problems = [
+        f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+        for what, keys in (("missing", missing), ("misshapen", misshapen), ("unexpected", unexpected))
+        if keys
+    ]
     if problems:
         raise CheckpointError(f"{checkpoint.path}: the weights do not fit its config.json ({'; '.join(problems)}).")
     return state
@@ -225,8 +268,9 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_stock(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """The checkpoint's model as a stock `LlamaForCausalLM` in `dtype` (no module swapped in)."""
-    return LlamaForCausalLM.from_pretrained(None, config=checkpoint.config, state_dict=read_weights(checkpoint),
-                                            dtype=dtype)
+    return LlamaForCausalLM.from_pretrained(
+        None, config=checkpoint.config, state_dict=read_weights(checkpoint), dtype=dtype
+    )
 
 
 def stored_dtype(checkpoint: Checkpoint) -> torch.dtype:
@@ -247,14 +291,27 @@ def convert(src: str | Path, dst: str | Path) -> Path:
         log.info("%s: %s", checkpoint.path, checkpoint.mapping)
     model = load_stock(checkpoint, stored_dtype(checkpoint))
     model.save_pretrained(dst, safe_serialization=True)
-    copied = [shutil.copy2(file, dst / file.name) for pattern in COMPANION_PATTERNS
-              for file in checkpoint.path.glob(pattern) if file.is_file() and not (dst / file.name).exists()]
+    copied = [
+        shutil.copy2(file, dst / file.name)
+        for pattern in COMPANION_PATTERNS
+        for file in checkpoint.path.glob(pattern)
+        if file.is_file() and not (dst / file.name).exists()
+    ]
     if not checkpoint.has_tokenizer:
-        log.warning("%s holds no tokenizer, and so neither does %s: give the one it was trained with "
-                    "(data.tokenizer=..., tokenizer=...) wherever it is used.", checkpoint.path, dst)
-    log.info("Wrote %s: a stock LlamaForCausalLM (hidden_act=%s, %d layers, FFN width %d) and %d companion files",
-             dst, model.config.hidden_act, model.config.num_hidden_layers, model.config.intermediate_size,
-             len(copied))
+        log.warning(
+            "%s holds no tokenizer, and so neither does %s: give the one it was trained with "
+            "(data.tokenizer=..., tokenizer=...) wherever it is used.",
+            checkpoint.path,
+            dst,
+        )
+    log.info(
+        "Wrote %s: a stock LlamaForCausalLM (hidden_act=%s, %d layers, FFN width %d) and %d companion files",
+        dst,
+        model.config.hidden_act,
+        model.config.num_hidden_layers,
+        model.config.intermediate_size,
+        len(copied),
+    )
     return dst
 
 
@@ -262,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sparse_llm.model.convert",
         description="Write a Llama-architecture checkpoint (the paper's released format included) as a plain HF "
-                    "Llama directory: config.json, model.safetensors and the tokenizer.",
+        "Llama directory: config.json, model.safetensors and the tokenizer.",
     )
     parser.add_argument("src", help="checkpoint directory, or a hub id in the Hugging Face cache")
     parser.add_argument("dst", help="new output directory")

@@ -9,11 +9,10 @@ model before `swap_to_relu`) keeps the stock `LlamaMLP` and runs on the torch pa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,9 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from sparse_llm.ffn.torch_backend import add_linear_
 from sparse_llm.ffn.dispatch import LayerDispatcher
 from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.ffn.torch_backend import add_linear_
 from sparse_llm.ffn.twell.backend import shape_unsupported_reason
 from sparse_llm.model.convert import Checkpoint, load_stock, read_checkpoint
 from sparse_llm.model.rope import kernel_applies, rotate_half_qk
@@ -73,12 +72,12 @@ def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig
     if vocab is None:
         raise ValueError("model.vocab_size is unset and no tokenizer size was given; set model.vocab_size=<int>.")
     if cfg.hidden_size % cfg.num_heads:
-        raise ValueError(
-            f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}."
-        )
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}.")
     if cfg.hidden_act not in ACT2FN:
-        raise ValueError(f"model.hidden_act={cfg.hidden_act!r} is not an activation transformers knows; use relu "
-                         "(sparse FFNs), silu or gelu (dense baselines).")
+        raise ValueError(
+            f"model.hidden_act={cfg.hidden_act!r} is not an activation transformers knows; use relu "
+            "(sparse FFNs), silu or gelu (dense baselines)."
+        )
     return LlamaConfig(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -233,16 +232,25 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             if defer_ffn_add:
                 raise ValueError("defer_ffn_add=True needs the layer's MLP to be a SparseMLP (see sparse_llm.sparsify)")
             hidden_states = super().forward(
-                hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
-            )  # fmt: skip
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
             return hidden_states if next_norm is None else (hidden_states, None)
         in_place = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         attend = dict(
             hidden_states=self.input_layernorm(hidden_states) if normed_input is None else normed_input,
-            attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
-        )  # fmt: skip
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         if in_place and own_input:
             hidden_states, _ = self.self_attn(**attend, residual_BSK=hidden_states)
         else:
@@ -296,24 +304,36 @@ class CausalLlamaModel(LlamaModel):
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         plain = (
-            attention_mask is None and position_ids is None and past_key_values is None and use_cache is False
-            and not kwargs and not (self.config.output_hidden_states or self.config.output_attentions)
+            attention_mask is None
+            and position_ids is None
+            and past_key_values is None
+            and use_cache is False
+            and not kwargs
+            and not (self.config.output_hidden_states or self.config.output_attentions)
             and self.config._attn_implementation in CAUSAL_WITHOUT_MASK
             and (input_ids is None) != (inputs_embeds is None)
-        )  # fmt: skip
+        )
         if not plain:
             return super().forward(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-            )  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
         hidden_BSK = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         position_ids = torch.arange(hidden_BSK.shape[1], device=hidden_BSK.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden_BSK, position_ids=position_ids)
         layers = self.layers[: self.config.num_hidden_layers]
         common = dict(
-            attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
-            past_key_values=None, use_cache=False,
-        )  # fmt: skip
+            attention_mask=None,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            past_key_values=None,
+            use_cache=False,
+        )
         # In training each layer leaves its FFN output for the next one to add (FusedDecoderLayer); inference keeps
         # the add in the FFN call, where the sparse inference kernels fold it into their output.
         # Eager inference hands each layer's FFN the next norm (the next layer's input norm, after the last layer the
@@ -322,9 +342,11 @@ class CausalLlamaModel(LlamaModel):
         defer = torch.is_grad_enabled() and fused
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         hand_norms = (
-            not torch.is_grad_enabled() and fused and all(layer.mlp.compile_backend is None for layer in layers)
+            not torch.is_grad_enabled()
+            and fused
+            and all(layer.mlp.compile_backend is None for layer in layers)
             and all(isinstance(norm, FusedRMSNorm) for norm in norms)
-        )  # fmt: skip
+        )
         ffn_output_BSK = normed_BSK = None
         for i, layer in enumerate(layers):
             own_input = i > 0 or inputs_embeds is None  # a layer's output only the next one reads; not the caller's
@@ -398,9 +420,11 @@ def prepare_model(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: 
         return sparsify(model, kernel, train_kernels)
     if kernel == "twell" or train_kernels:
         setting = "kernel=twell" if kernel == "twell" else "train_kernels=true"
-        raise ValueError(f"{setting} needs a ReLU model; this one has hidden_act={model.config.hidden_act!r}, whose "
-                         "dense FFNs run on the torch path only. Use kernel=auto or kernel=torch, or sparsify it "
-                         "first (recipe=sparsify).")
+        raise ValueError(
+            f"{setting} needs a ReLU model; this one has hidden_act={model.config.hidden_act!r}, whose "
+            "dense FFNs run on the torch path only. Use kernel=auto or kernel=torch, or sparsify it "
+            "first (recipe=sparsify)."
+        )
     return fuse_layers(model)
 
 
@@ -421,8 +445,10 @@ def kernel_width_note(config: LlamaConfig, kernel: str) -> str | None:
     if reason is None:
         return None
     if kernel == "twell":
-        raise ValueError(f"kernel=twell cannot run this model: {reason}. Use kernel=auto or kernel=torch (the torch "
-                         "path takes any width).")
+        raise ValueError(
+            f"kernel=twell cannot run this model: {reason}. Use kernel=auto or kernel=torch (the torch "
+            "path takes any width)."
+        )
     return f"the sparse kernels will not run on this model ({reason}): every FFN layer takes the torch path"
 
 

@@ -38,8 +38,9 @@ def kernel_applies(q_BSHD: torch.Tensor, cos_BSD: torch.Tensor) -> bool:
     return q_BSHD.shape[-1] % 2 == 0 and cos_BSD.shape[-1] == q_BSHD.shape[-1]
 
 
-def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor,
-            sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate(
+    q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor, sign: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """New tensors: q and k turned by the angles (sign 1) or back (sign -1)."""
     batch, seq_len, q_heads, width = q_BSHD.shape
     k_heads = k_BSHD.shape[2]
@@ -57,22 +58,42 @@ def _rotate(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, s
     kernel = runtime.get_function("rope.cu", name, q_BSHD.device)
     sms = runtime.sm_count(q_BSHD.device)
     blocks = min(-(-pairs // (vector * _THREADS)), sms * _BLOCKS_PER_SM)
-    args = (runtime.ptr(q_BSHD), runtime.ptr(k_BSHD), runtime.ptr(q_out), runtime.ptr(k_out), runtime.ptr(cos_BSD),
-            runtime.ptr(sin_BSD), np.int64(tokens), np.int32(seq_len), np.int32(q_heads), np.int32(k_heads),
-            np.int32(width // 2), np.int64(cos_BSD.stride(0)), np.int64(cos_BSD.stride(1)), np.float32(sign))
+    args = (
+        runtime.ptr(q_BSHD),
+        runtime.ptr(k_BSHD),
+        runtime.ptr(q_out),
+        runtime.ptr(k_out),
+        runtime.ptr(cos_BSD),
+        runtime.ptr(sin_BSD),
+        np.int64(tokens),
+        np.int32(seq_len),
+        np.int32(q_heads),
+        np.int32(k_heads),
+        np.int32(width // 2),
+        np.int64(cos_BSD.stride(0)),
+        np.int64(cos_BSD.stride(1)),
+        np.float32(sign),
+    )
     runtime.launch(kernel, (blocks,), (_THREADS,), args, q_BSHD.device)
     return q_out, k_out
 
 
-def _vector_width(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
-                  cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> int:
+def _vector_width(
+    q_BSHD: torch.Tensor,
+    k_BSHD: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos_BSD: torch.Tensor,
+    sin_BSD: torch.Tensor,
+) -> int:
     """Elements per access of the kernel: 16-byte loads of q and k (8 bf16 or 4 fp32 values) where the head
     half-width, the angle strides and every address allow it, else 1."""
     vector = 16 // q_BSHD.element_size()
     half = q_BSHD.shape[-1] // 2
     fits = half % vector == 0 and cos_BSD.stride(0) % vector == 0 and cos_BSD.stride(1) % vector == 0
-    aligned = all(t.data_ptr() % (t.element_size() * vector) == 0
-                  for t in (q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD))
+    aligned = all(
+        t.data_ptr() % (t.element_size() * vector) == 0 for t in (q_BSHD, k_BSHD, q_out, k_out, cos_BSD, sin_BSD)
+    )
     return vector if fits and aligned else 1
 
 
@@ -89,18 +110,24 @@ class _RotateHalf(torch.autograd.Function):
         return dq_BSHD, dk_BSHD, None, None
 
 
-def rotate_half_qk(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor,
-                   sin_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_half_qk(
+    q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, S, Hq, D] and k [B, S, Hk, D] rotated by the angles cos/sin [B or 1, S, D] (no gradient to the
     angles, which are buffers). Call only where `kernel_applies(q_BSHD, cos_BSD)`."""
     if q_BSHD.dtype != k_BSHD.dtype or q_BSHD.shape[:2] != k_BSHD.shape[:2] or q_BSHD.shape[3] != k_BSHD.shape[3]:
-        raise ValueError(f"q {tuple(q_BSHD.shape)} {q_BSHD.dtype} and k {tuple(k_BSHD.shape)} {k_BSHD.dtype} "
-                         "must share dtype, batch, sequence length and head width.")
+        raise ValueError(
+            f"q {tuple(q_BSHD.shape)} {q_BSHD.dtype} and k {tuple(k_BSHD.shape)} {k_BSHD.dtype} "
+            "must share dtype, batch, sequence length and head width."
+        )
     if cos_BSD.shape != sin_BSD.shape or cos_BSD.dtype != sin_BSD.dtype:
-        raise ValueError(f"cos {tuple(cos_BSD.shape)} {cos_BSD.dtype} and sin {tuple(sin_BSD.shape)} "
-                         f"{sin_BSD.dtype} must match.")
+        raise ValueError(
+            f"cos {tuple(cos_BSD.shape)} {cos_BSD.dtype} and sin {tuple(sin_BSD.shape)} {sin_BSD.dtype} must match."
+        )
     batch, seq_len, _, width = q_BSHD.shape
     if cos_BSD.dim() != 3 or cos_BSD.shape[0] not in (1, batch) or cos_BSD.shape[1:] != (seq_len, width):
-        raise ValueError(f"cos/sin {tuple(cos_BSD.shape)} must be [1 or {batch}, {seq_len}, {width}] for q "
-                         f"{tuple(q_BSHD.shape)} ([batch, positions, head width]).")
+        raise ValueError(
+            f"cos/sin {tuple(cos_BSD.shape)} must be [1 or {batch}, {seq_len}, {width}] for q "
+            f"{tuple(q_BSHD.shape)} ([batch, positions, head width])."
+        )
     return _RotateHalf.apply(q_BSHD, k_BSHD, cos_BSD.detach(), sin_BSD.detach())

@@ -110,9 +110,7 @@ class EnergyMeter:
             torch.cuda.synchronize(self.device)
             now_mj = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
         except Exception as exc:
-            logger.warning(
-                "EnergyMeter(%s): reading failed (%s); no energy for this window", self.device, exc
-            )
+            logger.warning("EnergyMeter(%s): reading failed (%s); no energy for this window", self.device, exc)
             self._last_mj = None
             return None
         previous, self._last_mj = self._last_mj, now_mj

@@ -210,9 +210,7 @@ class Telemetry:
         try:
             import wandb
         except ImportError:
-            logger.warning(
-                "logging.wandb=true but wandb is not installed (pip install wandb); going on without it"
-            )
+            logger.warning("logging.wandb=true but wandb is not installed (pip install wandb); going on without it")
             return None
         try:
             return wandb.init(
@@ -247,11 +245,7 @@ class Telemetry:
 
     def _log_wandb(self, record: dict[str, MetricValue | None]) -> None:
         step = record["step"]
-        numbers = {
-            k: v
-            for k, v in record.items()
-            if k != "step" and isinstance(v, Number) and not isinstance(v, bool)
-        }
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, Number) and not isinstance(v, bool)}
         strings = {k: v for k, v in record.items() if isinstance(v, str)}
         try:
             if numbers:
@@ -259,8 +253,7 @@ class Telemetry:
             if strings:
                 self._wandb_run.summary.update(strings)
         except Exception as exc:
-            logger.warning("W&B logging failed (%s: %s); W&B is off for the rest of the run",
-                           type(exc).__name__, exc)
+            logger.warning("W&B logging failed (%s: %s); W&B is off for the rest of the run", type(exc).__name__, exc)
             self._finish_wandb()
 
     def advance(self, step: int, postfix: dict[str, Any] | None = None) -> None:
@@ -344,8 +337,6 @@ def read_metrics(path: Path) -> list[dict[str, MetricValue | None]]:
                 logger.warning("%s:%d is not valid JSON (cut short by a crash?); skipped", path, number)
                 continue
             if "step" not in record:
-                raise ValueError(
-                    f"{path}:{number} has no 'step' key; it is not a {METRICS_FILE} written by Telemetry"
-                )
+                raise ValueError(f"{path}:{number} has no 'step' key; it is not a {METRICS_FILE} written by Telemetry")
             by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[step] for step in sorted(by_step)]

@@ -73,8 +73,13 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
                 verify_checkpoint(path, "")
             except UserInputError as damage:
                 aside = path.with_name(path.name + DAMAGED_SUFFIX)
-                log.warning("Checkpoint %s is damaged: %s: %s. Moved aside to %s; trying the checkpoint before it.",
-                            path, damage.path, damage.what, aside.name)
+                log.warning(
+                    "Checkpoint %s is damaged: %s: %s. Moved aside to %s; trying the checkpoint before it.",
+                    path,
+                    damage.path,
+                    damage.what,
+                    aside.name,
+                )
                 path.rename(aside)
                 damaged.append(f"{damage.path}: {damage.what}")
                 continue
@@ -87,7 +92,8 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
                 run_dir / "checkpoints",
                 f"holds no intact checkpoint to resume from ({'; '.join(damaged or set_aside)})",
                 f"The damaged ones are kept as step_N{DAMAGED_SUFFIX}/. Start the run over with another run_name, or "
-                "restore a checkpoint from a copy and pass checkpoint.resume=<its path>.")
+                "restore a checkpoint from a copy and pass checkpoint.resume=<its path>.",
+            )
         return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
@@ -95,8 +101,11 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
             f"checkpoint.resume={resume!r} is not a complete checkpoint (no {STATE_FILE} in it). Pass a "
             "'<run>/checkpoints/step_N' directory, or checkpoint.resume=auto with the run's run_name."
         )
-    verify_checkpoint(path, f"Pass another checkpoint (checkpoint.resume={path.parent}/step_N), or "
-                            "checkpoint.resume=auto, which resumes from the run's newest intact one.")
+    verify_checkpoint(
+        path,
+        f"Pass another checkpoint (checkpoint.resume={path.parent}/step_N), or "
+        "checkpoint.resume=auto, which resumes from the run's newest intact one.",
+    )
     return path
 
 
@@ -207,7 +216,8 @@ def _write_failure(err: Exception, target: Path, run_dir: Path, keep_last: int) 
         last = "no complete checkpoint exists yet"
     reason = " ".join(str(err).split()) or type(err).__name__  # torch.save's messages span lines
     return CheckpointWriteError(
-        target, f"writing it failed ({type(err).__name__}: {reason}); {free}",
+        target,
+        f"writing it failed ({type(err).__name__}: {reason}); {free}",
         f"{last[0].upper()}{last[1:]}. Free disk space, lower checkpoint.keep_last (now {keep_last}: a run holds "
         "that many checkpoints between writes, and at least two while one is written), raise checkpoint.every, or "
         "put the run on a larger disk.",
@@ -258,20 +268,30 @@ def load_hf_weights(module: torch.nn.Module, model_dir: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         if not (model_dir / name).is_file():
-            raise FileNotFoundError(f"{model_dir / name} is missing: the checkpoint is incomplete; resume from "
-                                    "another one (checkpoint.resume=<run>/checkpoints/step_N).")
+            raise FileNotFoundError(
+                f"{model_dir / name} is missing: the checkpoint is incomplete; resume from "
+                "another one (checkpoint.resume=<run>/checkpoints/step_N)."
+            )
         state.update(load_file(model_dir / name))
     own = module.state_dict()
-    reshaped = [f"{key} {tuple(value.shape)} for {tuple(own[key].shape)}" for key, value in state.items()
-                if key in own and value.shape != own[key].shape]
+    reshaped = [
+        f"{key} {tuple(value.shape)} for {tuple(own[key].shape)}"
+        for key, value in state.items()
+        if key in own and value.shape != own[key].shape
+    ]
     loaded = {own[key].data_ptr() for key in state if key in own}
     missing = [key for key in own if key not in state and own[key].data_ptr() not in loaded]
     unexpected = [key for key in state if key not in own]
     if reshaped or missing or unexpected:
-        found = ", ".join(f"{what} {keys[:3]}" for what, keys in (("shapes", reshaped), ("missing", missing),
-                                                                  ("unexpected", unexpected)) if keys)
-        raise ValueError(f"{model_dir} does not hold this model's weights ({found}): resume with the model settings "
-                         "the checkpoint was trained with (its config.json has them).")
+        found = ", ".join(
+            f"{what} {keys[:3]}"
+            for what, keys in (("shapes", reshaped), ("missing", missing), ("unexpected", unexpected))
+            if keys
+        )
+        raise ValueError(
+            f"{model_dir} does not hold this model's weights ({found}): resume with the model settings "
+            "the checkpoint was trained with (its config.json has them)."
+        )
     module.load_state_dict(state, strict=False)
 
 

@@ -20,9 +20,9 @@ from omegaconf import OmegaConf
 
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.model.llama import ModelConfig
+from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.training.init import SparsifyConfig
 from sparse_llm.training.sparsity import SparsityConfig
-from sparse_llm.telemetry.metrics import LoggingConfig
 
 
 @dataclass
@@ -136,8 +136,10 @@ def launch_stamp() -> str:
     start = time.time()
     world, local_world = (int(os.environ.get(k, "1")) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     if world > local_world:
-        raise ValueError("A run over several machines needs an explicit run_name=<name> (the same on every "
-                         "machine): the launch time differs between machines.")
+        raise ValueError(
+            "A run over several machines needs an explicit run_name=<name> (the same on every "
+            "machine): the launch time differs between machines."
+        )
     if world > 1:
         import psutil
 

@@ -37,8 +37,19 @@ class SparsifyConfig:
 
 
 # ModelConfig fields a checkpoint fixes (name and init_std describe the run, not the weights).
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
-                "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_embeddings", "hidden_act")
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_embeddings",
+    "hidden_act",
+)
 
 
 def open_init(init: str) -> Checkpoint:
@@ -57,13 +68,17 @@ def checked_model_config(given: ModelConfig, checkpoint: Checkpoint, init: str) 
     default group's, configs/model/tiny.yaml) was set by the user: a ValueError names every such field."""
     found = model_config_of(checkpoint.config, name=checkpoint.path.name)
     default = ModelConfig()
-    conflicts = [f"model.{name}={_field(given, name)!r} (the checkpoint has {_field(found, name)!r})"
-                 for name in SHAPE_FIELDS
-                 if _field(given, name) != _field(found, name) and _field(given, name) != _field(default, name)]
+    conflicts = [
+        f"model.{name}={_field(given, name)!r} (the checkpoint has {_field(found, name)!r})"
+        for name in SHAPE_FIELDS
+        if _field(given, name) != _field(found, name) and _field(given, name) != _field(default, name)
+    ]
     if conflicts:
-        raise ValueError(f"init={init}: the model comes from the checkpoint, and the model settings disagree with it: "
-                         f"{'; '.join(conflicts)}. Drop the model=/model.* overrides; the checkpoint's config.json "
-                         "sets the shape.")
+        raise ValueError(
+            f"init={init}: the model comes from the checkpoint, and the model settings disagree with it: "
+            f"{'; '.join(conflicts)}. Drop the model=/model.* overrides; the checkpoint's config.json "
+            "sets the shape."
+        )
     return dataclasses.replace(found, init_std=given.init_std)
 
 
@@ -73,12 +88,19 @@ def choose_tokenizer(data: DataConfig, checkpoint: Checkpoint) -> None:
     if data.name == "tokens":
         return
     if not checkpoint.has_tokenizer:
-        log.warning("init: %s holds no tokenizer; the data is tokenized with data.tokenizer=%s, which must be the "
-                    "one the checkpoint was trained with.", checkpoint.path, data.tokenizer)
+        log.warning(
+            "init: %s holds no tokenizer; the data is tokenized with data.tokenizer=%s, which must be the "
+            "one the checkpoint was trained with.",
+            checkpoint.path,
+            data.tokenizer,
+        )
         return
     if data.tokenizer != str(checkpoint.path):
-        log.info("init: tokenizing the data with the checkpoint's tokenizer (%s), not data.tokenizer=%s",
-                 checkpoint.path, data.tokenizer)
+        log.info(
+            "init: tokenizing the data with the checkpoint's tokenizer (%s), not data.tokenizer=%s",
+            checkpoint.path,
+            data.tokenizer,
+        )
     data.tokenizer = str(checkpoint.path)
 
 
@@ -94,9 +116,11 @@ def check_tokenizer(tokenizer: Any, data: DataConfig, checkpoint: Checkpoint) ->
                 f"corpus with it: scripts/tokenize_corpus.py data.tokenizer={checkpoint.path} ..."
             )
     if len(tokenizer) > checkpoint.config.vocab_size:
-        raise ValueError(f"The tokenizer has {len(tokenizer)} entries, more than the {checkpoint.config.vocab_size} "
-                         f"rows of the embedding of {checkpoint.path}: use the tokenizer the checkpoint was trained "
-                         "with.")
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} entries, more than the {checkpoint.config.vocab_size} "
+            f"rows of the embedding of {checkpoint.path}: use the tokenizer the checkpoint was trained "
+            "with."
+        )
 
 
 def stock_model(checkpoint: Checkpoint, weights: bool) -> LlamaForCausalLM:

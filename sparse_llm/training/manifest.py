@@ -60,8 +60,10 @@ def write_manifest(root: Path) -> Path:
     names = _files_below(root)
     with ThreadPoolExecutor(HASH_THREADS) as pool:
         digests = list(pool.map(lambda name: sha256_of(root / name), names))
-    files = {name: {"bytes": (root / name).stat().st_size, "sha256": digest}
-             for name, digest in zip(names, digests, strict=True)}
+    files = {
+        name: {"bytes": (root / name).stat().st_size, "sha256": digest}
+        for name, digest in zip(names, digests, strict=True)
+    }
     path = root / MANIFEST_FILE
     path.write_text(json.dumps({"version": MANIFEST_VERSION, "files": files}, indent=1))
     return path
@@ -75,8 +77,7 @@ def _read_manifest(root: Path, fix: str) -> dict[str, dict[str, Any]]:
         isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
         for entry in files.values()
     ):
-        raise UserInputError(path, "is not a checkpoint manifest (its 'files' must map names to bytes and sha256)",
-                             fix)
+        raise UserInputError(path, "is not a checkpoint manifest (its 'files' must map names to bytes and sha256)", fix)
     return files
 
 
@@ -84,8 +85,11 @@ def verify(root: Path, fix: str, under: str = "") -> None:
     """Check the files of checkpoint directory `root` (only those below `root/under`, if given) against its manifest,
     or, where it has none, their formats. Raises UserInputError naming the first damaged file, with `fix`."""
     if not (root / MANIFEST_FILE).is_file():
-        log.info("%s has no %s (written before checkpoints carried one): checking sizes and formats only, "
-                 "not checksums", root, MANIFEST_FILE)
+        log.info(
+            "%s has no %s (written before checkpoints carried one): checking sizes and formats only, not checksums",
+            root,
+            MANIFEST_FILE,
+        )
         for name in _files_below(root / under):
             check_file_format(root / under / name, fix)
         return
@@ -98,15 +102,17 @@ def verify(root: Path, fix: str, under: str = "") -> None:
         size = path.stat().st_size
         if size != entry["bytes"]:
             how = "cut short or overwritten" if size < entry["bytes"] else "written to since"
-            raise UserInputError(path, f"holds {size} bytes where {MANIFEST_FILE} lists {entry['bytes']}: it was {how}",
-                                 fix)
+            raise UserInputError(
+                path, f"holds {size} bytes where {MANIFEST_FILE} lists {entry['bytes']}: it was {how}", fix
+            )
     names = list(entries)
     with ThreadPoolExecutor(HASH_THREADS) as pool:
         digests = list(pool.map(lambda name: sha256_of(root / name), names))
     for name, digest in zip(names, digests, strict=True):
         if digest != entries[name]["sha256"]:
-            raise UserInputError(root / name, f"has changed since it was written (its sha256 differs from "
-                                              f"{MANIFEST_FILE}'s)", fix)
+            raise UserInputError(
+                root / name, f"has changed since it was written (its sha256 differs from {MANIFEST_FILE}'s)", fix
+            )
 
 
 def model_dir_root(model_dir: Path) -> tuple[Path, str]:

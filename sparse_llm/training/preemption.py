@@ -54,8 +54,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is None:
             self.requested = signum
-            log.warning("%s received: stopping within two optimizer steps with a checkpoint (Ctrl-C stops at once).",
-                        signal.Signals(signum).name)
+            log.warning(
+                "%s received: stopping within two optimizer steps with a checkpoint (Ctrl-C stops at once).",
+                signal.Signals(signum).name,
+            )
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -63,8 +65,9 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()

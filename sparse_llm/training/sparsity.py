@@ -76,7 +76,8 @@ class LayerBalance:
 
     Trained with one coefficient, the layers settle far apart: a 2B model's first layer kept ~17x the non-zeros per
     token of its median layer and its last three 5-7x (docs/performance.md), and such layers run the sparse
-    kernels no faster than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how far its log
+    kernels no faster than dense GEMMs. After each optimizer step, each layer's log-weight moves by `rate` times how
+    far its log
     L0 over that step lies above the layers' mean log L0, then the log-weights are centred and bounded by
     +-log(bound). Their geometric mean stays 1, so the penalty's overall strength stays `l1`'s; denser layers
     get more of it and sparser ones less.
@@ -84,8 +85,10 @@ class LayerBalance:
 
     def __init__(self, layers: int, rate: float, bound: float, device: torch.device, reduce: Reducer) -> None:
         if rate < 0:
-            raise ValueError(f"sparsity.layer_balance={rate}: give a rate >= 0 (0 turns the balance off, ~0.02 "
-                             "moves a weight by a few percent a step).")
+            raise ValueError(
+                f"sparsity.layer_balance={rate}: give a rate >= 0 (0 turns the balance off, ~0.02 "
+                "moves a weight by a few percent a step)."
+            )
         if bound < 1:
             raise ValueError(f"sparsity.layer_balance_max={bound}: give a bound >= 1 on the layers' L1 weights.")
         self.rate = rate
@@ -159,8 +162,11 @@ class SparsityTracker:
         # still on their way from the GPU (layer, pinned CPU tensor), added once a read needs them.
         self.dense_rows_L = [0] * len(mlps)
         self.pending_rows: list[tuple[int, torch.Tensor]] = []
-        self.balance = (LayerBalance(len(mlps), cfg.layer_balance, cfg.layer_balance_max, device, self.reduce)
-                        if cfg.layer_balance else None)
+        self.balance = (
+            LayerBalance(len(mlps), cfg.layer_balance, cfg.layer_balance_max, device, self.reduce)
+            if cfg.layer_balance
+            else None
+        )
 
     @property
     def l1_weights_L(self) -> torch.Tensor | None:
@@ -317,8 +323,9 @@ class SparsityTracker:
 
     def backends(self) -> dict[str, str]:
         """Which path each layer took in its latest call."""
-        return {f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in
-                enumerate(self.mlps)}
+        return {
+            f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in enumerate(self.mlps)
+        }
 
 
 class NoSparsity:

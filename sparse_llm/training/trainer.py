@@ -21,29 +21,41 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, broadcast_object_list, gather_object,
-                               set_seed)
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    broadcast_object_list,
+    gather_object,
+    set_seed,
+)
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
 from sparse_llm.checks.errors import UserInputError
-from sparse_llm.training import checkpoint as ckpt
-from sparse_llm.ffn import kernel_set
-from sparse_llm.ffn.registry import get_backend
-from sparse_llm.training.config import TrainConfig, TrainerConfig, check_ranges
-from sparse_llm.training.manifest import write_manifest
-from sparse_llm.data.pipeline import build_token_data
-from sparse_llm.ffn.dispatch import validate_kernel
-from sparse_llm.telemetry.energy import EnergyMeter
 from sparse_llm.data.loader import TrainLoader, val_batches
-from sparse_llm.model.llama import (build_model, compile_layers, count_parameters, kernel_width_note, prepare_model,
-                                    sparse_mlps, swap_to_relu)
-from sparse_llm.training.init import check_tokenizer, checked_model_config, choose_tokenizer, open_init, stock_model
+from sparse_llm.data.pipeline import build_token_data
+from sparse_llm.ffn import kernel_set
+from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.ffn.registry import get_backend
+from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.model.llama import (
+    build_model,
+    compile_layers,
+    count_parameters,
+    kernel_width_note,
+    prepare_model,
+    sparse_mlps,
+    swap_to_relu,
+)
+from sparse_llm.telemetry.energy import EnergyMeter
+from sparse_llm.telemetry.metrics import Telemetry
 from sparse_llm.telemetry.plots import NothingToPlot, plot_run
+from sparse_llm.training import checkpoint as ckpt
+from sparse_llm.training.config import TrainConfig, TrainerConfig, check_ranges
+from sparse_llm.training.init import check_tokenizer, checked_model_config, choose_tokenizer, open_init, stock_model
+from sparse_llm.training.manifest import write_manifest
 from sparse_llm.training.preemption import StopSignals, TrainingStopped
 from sparse_llm.training.sparsity import L1_WARMUP_SHAPES, NoSparsity, SparsityTracker, l1_coefficient, l1_term
-from sparse_llm.ffn.step_scope import optimizer_step
-from sparse_llm.telemetry.metrics import Telemetry
 
 log = logging.getLogger(__name__)
 # accelerate narrates every checkpoint file at INFO, and transformers draws a progress bar per saved shard;
@@ -53,8 +65,7 @@ hf_logging.disable_progress_bar()
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU, matched in order against the device name; unknown devices
 # and non-bf16 runs report no MFU.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                   ("A100", 312e12))
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
 class NonFiniteLossError(RuntimeError):
@@ -125,8 +136,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
-def defer_clipping(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor], max_norm: float
-                   ) -> torch.Tensor | None:
+def defer_clipping(
+    optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor], max_norm: float
+) -> torch.Tensor | None:
     """Clip the gradients' global norm to max_norm inside the optimizer's next step, where it can; returns the
     norm before clipping, or None where the optimizer cannot (then clip first: clip_grad_norm_).
 
@@ -207,8 +219,15 @@ class StepReadout:
                 "applied and the last good checkpoint is kept; resume from it with a lower trainer.lr or l1, or a "
                 "longer trainer.warmup_steps."
             )
-        metrics = {"loss": loss, "ce": ce, "l1_term": l1, "l1_coeff": self.l1_coeff, "grad_norm": norm,
-                   "lr": self.lr, "reinit_neurons": self.reinit_neurons}
+        metrics = {
+            "loss": loss,
+            "ce": ce,
+            "l1_term": l1,
+            "l1_coeff": self.l1_coeff,
+            "grad_norm": norm,
+            "lr": self.lr,
+            "reinit_neurons": self.reinit_neurons,
+        }
         return metrics, votes > 0
 
 
@@ -288,11 +307,14 @@ def check_cuda_graphs_setup(t: TrainerConfig, device: torch.device) -> None:
             f"trainer.cuda_graphs=true needs trainer.compile_backend=inductor (not {t.compile_backend!r})."
         )
     if t.gradient_checkpointing:
-        raise ValueError("trainer.cuda_graphs=true is not supported with trainer.gradient_checkpointing=true; turn "
-                         "one of them off.")
+        raise ValueError(
+            "trainer.cuda_graphs=true is not supported with trainer.gradient_checkpointing=true; turn one of them off."
+        )
     if device.type != "cuda":
-        raise ValueError(f"trainer.cuda_graphs=true needs a CUDA GPU; this run is on {device.type}. Leave it off "
-                         "for runs without a GPU.")
+        raise ValueError(
+            f"trainer.cuda_graphs=true needs a CUDA GPU; this run is on {device.type}. Leave it off "
+            "for runs without a GPU."
+        )
 
 
 def hold_gradients(parameters: Iterable[torch.Tensor]) -> None:
@@ -332,9 +354,11 @@ def sparse_training_hint(
     if not sparse or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
         return None
     missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true trainer.cuda_graphs=true"
-    return (f"the sparse training kernels are issued from the host layer by layer; {missing} replays each layer's "
-            "compiled parts and the sparse op's forward as CUDA graphs, which kept a 2B step of 8 micro-batches at the "
-            "GPU's pace (1.36x the dense step, against 1.14x without graphs)")
+    return (
+        f"the sparse training kernels are issued from the host layer by layer; {missing} replays each layer's "
+        "compiled parts and the sparse op's forward as CUDA graphs, which kept a 2B step of 8 micro-batches at the "
+        "GPU's pace (1.36x the dense step, against 1.14x without graphs)"
+    )
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -422,8 +446,12 @@ class Trainer:
         if self.init is not None:
             check_tokenizer(self.data.tokenizer, cfg.data, self.init)
         self.loader = TrainLoader(
-            self.data.train, self.plan.micro_batch, self.plan.seq_len, cfg.seed,
-            rank=self.acc.process_index, world_size=self.acc.num_processes,
+            self.data.train,
+            self.plan.micro_batch,
+            self.plan.seq_len,
+            cfg.seed,
+            rank=self.acc.process_index,
+            world_size=self.acc.num_processes,
             step_sequences=self.plan.tokens_per_step // self.plan.seq_len,
         )
         self.val = val_batches(self.data.val, self.plan.micro_batch, self.plan.seq_len, t.val_batches)
@@ -431,12 +459,18 @@ class Trainer:
         # A model without SparseMLPs (a dense SiLU or GELU baseline) trains on the cross-entropy alone.
         self.l1 = cfg.l1 if sparse_mlps(model) else 0.0
         if self.l1 != cfg.l1:
-            log.warning("hidden_act=%s: a dense model, trained without the L1 term (l1=%g is not applied).",
-                        model.config.hidden_act, cfg.l1)
+            log.warning(
+                "hidden_act=%s: a dense model, trained without the L1 term (l1=%g is not applied).",
+                model.config.hidden_act,
+                cfg.l1,
+            )
         if model.config.vocab_size > self.data.vocab_size:
-            log.warning("model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
-                        "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
-                        model.config.vocab_size, self.data.vocab_size)
+            log.warning(
+                "model.vocab_size=%d exceeds the tokenizer's %d entries: the extra embedding rows are never "
+                "used. The paper's sizes expect the SmolLM2 tokenizer (data=fineweb_edu or data=tokens).",
+                model.config.vocab_size,
+                self.data.vocab_size,
+            )
         if self.acc.distributed_type == DistributedType.FSDP:
             check_fsdp_wrap(self.acc.state.fsdp_plugin, model)
         for mlp in sparse_mlps(model):
@@ -446,10 +480,14 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if t.compile:
             compile_layers(model, t.compile_backend, t.cuda_graphs)
-            log.info("trainer.compile: the first step compiles the decoder layers (%s; about a minute on a GPU host, "
-                     "once per micro-batch shape)%s", t.compile_backend,
-                     "; their second run (the second micro-batch, or the second step) records them as CUDA graphs"
-                     if t.cuda_graphs else "")
+            log.info(
+                "trainer.compile: the first step compiles the decoder layers (%s; about a minute on a GPU host, "
+                "once per micro-batch shape)%s",
+                t.compile_backend,
+                "; their second run (the second micro-batch, or the second step) records them as CUDA graphs"
+                if t.cuda_graphs
+                else "",
+            )
         fsdp = self.acc.distributed_type == DistributedType.FSDP
         hint = sparse_training_hint(cfg.kernel, cfg.train_kernels, t, self.acc.device, fsdp)
         if hint and self.acc.is_main_process:
@@ -478,31 +516,46 @@ class Trainer:
         if cfg.kernel != "auto":
             reason = get_backend(cfg.kernel).unavailable_reason(self.acc.device)
             if reason is not None:
-                raise ValueError(f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
-                                 "Use kernel=auto or kernel=torch.")
+                raise ValueError(
+                    f"kernel={cfg.kernel} cannot run on {self.acc.device}: {reason.rstrip('.')}. "
+                    "Use kernel=auto or kernel=torch."
+                )
         if cfg.sparsify.relu and not cfg.init:
-            raise ValueError("sparsify.relu=true sparsifies a pretrained model: give it with init=<checkpoint>. A model "
-                             "trained from scratch is ReLU already (model.hidden_act=relu).")
+            raise ValueError(
+                "sparsify.relu=true sparsifies a pretrained model: give it with init=<checkpoint>. A model "
+                "trained from scratch is ReLU already (model.hidden_act=relu)."
+            )
         if cfg.sparsity.l1_warmup_shape not in L1_WARMUP_SHAPES:
-            raise ValueError(f"sparsity.l1_warmup_shape={cfg.sparsity.l1_warmup_shape!r}; use one of "
-                             f"{', '.join(L1_WARMUP_SHAPES)}.")
+            raise ValueError(
+                f"sparsity.l1_warmup_shape={cfg.sparsity.l1_warmup_shape!r}; use one of {', '.join(L1_WARMUP_SHAPES)}."
+            )
         if cfg.train_kernels and cfg.kernel != "auto":
-            raise ValueError(f"train_kernels=true applies to kernel=auto only (kernel={cfg.kernel} decides every "
-                             "layer's path by itself: twell trains on the sparse kernels, torch never does). Drop one.")
+            raise ValueError(
+                f"train_kernels=true applies to kernel=auto only (kernel={cfg.kernel} decides every "
+                "layer's path by itself: twell trains on the sparse kernels, torch never does). Drop one."
+            )
         t = cfg.trainer
         if t.compile:
             check_compile_setup(t.compile_backend, self.acc.distributed_type == DistributedType.FSDP)
         if t.cuda_graphs:
             check_cuda_graphs_setup(t, self.acc.device)
         if cfg.trainer.max_steps < 0:
-            raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps}: give a step count >= 1 (or 0, which writes "
-                             "the initialised model to final/ without training).")
+            raise ValueError(
+                f"trainer.max_steps={cfg.trainer.max_steps}: give a step count >= 1 (or 0, which writes "
+                "the initialised model to final/ without training)."
+            )
         if 0 < cfg.trainer.max_steps <= cfg.trainer.warmup_steps:
-            log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches its peak.",
-                        cfg.trainer.warmup_steps, cfg.trainer.max_steps)
+            log.warning(
+                "trainer.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches its peak.",
+                cfg.trainer.warmup_steps,
+                cfg.trainer.max_steps,
+            )
         fresh = cfg.checkpoint.resume in ("", "none", "None")
-        leftovers = [p.name for p in (self.run_dir / "checkpoints", self.run_dir / "final",
-                                      self.run_dir / "metrics.jsonl") if p.exists()]
+        leftovers = [
+            p.name
+            for p in (self.run_dir / "checkpoints", self.run_dir / "final", self.run_dir / "metrics.jsonl")
+            if p.exists()
+        ]
         if fresh and leftovers:
             raise FileExistsError(
                 f"{self.run_dir} already holds a run ({', '.join(leftovers)}). Continue it with "
@@ -532,8 +585,10 @@ class Trainer:
         elif cfg.sparsify.relu:
             if not resuming and cfg.trainer.val_every:
                 metrics["val/ce_dense_source"] = self._val_ce(model.to(self.acc.device))
-            log.info("sparsify.relu: the FFN gate's %s becomes a ReLU; the L1 term sparsifies it from here.",
-                     model.config.hidden_act)
+            log.info(
+                "sparsify.relu: the FFN gate's %s becomes a ReLU; the L1 term sparsifies it from here.",
+                model.config.hidden_act,
+            )
             swap_to_relu(model)
             cfg.model.hidden_act = "relu"
         note = kernel_width_note(model.config, cfg.kernel)
@@ -547,8 +602,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- state
     def _trainer_state(self) -> dict[str, Any]:
         loaders = gather_object([self.loader.state_dict()])
-        return {"step": self.step, "loaders": loaders, "world_size": self.acc.num_processes,
-                "tokens_seen": self.step * self.plan.tokens_per_step}
+        return {
+            "step": self.step,
+            "loaders": loaders,
+            "world_size": self.acc.num_processes,
+            "tokens_seen": self.step * self.plan.tokens_per_step,
+        }
 
     def _resume(self) -> None:
         outcome = [self._resume_check.outcome()]
@@ -561,21 +620,34 @@ class Trainer:
             return
         state, rank_state = ckpt.load_checkpoint(self.acc, path)
         if state["world_size"] != self.acc.num_processes:
-            raise UserInputError(path, f"was written by {state['world_size']} processes, this launch has "
-                                            f"{self.acc.num_processes}", "Resume with the same number of processes.")
+            raise UserInputError(
+                path,
+                f"was written by {state['world_size']} processes, this launch has {self.acc.num_processes}",
+                "Resume with the same number of processes.",
+            )
         self.loader.load_state_dict(state["loaders"][self.acc.process_index])
         if rank_state is not None:
             self.tracker.load_state_dict(rank_state["sparsity"])
         self.step = state["step"]
         log.info("Resumed from %s at step %d", path, self.step)
         if self.step >= self.cfg.trainer.max_steps:
-            log.warning("The checkpoint is at step %d, trainer.max_steps=%d: nothing left to train, writing final/ "
-                        "from it. Raise trainer.max_steps to train on.", self.step, self.cfg.trainer.max_steps)
+            log.warning(
+                "The checkpoint is at step %d, trainer.max_steps=%d: nothing left to train, writing final/ "
+                "from it. Raise trainer.max_steps to train on.",
+                self.step,
+                self.cfg.trainer.max_steps,
+            )
 
     def _save(self) -> Path:
         path = ckpt.save_checkpoint(
-            self.acc, self.model, self.data.tokenizer, self.run_dir, self.step, self._trainer_state(),
-            {"sparsity": self.tracker.state_dict()}, self.cfg.checkpoint.keep_last,
+            self.acc,
+            self.model,
+            self.data.tokenizer,
+            self.run_dir,
+            self.step,
+            self._trainer_state(),
+            {"sparsity": self.tracker.state_dict()},
+            self.cfg.checkpoint.keep_last,
         )
         if self.acc.is_main_process:
             log.info("Checkpoint: %s", path)
@@ -603,7 +675,9 @@ class Trainer:
         sparse op's forwards are graphs too (`train_graphs`): the compiled layers' graphs already demand each
         micro-batch's backward before the next forward, which is what graphed forwards rely on."""
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        return optimizer_step(reuse_casts=not fsdp, add_into_grads=not fsdp, graph_forwards=self.cfg.trainer.cuda_graphs)
+        return optimizer_step(
+            reuse_casts=not fsdp, add_into_grads=not fsdp, graph_forwards=self.cfg.trainer.cuda_graphs
+        )
 
     def _optimizer_step(self, stop: StopSignals) -> StepReadout:
         """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.
@@ -631,10 +705,16 @@ class Trainer:
         # One all-reduce and one host transfer per step (not per layer), which also carry the ranks' stop votes.
         world = self.acc.num_processes
         stop_vote = torch.tensor(float(stop.requested is not None), device=self.acc.device)
-        summed = self._reduce(torch.stack([ce_sum / self.plan.accumulation, l1_sum / self.plan.accumulation,
-                                           stop_vote]), "sum")
-        values = torch.cat([summed[:2] / world, summed[2:],
-                            torch.as_tensor(grad_norm, device=summed.device, dtype=summed.dtype).reshape(1)])
+        summed = self._reduce(
+            torch.stack([ce_sum / self.plan.accumulation, l1_sum / self.plan.accumulation, stop_vote]), "sum"
+        )
+        values = torch.cat(
+            [
+                summed[:2] / world,
+                summed[2:],
+                torch.as_tensor(grad_norm, device=summed.device, dtype=summed.dtype).reshape(1),
+            ]
+        )
         readout = StepReadout(self.step + 1, HostCopy(values), coeff, self.scheduler.get_last_lr()[0])
         if not skip_update_if_non_finite(optimizer, values):
             readout.read()  # stops here, before a non-finite update reaches the weights
@@ -682,8 +762,11 @@ class Trainer:
     def _window_metrics(self, window: MeasureWindow) -> dict[str, Any]:
         seconds, joules = window.close()
         tokens = window.steps * self.plan.tokens_per_step
-        metrics: dict[str, Any] = {"tokens_per_s": tokens / seconds, "step_time_s": seconds / window.steps,
-                                   "tokens_seen": self.step * self.plan.tokens_per_step}
+        metrics: dict[str, Any] = {
+            "tokens_per_s": tokens / seconds,
+            "step_time_s": seconds / window.steps,
+            "tokens_seen": self.step * self.plan.tokens_per_step,
+        }
         if joules is not None:
             joules = float(self._reduce(torch.tensor(joules, device=self.acc.device), "sum"))
             metrics.update(energy_j=joules, mj_per_token=1e3 * joules / tokens, power_w=joules / seconds)
@@ -704,13 +787,25 @@ class Trainer:
     def run(self) -> Path:
         self._resume()
         t = self.cfg.trainer
-        telemetry = Telemetry(self.cfg.logging, self.run_dir, OmegaConf.to_container(OmegaConf.structured(self.cfg),
-                              resolve=True), self.acc.is_main_process, t.max_steps,
-                              start_step=self.step)
+        telemetry = Telemetry(
+            self.cfg.logging,
+            self.run_dir,
+            OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True),
+            self.acc.is_main_process,
+            t.max_steps,
+            start_step=self.step,
+        )
         if self.acc.is_main_process:
-            log.info("Model: %s, %.1fM parameters; %d tokens/step (%d ranks x %d micro-batches x %d x %d)",
-                     self.cfg.model.name, self.n_params / 1e6, self.plan.tokens_per_step, self.plan.world,
-                     self.plan.accumulation, self.plan.micro_batch, self.plan.seq_len)
+            log.info(
+                "Model: %s, %.1fM parameters; %d tokens/step (%d ranks x %d micro-batches x %d x %d)",
+                self.cfg.model.name,
+                self.n_params / 1e6,
+                self.plan.tokens_per_step,
+                self.plan.world,
+                self.plan.accumulation,
+                self.plan.micro_batch,
+                self.plan.seq_len,
+            )
         if self.init is not None and self.step == 0 and t.val_every:
             # Where the run starts from, on the batches every later validation uses.
             telemetry.log(0, {**self.start_metrics, **self.validate()})
@@ -728,8 +823,7 @@ class Trainer:
             telemetry.close()
         return self._finish()
 
-    def _train_step(self, window: MeasureWindow, telemetry: Telemetry,
-                    stop: StopSignals) -> tuple[Path | None, bool]:
+    def _train_step(self, window: MeasureWindow, telemetry: Telemetry, stop: StopSignals) -> tuple[Path | None, bool]:
         """One optimizer step with its logging, validation and checkpoint.
 
         Returns the checkpoint's path if one was due, and whether the ranks agreed to stop (see _optimizer_step).

@@ -1,4 +1,5 @@
-"""Decoding steps replayed as a CUDA graph (sparse_llm.generation.decoding) give the logits of the same steps run eagerly,
+"""Decoding steps replayed as a CUDA graph (sparse_llm.generation.decoding) give the logits of the same steps run
+eagerly,
 with the FFN on the dense path and on the sparse decode kernel."""
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def prompts(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     ids_BS = torch.zeros(len(lengths), longest, dtype=torch.long, device="cuda")
     mask_BS = torch.zeros_like(ids_BS)
     for row, n in enumerate(lengths):
-        ids_BS[row, longest - n:] = torch.randint(1, VOCAB, (n,), device="cuda")
-        mask_BS[row, longest - n:] = 1
+        ids_BS[row, longest - n :] = torch.randint(1, VOCAB, (n,), device="cuda")
+        mask_BS[row, longest - n :] = 1
     return ids_BS, mask_BS
 
 
@@ -57,6 +58,8 @@ def test_graph_replays_give_the_eager_logits(kernel, lengths):
 def test_greedy_decoding_with_graphs_equals_eager_on_the_dense_path():
     model = model_on_gpu("torch")
     ids_BS, mask_BS = prompts([5, 2, 9])
-    runs = [decode(model, ids_BS, mask_BS, 20, temperature=0, top_p=1.0, end_id=-1, pad_id=0, cuda_graph=graph)
-            .new_ids_BT for graph in (False, True)]
+    runs = [
+        decode(model, ids_BS, mask_BS, 20, temperature=0, top_p=1.0, end_id=-1, pad_id=0, cuda_graph=graph).new_ids_BT
+        for graph in (False, True)
+    ]
     assert torch.equal(*runs)

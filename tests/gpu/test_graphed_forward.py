@@ -1,5 +1,6 @@
 """The training op's forward replayed as a CUDA graph per layer (`train_graphs`, `optimizer_step(graph_forwards=True)`):
-every call's outputs, heavy-token count and gradients equal the eager op's on the same inputs, while the layer's graph is
+every call's outputs, heavy-token count and gradients equal the eager op's on the same inputs, while the layer's
+graph is
 captured once and replayed; a backward whose forward was replayed over raises."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.ffn.twell import graphs as train_graphs
 from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell import graphs as train_graphs
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 
@@ -71,7 +72,7 @@ def test_graphed_forwards_equal_eager_calls_call_by_call(bf16, dense_rows):
 
 def test_backward_after_its_forward_was_replayed_over_raises():
     weights = master_weights(bf16=False)
-    (x, dy), = batches([512])
+    ((x, dy),) = batches([512])
     x = x.requires_grad_()
     with optimizer_step(graph_forwards=True), torch.autocast("cuda", dtype=torch.bfloat16):
         twell_train_ffn(x, *weights, width=WIDTH)  # eager: the first call of this shape

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.ffn.twell import cost_model
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn import kernel_set
-from sparse_llm.model.llama import ModelConfig, build_model
+from sparse_llm.ffn.twell import cost_model
 from sparse_llm.ffn.twell.infer_launch import direct_up_down
-from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
+from sparse_llm.model.llama import ModelConfig, build_model
 
 
 @pytest.fixture

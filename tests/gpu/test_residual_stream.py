@@ -11,8 +11,9 @@ from sparse_llm.model.llama import ModelConfig, build_model
 
 pytestmark = pytest.mark.any_cuda  # the dense path too: no sm_90a kernels needed
 
-CONFIG = ModelConfig(hidden_size=256, intermediate_size=768, num_layers=3, num_heads=4, vocab_size=512,
-                     max_position_embeddings=256)
+CONFIG = ModelConfig(
+    hidden_size=256, intermediate_size=768, num_layers=3, num_heads=4, vocab_size=512, max_position_embeddings=256
+)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "twell"])
@@ -27,8 +28,9 @@ def test_in_place_adds_are_as_close_to_fp32_as_the_out_of_place_forward(kernel):
     storage, norms_run = [], []
     for layer in bf16.model.layers:  # a layer handed the next norm returns (stream, normed rows or None)
         layer.register_forward_hook(
-            lambda module, args, out: storage.append(args[0].data_ptr() == (out[0] if isinstance(out, tuple) else out)
-                                                     .data_ptr())  # fmt: skip
+            lambda module, args, out: storage.append(
+                args[0].data_ptr() == (out[0] if isinstance(out, tuple) else out).data_ptr()
+            )
         )
     norms = [layer.input_layernorm for layer in bf16.model.layers] + [bf16.model.norm]
     for i, norm in enumerate(norms):

@@ -35,8 +35,9 @@ def poison() -> None:
 
 
 def reference(q, k, cos, sin):
-    q_BHSD, k_BHSD = apply_rotary_pos_emb(q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(),
-                                          sin.double())
+    q_BHSD, k_BHSD = apply_rotary_pos_emb(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double()
+    )
     return q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2)
 
 
@@ -46,8 +47,10 @@ def within_budget(got, want, stock):
     assert err <= 2 * stock_err + ATOL * want.abs().max().item() + 1e-6, (err, stock_err)
 
 
-@pytest.mark.parametrize("q_dtype,angle_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                                  (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "q_dtype,angle_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+)
 @pytest.mark.parametrize("heads,kv_heads,width", [(8, 8, 64), (8, 2, 128), (4, 4, 20)])  # 20: scalar accesses
 @pytest.mark.parametrize("shared", [True, False])
 def test_rotation_and_its_gradient_match_transformers(q_dtype, angle_dtype, heads, kv_heads, width, shared):
@@ -81,8 +84,14 @@ def test_rotation_and_its_gradient_match_transformers(q_dtype, angle_dtype, head
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)])
 def test_fused_attention_matches_stock_attention(dtype, autocast):
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e5,
-                         max_position_embeddings=512, attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e5,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     stock = LlamaAttention(config, layer_idx=0).to("cuda", dtype)
     fused = LlamaAttention(config, layer_idx=0).to("cuda", dtype)
@@ -115,8 +124,9 @@ def test_cached_decoding_with_the_kernel_matches_stock():
     from sparse_llm.model.llama import ModelConfig, llama_config, sparsify
 
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, vocab_size=101,
-                      max_position_embeddings=128)
+    cfg = ModelConfig(
+        hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, vocab_size=101, max_position_embeddings=128
+    )
     stock = LlamaForCausalLM(llama_config(cfg)).to("cuda", torch.bfloat16).eval()
     ours = sparsify(copy.deepcopy(stock), kernel="torch")
     ids = torch.randint(0, 101, (3, 17), device="cuda")
@@ -130,7 +140,9 @@ def test_cached_decoding_with_the_kernel_matches_stock():
         for _ in range(3):
             step = torch.randint(0, 101, (3, 1), device="cuda")
             mask = torch.cat([mask, torch.ones_like(step)], dim=1)
-            nexts = [m(input_ids=step, attention_mask=mask, past_key_values=c, use_cache=True)
-                     for m, c in zip((stock, ours), caches)]
+            nexts = [
+                m(input_ids=step, attention_mask=mask, past_key_values=c, use_cache=True)
+                for m, c in zip((stock, ours), caches)
+            ]
             assert rel(nexts[1].logits, nexts[0].logits) < 2e-2
             caches = [n.past_key_values for n in nexts]

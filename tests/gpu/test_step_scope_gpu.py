@@ -13,13 +13,13 @@ import pytest
 import torch
 from helpers.runs import ROOT, child_env
 
-from sparse_llm.ffn.twell import train_op
-from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
 from sparse_llm.ffn.step_scope import optimizer_step
-from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell import train_op
+from sparse_llm.ffn.twell.csc import csc_index, csc_keys, csc_weight_gradients, wgrad_scratch
 from sparse_llm.ffn.twell.infer_launch import transposed_copy
-from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_index, csc_keys, wgrad_scratch
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
+from sparse_llm.formats import hybrid_t_matmul, pack_hybrid
 
 M, K, N = 2048, 1024, 2816
 MICRO_BATCHES = 3
@@ -89,7 +89,8 @@ def test_gradients_added_into_grad_equal_autograds_sums(held, into_calls):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_weight_gradient_kernel_adds_to_every_row(out_dtype):
-    """csc_weight_gradients with add: out = what it held + the sums, rows of empty columns untouched, hot columns summed in a
+    """csc_weight_gradients with add: out = what it held + the sums, rows of empty columns untouched, hot columns
+    summed in a
     scratch slot first (left zeroed)."""
     m, n, k, width = 3000, 512, 2048, 40
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -105,8 +106,9 @@ def test_weight_gradient_kernel_adds_to_every_row(out_dtype):
     out = before.clone()
     scratch, counters = wgrad_scratch(k, torch.device("cuda"))
     csc_weight_gradients(csc, (values,), x, (out,), scratch, counters[0], width, add=True)
-    want = before.float() + hybrid_t_matmul(packed.with_values(values, torch.zeros_like(packed.backup_values_RN)),
-                                            x.float())  # fmt: skip
+    want = before.float() + hybrid_t_matmul(
+        packed.with_values(values, torch.zeros_like(packed.backup_values_RN)), x.float()
+    )
     rtol = 1e-4 if out_dtype == torch.float32 else 2.0**-8
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=rtol)
     assert torch.equal(out[11], before[11]) and not scratch.any()
@@ -128,8 +130,12 @@ def test_ddp_all_reduces_gradients_the_kernels_added_in_place():
     into .grad, and the reducer all-reduces those sums, equal to one process's over both ranks' batches."""
     run = subprocess.run(
         ["torchrun", "--nproc_per_node", "2", "tests/helpers/ddp_step_scope_check.py", "cuda"],
-        cwd=ROOT, env=child_env(gpu=True), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=child_env(gpu=True),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     ranks = [line for line in run.stdout.splitlines() if "added in place [False, True, True]" in line]
     assert len(ranks) == 2, run.stdout[-2000:]

@@ -1,4 +1,5 @@
-"""Training with CUDA graphs and several micro-batches a step: each micro-batch replays the compiled layers' graphs (and,
+"""Training with CUDA graphs and several micro-batches a step: each micro-batch replays the compiled layers' graphs
+(and,
 in the step scope as the trainer enters it, the sparse op's forward graphs), and the accumulated gradients equal those
 of the same compiled layers run without graphs."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.model.llama import ModelConfig, build_model, compile_layers
 from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.model.llama import ModelConfig, build_model, compile_layers
 from sparse_llm.training.trainer import hold_gradients
 
 SMALL = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4, max_position_embeddings=128)

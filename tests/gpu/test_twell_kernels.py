@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparse_llm.ffn.backend import FFNResult
 from sparse_llm.ffn.dispatch import density_of
+from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
+from sparse_llm.ffn.twell.cost_model import direct_walk
+from sparse_llm.ffn.twell.decode import decode_workspace
+from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate
+from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
+from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.formats import (
     TwellPacked,
     gated_mlp_ref,
@@ -22,13 +29,6 @@ from sparse_llm.formats import (
     unpack_twell,
     validate_twell,
 )
-from sparse_llm.ffn.twell import cost_model, infer_launch, infer_op
-from sparse_llm.ffn.backend import FFNResult
-from sparse_llm.ffn.twell.infer_launch import TransposeCache, direct_up_down, transposed_copy, twell_gate
-from sparse_llm.ffn.twell.decode import decode_workspace
-from sparse_llm.ffn.twell.cost_model import direct_walk
-from sparse_llm.ffn.twell.infer_op import measured_walk, twell_gated_mlp
-from sparse_llm.ffn.twell.synthetic import synthetic_block
 
 ATOL = 1e-3
 
@@ -50,14 +50,14 @@ def assert_close_to_ref(y_MK: torch.Tensor, x_MK, w_gate_NK, w_up_NK, w_down_KN)
     dense_err_M = (dense_MK - ref_MK).norm(dim=1)
     ref_M = ref_MK.norm(dim=1)
     rel_dense = (dense_err_M.norm() / ref_M.norm().clamp_min(1e-30)).item()
-    assert err_M.norm() <= 2 * dense_err_M.norm() + ATOL * (
-        1 + ref_M.norm()
-    ), f"global error {err_M.norm().item():.3e} vs dense bf16 {dense_err_M.norm().item():.3e}"
+    assert err_M.norm() <= 2 * dense_err_M.norm() + ATOL * (1 + ref_M.norm()), (
+        f"global error {err_M.norm().item():.3e} vs dense bf16 {dense_err_M.norm().item():.3e}"
+    )
     budget_M = 2 * torch.maximum(dense_err_M, rel_dense * ref_M) + ATOL * (1 + ref_M)
     bad = (err_M > budget_M).nonzero()[:, 0]
-    assert (
-        bad.numel() == 0
-    ), f"rows {bad[:10].tolist()} off: err {err_M[bad[:5]].tolist()} budget {budget_M[bad[:5]].tolist()}"
+    assert bad.numel() == 0, (
+        f"rows {bad[:10].tolist()} off: err {err_M[bad[:5]].tolist()} budget {budget_M[bad[:5]].tolist()}"
+    )
 
 
 def check_stats(result, x_MK, w_gate_NK, w_up_NK) -> None:
@@ -75,9 +75,7 @@ def check_stats(result, x_MK, w_gate_NK, w_up_NK) -> None:
 def run_case(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route="auto", dense_row_nnz=128):
     m, k = x_MK.shape
     poison(((m, k), torch.bfloat16))
-    result = twell_gated_mlp(
-        x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=gate_route, dense_row_nnz=dense_row_nnz
-    )
+    result = twell_gated_mlp(x_MK, w_gate_NK, w_up_NK, w_down_KN, gate_route=gate_route, dense_row_nnz=dense_row_nnz)
     torch.cuda.synchronize()
     assert_close_to_ref(result.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
     check_stats(result, x_MK, w_gate_NK, w_up_NK)
@@ -231,13 +229,16 @@ def heavy_token_count(gate_MN: torch.Tensor, threshold: int = 128) -> int:
 
 
 @pytest.mark.parametrize("walk", ["rows", "slices"])
-@pytest.mark.parametrize("m, sigma, capacity", [
-    (2048, 0.5, 64),  # more heavy tokens than rows reserved: the rest split over warps
-    (2048, 0.5, 2048),  # every token could be dense; only the heavy ones are
-    (16384, 0.5, 512),
-    (4096, 1.0, 4096),  # tokens 20-100x the mean, nearly dense ones among them
-    (4096, 0.0, 256),  # no heavy token: the reserved rows stay unused
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, sigma, capacity",
+    [
+        (2048, 0.5, 64),  # more heavy tokens than rows reserved: the rest split over warps
+        (2048, 0.5, 2048),  # every token could be dense; only the heavy ones are
+        (16384, 0.5, 512),
+        (4096, 1.0, 4096),  # tokens 20-100x the mean, nearly dense ones among them
+        (4096, 0.0, 256),  # no heavy token: the reserved rows stay unused
+    ],
+)
 def test_direct_route_heavy_tokens_through_dense_rows(m, sigma, capacity, walk):
     """Heavy tokens through the dense GEMMs up to the reserved rows, the others split over warps: y within the
     reference tolerance, l0 / fired / l1 as the sparse walk gives them, and the residual added as the two unfused
@@ -278,13 +279,23 @@ def assert_is_rms_norm_of(normed_MK: torch.Tensor, y_MK: torch.Tensor, weight_K:
     assert same > 0.99, f"only {same:.4f} of the normed values have F.rms_norm's bits"
 
 
-@pytest.mark.parametrize("m, k, sigma, capacity, parts, residual", [
-    (4096, 2048, 0.5, 256, 1, True),  # light tokens; heavy ones through the dense rows and past them split over warps
-    (4096, 2048, 0.5, 0, 1, False),  # heavy tokens split over warps; no residual
-    (4096, 2048, 0.0, 0, 2, True),  # two column parts: the last one writes the norm
-    (300, 2048, 0.5, 0, 1, True),  # below SPLIT_BELOW_M every token is split over warps
-    (2048, 4096, 0.5, 512, 1, True),  # 16 pieces a lane
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, k, sigma, capacity, parts, residual",
+    [
+        (
+            4096,
+            2048,
+            0.5,
+            256,
+            1,
+            True,
+        ),  # light tokens; heavy ones through the dense rows and past them split over warps
+        (4096, 2048, 0.5, 0, 1, False),  # heavy tokens split over warps; no residual
+        (4096, 2048, 0.0, 0, 2, True),  # two column parts: the last one writes the norm
+        (300, 2048, 0.5, 0, 1, True),  # below SPLIT_BELOW_M every token is split over warps
+        (2048, 4096, 0.5, 512, 1, True),  # 16 pieces a lane
+    ],
+)
 def test_rows_walk_writes_the_rms_norm_of_its_rows(m, k, sigma, capacity, parts, residual):
     """With an OutputNorm the rows walk writes F.rms_norm of every stored y row (light, split and dense-row tokens),
     and y stays exact."""
@@ -297,8 +308,9 @@ def test_rows_walk_writes_the_rms_norm_of_its_rows(m, k, sigma, capacity, parts,
     weight_K = (1 + 0.2 * torch.randn(k, device="cuda")).bfloat16()
     norm = infer_launch.OutputNorm(weight_K, 1e-5, torch.full((m, k), math.nan, device="cuda").bfloat16())
     w_t = w_down_KN.t().contiguous()
-    y_MK, *_ = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts, dense_rows=capacity,
-                              norm=norm)  # fmt: skip
+    y_MK, *_ = direct_up_down(
+        x_MK, gate_MN, w_up_NK, w_t, residual_MK=residual_MK, parts=parts, dense_rows=capacity, norm=norm
+    )
     assert_is_rms_norm_of(norm.out_MK, y_MK, weight_K, 1e-5)
     plain_MK = direct_up_down(x_MK, gate_MN, w_up_NK, w_t, parts=parts, dense_rows=capacity)[0]
     assert_close_to_ref(plain_MK, *block)
@@ -326,7 +338,9 @@ def test_block_op_writes_the_output_norm_only_from_the_rows_walk(monkeypatch):
             assert_is_rms_norm_of(result.normed_MK, result.y_MK, weight_K, 1e-6)
         else:
             assert result.normed_MK is None
-    unfused = twell_gated_mlp(*block, residual_MK=residual_MK.float(), l0_hint=(28.0, 1000.0), output_norm=(weight_K, 1e-6))
+    unfused = twell_gated_mlp(
+        *block, residual_MK=residual_MK.float(), l0_hint=(28.0, 1000.0), output_norm=(weight_K, 1e-6)
+    )
     assert unfused.normed_MK is None  # the residual is added after the kernels: their rows are not the output's
 
 
@@ -358,9 +372,16 @@ def odd_rows(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40, 64])
-@pytest.mark.parametrize("k, n, nnz, sigma", [
-    (2048, 5632, 28, 0.0), (2048, 5632, 56, 1.0), (4096, 11008, 40, 0.5), (64, 256, 3, 0.3), (320, 768, 8, 0.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "k, n, nnz, sigma",
+    [
+        (2048, 5632, 28, 0.0),
+        (2048, 5632, 56, 1.0),
+        (4096, 11008, 40, 0.5),
+        (64, 256, 3, 0.3),
+        (320, 768, 8, 0.0),
+    ],
+)
 def test_decode_kernel_for_few_tokens(m, k, n, nnz, sigma):
     """Up to DECODE_MAX_M tokens "auto" takes the one-pass decode kernel, in groups of DECODE_GROUP_M tokens from 17:
     exact at any density, heavy tails too."""
@@ -446,15 +467,18 @@ def test_decode_kernel_residual_statistics_and_graph_capture(m):
     assert_close_to_ref(captured.y_MK, x_MK, w_gate_NK, w_up_NK, w_down_KN)
 
 
-@pytest.mark.parametrize("m, k, n, nnz, sigma", [
-    (1, 2048, 5632, 28, 0.0),  # fewer tokens than a warp item
-    (33, 256, 512, 5, 0.0),  # a 32-token item and a one-token one
-    (1000, 2048, 5632, 28, 0.5),  # heavy tokens on the split kernel, the rest on the slices
-    (4099, 2048, 5632, 56, 0.0),
-    (8192, 2048, 5632, 60, 1.0),  # tokens 20-100x the mean
-    (4096, 1024, 11264, 40, 0.3),  # 8-column slices
-    (2048, 4096, 14336, 20, 0.0),  # the widest slice (229 KiB of shared memory)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, k, n, nnz, sigma",
+    [
+        (1, 2048, 5632, 28, 0.0),  # fewer tokens than a warp item
+        (33, 256, 512, 5, 0.0),  # a 32-token item and a one-token one
+        (1000, 2048, 5632, 28, 0.5),  # heavy tokens on the split kernel, the rest on the slices
+        (4099, 2048, 5632, 56, 0.0),
+        (8192, 2048, 5632, 60, 1.0),  # tokens 20-100x the mean
+        (4096, 1024, 11264, 40, 0.3),  # 8-column slices
+        (2048, 4096, 14336, 20, 0.0),  # the widest slice (229 KiB of shared memory)
+    ],
+)
 def test_slices_walk_matches_reference(m, k, n, nnz, sigma):
     """The "slices" walk: y within the reference tolerance (h rounds to bf16 between its kernels, as dense bf16 rounds
     it), and the same l0 and fired as the "rows" walk (l1 within fp32 rounding: the sums run in another order)."""
@@ -503,25 +527,36 @@ def walk_from_fused_gate(block, walk, residual_MK=None, dense_rows=0, parts=None
     poison(((m, k), torch.bfloat16))
     columns = None if parts is None else cost_model.column_parts(k, n, parts)
     outs = infer_launch.launch_direct_up_down(
-        x_MK, gate_MN, w_up_NK, w_down_KN.t().contiguous(), cost_model.DENSE_ROW_NNZ, residual_MK, columns,
-        walk=walk, dense_rows=dense_rows, packed_MS=packed_MS,
-    )  # fmt: skip
+        x_MK,
+        gate_MN,
+        w_up_NK,
+        w_down_KN.t().contiguous(),
+        cost_model.DENSE_ROW_NNZ,
+        residual_MK,
+        columns,
+        walk=walk,
+        dense_rows=dense_rows,
+        packed_MS=packed_MS,
+    )
     torch.cuda.synchronize()
     return outs, packed_MS
 
 
 @pytest.mark.parametrize("walk", ["rows", "slices"])
-@pytest.mark.parametrize("m, k, n, nnz, sigma, dense_rows, parts", [
-    (1, 2048, 5632, 28, 0.0, 0, None),
-    (33, 256, 512, 5, 0.0, 0, None),
-    (1000, 2048, 5632, 28, 0.5, 0, None),  # heavy tokens split over warps
-    (4099, 2048, 5632, 56, 0.0, 0, None),
-    (8192, 2048, 5632, 60, 1.0, 0, None),  # overflowed segments
-    (8192, 2048, 5632, 60, 1.0, 256, None),  # the first 256 heavy tokens through dense rows
-    (4096, 1024, 11264, 40, 0.3, 0, None),  # 8-column slices
-    (2048, 4096, 14336, 20, 0.0, 0, None),  # rows: two column parts (the weights outgrow L2)
-    (3000, 2048, 5632, 50, 1.0, 0, 3),  # rows: three column parts, heavy tokens' rows completed part by part
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, k, n, nnz, sigma, dense_rows, parts",
+    [
+        (1, 2048, 5632, 28, 0.0, 0, None),
+        (33, 256, 512, 5, 0.0, 0, None),
+        (1000, 2048, 5632, 28, 0.5, 0, None),  # heavy tokens split over warps
+        (4099, 2048, 5632, 56, 0.0, 0, None),
+        (8192, 2048, 5632, 60, 1.0, 0, None),  # overflowed segments
+        (8192, 2048, 5632, 60, 1.0, 256, None),  # the first 256 heavy tokens through dense rows
+        (4096, 1024, 11264, 40, 0.3, 0, None),  # 8-column slices
+        (2048, 4096, 14336, 20, 0.0, 0, None),  # rows: two column parts (the weights outgrow L2)
+        (3000, 2048, 5632, 50, 1.0, 0, 3),  # rows: three column parts, heavy tokens' rows completed part by part
+    ],
+)
 def test_walks_from_the_fused_gate_words(walk, m, k, n, nnz, sigma, dense_rows, parts):
     """Either walk from TwELL words: y within the reference tolerance, l0, l1 and fired as the reference's (up to sign
     flips of near-zero gates: the fused GEMM rounds apart from cuBLAS), heavy tokens exact on either path."""
@@ -649,8 +684,10 @@ def test_transpose_cache_follows_weight_updates():
     assert len(cache) == 0
 
 
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-                                              (torch.float32, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, out_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+)
 @pytest.mark.parametrize("rows,cols", [(32, 32), (64, 256), (2048, 5632), (96, 4096)])
 def test_transpose_kernel_is_exact(rows, cols, dtype, out_dtype):
     src = torch.randn(rows, cols, device="cuda", dtype=dtype)

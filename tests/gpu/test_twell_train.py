@@ -17,6 +17,22 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.ffn.twell import cost_model, csc, train_backward
+from sparse_llm.ffn.twell.cost_model import column_parts
+from sparse_llm.ffn.twell.csc import (
+    csc_chunk_columns,
+    csc_chunk_starts,
+    csc_index,
+    csc_key_dtype,
+    csc_keys,
+    csc_order,
+    csc_shared_ranks,
+    csc_weight_gradients,
+    wgrad_scratch,
+)
+from sparse_llm.ffn.twell.synthetic import synthetic_block
+from sparse_llm.ffn.twell.train_backward import backup_backward, backup_pointwise
+from sparse_llm.ffn.twell.train_launch import STATE_NAMES, heavy_rows
+from sparse_llm.ffn.twell.train_op import twell_train_ffn, twell_train_forward_op
 from sparse_llm.formats import (
     hybrid_gated_mlp_backward_ref,
     hybrid_gated_mlp_forward_ref,
@@ -24,13 +40,6 @@ from sparse_llm.formats import (
     hybrid_t_matmul,
     pack_hybrid,
 )
-from sparse_llm.ffn.twell.cost_model import column_parts
-from sparse_llm.ffn.twell.synthetic import synthetic_block
-from sparse_llm.ffn.twell.train_launch import STATE_NAMES
-from sparse_llm.ffn.twell.train_op import twell_train_ffn, twell_train_forward_op
-from sparse_llm.ffn.twell.train_backward import backup_backward, backup_pointwise
-from sparse_llm.ffn.twell.csc import csc_weight_gradients, csc_chunk_columns, csc_chunk_starts, csc_index, csc_key_dtype, csc_keys, csc_order, csc_shared_ranks, wgrad_scratch
-from sparse_llm.ffn.twell.train_launch import heavy_rows
 
 ATOL = 1e-3
 BF16_EPS = 2.0**-8  # unit roundoff of bf16
@@ -39,8 +48,15 @@ DL1 = 0.3  # comparable to the dy term's dh (std ~ sqrt(K/N)), so the L1 gradien
 
 def poison(m: int, k: int, n: int, width: int) -> None:
     """Fill and free blocks of the op's buffer sizes so its next allocations of those sizes hold garbage."""
-    shapes = [((m, k), torch.bfloat16), ((m, width), torch.int32), ((m, width), torch.bfloat16),
-              ((3, m, width), torch.bfloat16), ((m,), torch.int32), ((m,), torch.float32), ((m,), torch.int64)]  # fmt: skip
+    shapes = [
+        ((m, k), torch.bfloat16),
+        ((m, width), torch.int32),
+        ((m, width), torch.bfloat16),
+        ((3, m, width), torch.bfloat16),
+        ((m,), torch.int32),
+        ((m,), torch.float32),
+        ((m,), torch.int64),
+    ]
     blocks = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in shapes]
     for block in blocks:
         block.view(torch.uint8).fill_(0xFF)
@@ -79,17 +95,17 @@ def assert_budget(name: str, got: torch.Tensor, ref: torch.Tensor, dense: torch.
     got, dense = got.float(), dense.float()
     err, dense_err, scale = (got - ref).norm(), (dense - ref).norm(), ref.norm()
     floor = BF16_EPS * scale / got.shape[0] ** 0.5
-    assert (
-        err <= 2 * dense_err + ATOL * (1 + scale) + floor
-    ), f"{name}: error {err.item():.3e} vs dense bf16 {dense_err.item():.3e} (|ref| {scale.item():.3e})"
+    assert err <= 2 * dense_err + ATOL * (1 + scale) + floor, (
+        f"{name}: error {err.item():.3e} vs dense bf16 {dense_err.item():.3e} (|ref| {scale.item():.3e})"
+    )
     if per_row:
         err_M, dense_M, ref_M = (got - ref).norm(dim=1), (dense - ref).norm(dim=1), ref.norm(dim=1)
         rel = (dense_err / scale.clamp_min(1e-30)).item()
         budget_M = 2 * torch.maximum(dense_M, rel * ref_M) + ATOL * (1 + ref_M)
         bad = (err_M > budget_M).nonzero()[:, 0]
-        assert (
-            bad.numel() == 0
-        ), f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
+        assert bad.numel() == 0, (
+            f"{name}: tokens {bad[:10].tolist()} off: {err_M[bad[:5]].tolist()} > {budget_M[bad[:5]].tolist()}"
+        )
 
 
 def check_case(x, wg, wu, wd, width: int = 128, dl1: float = DL1, seed: int = 0, dense_rows: int | None = None):
@@ -190,8 +206,12 @@ def test_backup_backward_matches_the_reference():
     before = torch.randn(3, n, k, device="cuda", generator=gen)
     dws = list(before.clone().unbind(0))
     backup_backward(x, wg, wu, wd, rows, dy, torch.tensor([DL1], device="cuda"), dx, *dws)
-    pairs = [("dx", dx[rows], want.dx_MK[rows]), ("dw_gate", dws[0] - before[0], want.dw_gate_NK),
-             ("dw_up", dws[1] - before[1], want.dw_up_NK), ("dw_down", (dws[2] - before[2]).t(), want.dw_down_KN)]  # fmt: skip
+    pairs = [
+        ("dx", dx[rows], want.dx_MK[rows]),
+        ("dw_gate", dws[0] - before[0], want.dw_gate_NK),
+        ("dw_up", dws[1] - before[1], want.dw_up_NK),
+        ("dw_down", (dws[2] - before[2]).t(), want.dw_down_KN),
+    ]
     for name, got, ref_grad in pairs:
         err = (got.float() - ref_grad.float()).norm() / ref_grad.float().norm()
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
@@ -244,9 +264,10 @@ def test_walks_in_column_parts_give_the_one_pass_bits(forward_parts, sddmm_parts
     one, one_grads = ours_run(*block, dy, DL1, 128)
     saved_one = twell_train_forward_op(x, wg, wu, wd, 128)[4:9]  # ELL columns, counts, heavy flags, g, u
     monkeypatch.setattr(
-        cost_model, "walk_column_parts",
+        cost_model,
+        "walk_column_parts",
         lambda k, n: tuple(column_parts(k, n, parts=p) for p in (forward_parts, sddmm_parts, dx_parts)),
-    )  # fmt: skip
+    )
     parts, parts_grads = ours_run(*block, dy, DL1, 128)
     assert parts.dense_rows() > 0
     assert torch.equal(parts.y_MK, one.y_MK) and torch.equal(parts.l0_M, one.l0_M)
@@ -268,9 +289,15 @@ def by_slices(monkeypatch):
 
 @pytest.mark.parametrize(
     "m, k, n, nnz, sigma",
-    [(4096, 2048, 5632, 28, 0.0), (4096, 2048, 5632, 56, 0.0), (4096, 2048, 5632, 60, 0.5), (1000, 1024, 2816, 40, 0.3),
-     (129, 320, 768, 15, 0.3), (1, 64, 256, 5, 0.0)],
-)  # fmt: skip
+    [
+        (4096, 2048, 5632, 28, 0.0),
+        (4096, 2048, 5632, 56, 0.0),
+        (4096, 2048, 5632, 60, 0.5),
+        (1000, 1024, 2816, 40, 0.3),
+        (129, 320, 768, 15, 0.3),
+        (1, 64, 256, 5, 0.0),
+    ],
+)
 def test_walks_by_slices(m, k, n, nnz, sigma, by_slices):
     """y of the light tokens by the slices down kernel, their dx by two passes of it (w_up's columns, then w_gate's,
     fp32 sums between): every output and gradient within the reference budget, heavy tokens' rows (backup) included."""
@@ -358,7 +385,8 @@ def test_csc_offsets_kernels_match_the_torch_reference(n):
 
 
 def csc_wgrad_case(h: torch.Tensor, width: int, k: int, out_dtype: torch.dtype) -> None:
-    """csc_weight_gradients on h's light entries (and twice them as the second value array) vs formats.hybrid_t_matmul, on
+    """csc_weight_gradients on h's light entries (and twice them as the second value array) vs
+    formats.hybrid_t_matmul, on
     NaN-filled outputs of out_dtype (every row must be written) and a scratch that must be left zeroed."""
     m, n = h.shape
     gen = torch.Generator(device="cuda").manual_seed(m + n)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.step_scope import optimizer_step
+from sparse_llm.ffn.twell import train_op
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 

@@ -68,9 +68,13 @@ class EntryPoints:
         server_env = dict(os.environ if env is None else env)
         server_env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(self.root), server_env.get("PYTHONPATH"))))
         self._server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER], cwd=self.root, env=server_env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [sys.executable, "-c", _SERVER],
+            cwd=self.root,
+            env=server_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self._runs = 0
 
     def run(self, argv: list[str], env: dict[str, str], scratch: Path) -> subprocess.CompletedProcess:

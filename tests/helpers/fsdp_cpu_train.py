@@ -28,9 +28,12 @@ def fsdp_accelerator(cfg):
     # own: set both.
     acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=settings["fsdp_version"], auto_wrap_policy=settings["fsdp_auto_wrap_policy"],
+        fsdp_version=settings["fsdp_version"],
+        auto_wrap_policy=settings["fsdp_auto_wrap_policy"],
         transformer_cls_names_to_wrap=settings["fsdp_transformer_layer_cls_to_wrap"],
-        reshard_after_forward=settings["fsdp_reshard_after_forward"], state_dict_type=settings["fsdp_state_dict_type"])
+        reshard_after_forward=settings["fsdp_reshard_after_forward"],
+        state_dict_type=settings["fsdp_state_dict_type"],
+    )
     return acc
 
 

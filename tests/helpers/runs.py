@@ -28,15 +28,31 @@ atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
 
 # A model and batch small enough for a few seconds per run on two cores.
 SMALL = [
-    "model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=2", "model.num_heads=2",
-    "model.max_position_embeddings=64", "trainer.micro_batch=4", "trainer.global_batch=8",
-    "trainer.warmup_steps=5", "trainer.val_every=0", "logging.wandb=false", "logging.progress_bar=false",
-    "logging.every=2", "l1=1e-3", f"data.cache_dir={TOKEN_CACHE}",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=64",
+    "trainer.micro_batch=4",
+    "trainer.global_batch=8",
+    "trainer.warmup_steps=5",
+    "trainer.val_every=0",
+    "logging.wandb=false",
+    "logging.progress_bar=false",
+    "logging.every=2",
+    "l1=1e-3",
+    f"data.cache_dir={TOKEN_CACHE}",
 ]
 
 # A run that learns something in 40 steps (the session's `trained_run`, tests/conftest.py).
-TRAINED = ("model.max_position_embeddings=128", "trainer.max_steps=40", "trainer.micro_batch=8", "trainer.lr=5e-3",
-           "checkpoint.every=0", "logging.console=false")
+TRAINED = (
+    "model.max_position_embeddings=128",
+    "trainer.max_steps=40",
+    "trainer.micro_batch=8",
+    "trainer.lr=5e-3",
+    "checkpoint.every=0",
+    "logging.console=false",
+)
 
 
 def small_config(*overrides: str) -> TrainConfig:
@@ -71,15 +87,33 @@ def train_py_command(run_dir: Path, processes: int, *overrides: str) -> list[str
     """train.py with SMALL, `overrides` and `run_dir`: in one process, or `processes` CPU ranks under accelerate."""
     launcher = ["python", "train.py"]
     if processes > 1:
-        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-                    "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
+        launcher = [
+            "accelerate",
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "train.py",
+        ]
     launcher[0] = shutil.which(launcher[0]) or sys.executable
     return [*launcher, *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def run_train_py(run_dir: Path, processes: int, *overrides: str) -> list[float]:
     """Run `train_py_command` to the end; the losses it logged."""
-    out = subprocess.run(train_py_command(run_dir, processes, *overrides), cwd=ROOT, env=child_env(),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        train_py_command(run_dir, processes, *overrides),
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)

@@ -6,20 +6,24 @@ cannot run where it cannot.
 """
 
 from __future__ import annotations
+
 import warnings
+
 import torch
+
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.backend import FFNBackend
 from sparse_llm.ffn.torch_backend import TorchFFN, with_residual
 from sparse_llm.ffn.twell.cost_model import train_estimated_ms, twell_estimated_ms
+from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 from sparse_llm.ffn.twell.train_op import twell_train_ffn
 from sparse_llm.ffn.twell.validation import shape_unsupported_reason
-from sparse_llm.ffn.twell.infer_op import twell_gated_mlp
 
 
 def _bf16_autocast(device_type: str) -> bool:
     """Whether bf16 autocast is on for ``device_type`` (then dense GEMMs would run in bf16 too)."""
     return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+
 
 class TwellFFN(FFNBackend):
     """Inference through the TwELL kernels on Hopper GPUs (sm_90a) with bf16 tensors.
@@ -46,9 +50,21 @@ class TwellFFN(FFNBackend):
         return training or bf16 or _bf16_autocast(x_MK.device.type)
 
     def forward(
-        self, x_MK, w_gate_NK, w_up_NK, w_down_KN, *, training, statistics=True, compile_backend=None, residual_MK=None,
-        residual_writable=False, l0=None, tail=None, output_norm=None,
-    ):  # fmt: skip
+        self,
+        x_MK,
+        w_gate_NK,
+        w_up_NK,
+        w_down_KN,
+        *,
+        training,
+        statistics=True,
+        compile_backend=None,
+        residual_MK=None,
+        residual_writable=False,
+        l0=None,
+        tail=None,
+        output_norm=None,
+    ):
         # The kernels add the residual as they write a fresh y: residual_writable only serves the torch fallback.
         if training:
             # The training op (sparse_llm/ffn/twell/train_op.py) imports this module's kernels: import it here.
@@ -61,15 +77,19 @@ class TwellFFN(FFNBackend):
                 warnings.warn(f"twell kernels not used ({reason}); using the dense torch path.", stacklevel=2)
                 self._warned.add(reason)
             result = TorchFFN().forward(
-                x_MK, w_gate_NK, w_up_NK, w_down_KN, training=False, statistics=statistics, residual_MK=residual_MK,
+                x_MK,
+                w_gate_NK,
+                w_up_NK,
+                w_down_KN,
+                training=False,
+                statistics=statistics,
+                residual_MK=residual_MK,
                 residual_writable=residual_writable,
-            )  # fmt: skip
+            )
             result.path = "torch (twell unavailable)"
             return result
         if _bf16_autocast(x_MK.device.type):
-            x_MK, w_gate_NK, w_up_NK, w_down_KN = (
-                t.to(torch.bfloat16) for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)
-            )
+            x_MK, w_gate_NK, w_up_NK, w_down_KN = (t.to(torch.bfloat16) for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))
         weights = (w_gate_NK, w_up_NK, w_down_KN)
         if x_MK.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
             weight_dtypes = "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in weights}))
@@ -79,14 +99,20 @@ class TwellFFN(FFNBackend):
                 "dtype=bfloat16, or use kernel=auto (which runs such layers on the torch path)."
             )
         return twell_gated_mlp(
-            x_MK, w_gate_NK, w_up_NK, w_down_KN, residual_MK=residual_MK, l0_hint=l0, statistics=statistics,
-            tail=tail, output_norm=output_norm,
+            x_MK,
+            w_gate_NK,
+            w_up_NK,
+            w_down_KN,
+            residual_MK=residual_MK,
+            l0_hint=l0,
+            statistics=statistics,
+            tail=tail,
+            output_norm=output_norm,
         )
 
     def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
         if shape_unsupported_reason(k, n) is not None:  # (the kernels are the same whether the layer is compiled)
             return None
         if training:
-
             return train_estimated_ms(m, k, n, l0_mean, l0_max)
         return twell_estimated_ms(m, k, n, l0_mean, l0_max, tail)

@@ -10,15 +10,14 @@ every tuned constant with the measurement and command behind it.
 """
 
 from __future__ import annotations
+
 import functools
 import math
+
 from sparse_llm.cuda.kernel_constants import DECODE_GROUP_M, DECODE_MAX_M, DIRECT_LIST_CAP
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, Tail
-from sparse_llm.formats.constants import TILE
 from sparse_llm.ffn.twell.validation import shape_unsupported_reason
-
-
-
+from sparse_llm.formats.constants import TILE
 
 # decode_ffn's blocks sum their share of y in shared memory first (`decode_block_sums`) where M * ceil(K / 256) <=
 # DECODE_BLOCK_SUM_PIECES (97 KiB a block, two blocks an SM) and a token may fire more than DECODE_GLOBAL_MAX_NNZ
@@ -162,9 +161,11 @@ DOWN_MS_PER_ITEM = {16: 8.3e-7, 8: 3.2e-6}
 
 DOWN_MS_PER_ITEM_STEP = {16: 7.3e-8, 8: 1.4e-8}
 
+
 def _gemm_ms(m: int, k: int, n: int, tflops: float) -> float:
     """A GEMM's time: the larger of its flop time and the time to stream its [N, K] weight from HBM."""
     return max(2.0 * m * k * n / (tflops * 1e9), 2 * k * n / (HBM_GBPS * 1e6))
+
 
 def row_slowdown(footprint_bytes: float) -> float:
     """How many times longer than at UP_DOWN_GBPS a walk takes to stream rows drawn at random from footprint_bytes
@@ -173,9 +174,11 @@ def row_slowdown(footprint_bytes: float) -> float:
     miss = max(0.0, 1.0 - L2_ROW_BYTES / footprint_bytes) if footprint_bytes > 0 else 0.0
     return max(1.0, miss * UP_DOWN_GBPS / ROW_HBM_GBPS)
 
+
 def dense_ms(m: int, k: int, n: int) -> float:
     """The dense bf16 block (three cuBLAS GEMMs) on the same GPU, for pricing the dense rows."""
     return 3 * _gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) if m > 0 else 0.0
+
 
 def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float, float]:
     """(fraction of tokens sent to the dense path, mean non-zeros of the other tokens).
@@ -187,6 +190,7 @@ def dense_row_split(n_tiles: int, l0_mean: float, l0_max: float) -> tuple[float,
     """
     return lognormal_split(min(DENSE_ROW_NNZ, OVERFLOW_NNZ_PER_TILE * n_tiles), l0_mean, l0_max)
 
+
 def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ) -> float:
     """The share of a layer's non-zeros held by tokens with more than `threshold` of them, under dense_row_split's
     log-normal model (0 when no token exceeds it)."""
@@ -194,6 +198,7 @@ def heavy_share(l0_mean: float, l0_max: float, threshold: float = DENSE_ROW_NNZ)
         return 0.0
     heavy_fraction, light_mean = lognormal_split(threshold, l0_mean, l0_max)
     return max(0.0, 1.0 - light_mean * (1.0 - heavy_fraction) / l0_mean)
+
 
 def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[float, float]:
     """(fraction of tokens above threshold, mean non-zeros of the others) for log-normal non-zeros per token."""
@@ -208,16 +213,19 @@ def lognormal_split(threshold: float, l0_mean: float, l0_max: float) -> tuple[fl
     light_mass = l0_mean * 0.5 * math.erfc(-(z - sigma) / math.sqrt(2))  # E[L; L <= threshold]
     return above, light_mass / max(1.0 - above, 1e-9)
 
+
 def decode_block_sums(m: int, k: int, l0_max: float | None) -> bool:
     """Whether decode_ffn's blocks sum in shared memory for M tokens of K columns whose busiest token fires l0_max
     neurons (None: unknown)."""
     fits = min(m, DECODE_GROUP_M) * math.ceil(k / 256) <= DECODE_BLOCK_SUM_PIECES
     return fits and (l0_max is None or l0_max > DECODE_GLOBAL_MAX_NNZ)
 
+
 def decode_mma_gate(m: int) -> bool:
     """Whether decode_ffn computes the gates of M tokens on the tensor cores: from DECODE_MMA_MIN_M tokens, and always
     for more than one group of tokens (the kernel's other variant keeps its pointers in kernel parameters)."""
     return m >= DECODE_MMA_MIN_M or m > DECODE_GROUP_M
+
 
 def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """Predicted time of one inference call of the twell backend: for up to DECODE_MAX_M tokens the decode kernel's
@@ -227,6 +235,7 @@ def twell_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, ta
         return decode_ms(m, k, n, l0_mean, l0_max)
     walk_ms = _priced_walk(m, k, n, l0_mean, l0_max, tail)[1]
     return max(_gemm_ms(m, k, n, CUBLAS_GEMM_TFLOPS) + walk_ms, CPU_FLOOR_MS)
+
 
 def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     """Predicted device time of `decode_ffn` for M tokens of l0_mean (at most l0_max) non-zeros: for a group of up to
@@ -243,6 +252,7 @@ def decode_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     block_sums_ms = DECODE_BLOCK_SUMS_MS if decode_block_sums(m, k, l0_max) else 0.0
     return DECODE_FIXED_MS + gate_ms + rest_ms + block_sums_ms
 
+
 def _decode_group_ms(m: int, k: int, n: int, l0_mean: float, mma_gate: bool) -> tuple[float, float]:
     """`decode_ms`'s price of one group of M tokens alone: (its gates, its rows and pairs)."""
     fired = n * (1.0 - (1.0 - min(1.0, l0_mean / n)) ** m)
@@ -253,14 +263,17 @@ def _decode_group_ms(m: int, k: int, n: int, l0_mean: float, mma_gate: bool) -> 
         gate_ms = n * k * 2 / (DECODE_GBPS * 1e6) + m * k * n * DECODE_MS_PER_MAC
     return gate_ms, rows_ms + m * l0_mean * k / 2048 * DECODE_MS_PER_PAIR
 
+
 def _heavy_share(l0_mean: float, l0_max: float, tail: Tail | None) -> float:
     """The share of the layer's non-zeros on tokens above DENSE_ROW_NNZ: measured where known, else modelled."""
     return heavy_share(l0_mean, l0_max) if tail is None else tail.nonzeros
+
 
 def _tail_factor(l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """How much longer than at an even spread a one-warp-per-token walk takes when some tokens pass DENSE_ROW_NNZ:
     the tokens just under it make the kernel's tail, as much as the tail holds of the non-zeros (TAIL_FACTOR)."""
     return 1.0 + (TAIL_FACTOR - 1.0) * min(1.0, _heavy_share(l0_mean, l0_max, tail) / TAIL_FULL_SHARE)
+
 
 def dense_rows_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """The direct route's dense rows for a layer of M tokens (as many as `dense_row_capacity` reserves): the two GEMMs,
@@ -271,6 +284,7 @@ def dense_rows_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: T
     passes = rows * (8 * k + 6 * n) / (HBM_GBPS * 1e6)
     spread = m * DENSE_ROWS_MS_PER_TOKEN * min(1.0, _heavy_share(l0_mean, l0_max, tail) / TAIL_FULL_SHARE)
     return 2 * _gemm_ms(rows, k, n, CUBLAS_GEMM_TFLOPS) + passes + spread
+
 
 def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float:
     """The "rows" walk (one read of the bf16 gate, two weight rows per non-zero at the up + down rate, slower once a
@@ -292,10 +306,12 @@ def rows_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Ta
     up_down += (parts - 1) * 2 * m * k * 4 / (HBM_GBPS * 1e6)  # the fp32 sums carried from part to part
     return max(up_down, min(nonzeros, n) * row_bytes / (HBM_GBPS * 1e6))  # rows read once
 
+
 def slice_width(n: int) -> int | None:
     """KS, the w_down columns per slice of the "slices" walk for FFN width N (its N + 1 rows must fit a block's
     shared memory), or None where even the narrowest slice does not fit."""
     return next((ks for ks in SLICE_WIDTHS if (n + 1) * ks * 2 <= SLICE_SMEM_BYTES), None)
+
 
 def warp_steps(l0_mean: float, l0_max: float) -> float:
     """Mean steps of a down warp: the tokens a warp walks together were ordered by count (order_tokens), so a warp
@@ -303,6 +319,7 @@ def warp_steps(l0_mean: float, l0_max: float) -> float:
     path (dense_row_split's log-normal model) plus ~2."""
     light_mean = lognormal_split(DENSE_ROW_NNZ, l0_mean, l0_max)[1]
     return min(DIRECT_LIST_CAP, light_mean + 2.0)
+
 
 def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> float | None:
     """The "slices" walk (see WALKS), or None where it does not run (N too wide for a slice, fewer than
@@ -316,6 +333,7 @@ def slices_walk_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: 
     up += m * n * 2 / (GATE_READ_GBPS * 1e6) + dense_rows_ms(m, k, n, l0_mean, l0_max, tail)
     return up + slices_down_ms(m, k, n, l0_mean, l0_max)
 
+
 def slices_down_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float:
     """One entries_down pass over M tokens' slot entries into K columns from N rows (slice_width(N) must fit): per
     work item (32 tokens x KS columns) a fixed cost plus one per step of its densest token (`warp_steps`)."""
@@ -323,11 +341,13 @@ def slices_down_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> flo
     items = math.ceil(m / 32) * (k // ks)
     return items * (DOWN_MS_PER_ITEM[ks] + DOWN_MS_PER_ITEM_STEP[ks] * warp_steps(l0_mean, l0_max))
 
+
 def direct_walk(m: int, k: int, n: int, l0: tuple[float, float] | None, tail: Tail | None = None) -> str:
     """The walk the direct route takes for M tokens: "slices" where it is priced cheaper than "rows" for the layer's
     recent (mean, max) non-zeros per token `l0` (and heavy tokens' shares `tail`, where known) and the layer has no
     heavy tail (`SLICES_MAX_HEAVY_SHARE`); "rows" while those are unknown (None)."""
     return "rows" if l0 is None else _priced_walk(m, k, n, *l0, tail)[0]
+
 
 @functools.lru_cache(maxsize=1024)
 def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Tail | None = None) -> tuple[str, float]:
@@ -339,7 +359,9 @@ def _priced_walk(m: int, k: int, n: int, l0_mean: float, l0_max: float, tail: Ta
     slices = slices_walk_ms(m, k, n, l0_mean, l0_max, tail)
     return ("slices", slices) if slices is not None and slices < rows else ("rows", rows)
 
+
 Columns = list[tuple[int, int]]  # column ranges [begin, end) of a walk in parts
+
 
 def column_parts(
     k: int, n: int, parts: int | None = None, l0_mean: float | None = None, rows_per_neuron: int = 2
@@ -366,6 +388,7 @@ def column_parts(
     bounds = [TILE * (tiles * i // parts) for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
+
 def dense_row_capacity(
     m: int, l0_hint: tuple[float, float] | None, split_nnz: int = DENSE_ROW_NNZ, tail: Tail | None = None
 ) -> int:
@@ -381,6 +404,7 @@ def dense_row_capacity(
     else:
         rows = DENSE_ROWS_MARGIN["modelled"] * lognormal_split(threshold, *l0_hint)[0] * m
     return min(m, DENSE_ROWS_ALIGN * math.ceil((rows + DENSE_ROWS_ALIGN) / DENSE_ROWS_ALIGN))
+
 
 DEFAULT_WIDTH = 128  # ELL width: the paper's robust setting for L1 >= 1.5e-5
 
@@ -420,10 +444,12 @@ TRAIN_EXPOSED_HOST_MS = 2.4
 # token heavy; docs/kernels.md, tuned constants).
 BACKUP_FACTOR = 3.0
 
+
 def _walk_slowdown(footprint_bytes: float, calibration_bytes: float) -> float:
     """`row_slowdown` of a walk over footprint_bytes of rows relative to the same walk at the calibration block (whose
     rate the fitted constants hold), never below 1: narrower blocks are not priced cheaper than the calibration."""
     return max(1.0, row_slowdown(footprint_bytes) / row_slowdown(calibration_bytes))
+
 
 def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) -> float | None:
     """Predicted ms of one forward + backward, or None (a shape the kernels cannot take).
@@ -445,6 +471,7 @@ def train_estimated_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float) ->
     y_slices = walk_by_slices(FWD_WALK, m, k, n, DEFAULT_WIDTH)
     dx_slices = dx_by_slices(m, k, n, DEFAULT_WIDTH, (l0_mean, l0_max))
     return max(_train_device_ms(m, k, n, l0_mean, l0_max, y_slices, dx_slices), TRAIN_EXPOSED_HOST_MS)
+
 
 @functools.lru_cache(maxsize=1024)
 def _train_device_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, y_slices: bool, dx_slices: bool) -> float:
@@ -468,10 +495,12 @@ def _train_device_ms(m: int, k: int, n: int, l0_mean: float, l0_max: float, y_sl
     backup = BACKUP_FACTOR * 9 * 2.0 * math.ceil(heavy_fraction * m) * k * n / (CUBLAS_GEMM_TFLOPS * 1e9)
     return gate + rows + slices + wgrad_buffers + backup + m * TRAIN_MS_PER_TOKEN
 
+
 def walk_column_parts(k: int, n: int) -> tuple[Columns, Columns, Columns]:
     """The column parts (`column_parts`) of the three weight walks: the forward's over w_up and w_down (two rows per
     neuron), sddmm's over w_down (one), dx's over w_up and w_gate (two). One part each while their rows fit L2."""
     return column_parts(k, n), column_parts(k, n, rows_per_neuron=1), column_parts(k, n)
+
 
 def dx_by_slices(m: int, k: int, n: int, width: int, l0_hint: tuple[float, float] | None) -> bool:
     """Whether the light dx takes the slices walk: DX_WALK "slices" wherever it fits, "auto" where it fits and the
@@ -480,12 +509,14 @@ def dx_by_slices(m: int, k: int, n: int, width: int, l0_hint: tuple[float, float
         return l0_hint is not None and _dx_slices_faster(width, *l0_hint) and walk_by_slices("slices", m, k, n, width)
     return walk_by_slices(DX_WALK, m, k, n, width)
 
+
 @functools.lru_cache(maxsize=1024)
 def _dx_slices_faster(width: int, l0_mean: float, l0_max: float) -> bool:
     """Whether the light tokens are dense enough and the heavy ones few enough for dx's slices walk (DX_WALK "auto").
     Cached: every training layer call asks, with the same (mean, max) until the layer's next observation."""
     light_mean = lognormal_split(width, l0_mean, l0_max)[1]
     return light_mean >= DX_SLICES_MIN_LIGHT_MEAN and heavy_share(l0_mean, l0_max, width) <= DX_SLICES_MAX_HEAVY_SHARE
+
 
 def walk_by_slices(walk: str, m: int, k: int, n: int, width: int) -> bool:
     """Whether a walk of the training op set to `walk` (FWD_WALK: y = h w_down^T; DX_WALK: dx = du w_up + dg w_gate)

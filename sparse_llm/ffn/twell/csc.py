@@ -6,12 +6,14 @@ cuts long columns into work chunks; its size is bounded by the ELL, so the trans
 """
 
 from __future__ import annotations
+
 import math
+
 import numpy as np
 import torch
+
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.twell.train_launch import launch_train_kernel, wgrad_slices
-
 
 # Work items of the weight-gradient kernel: a column of up to CSC_WHOLE_COLUMN entries is one item, which stores its
 # rows (no zero fill, no atomics); that is above the typical column (M * L0 / N: 81 at 16384 tokens and 28 non-zeros
@@ -41,14 +43,17 @@ WGRAD_WARPS_PER_BLOCK = 4
 
 WGRAD_BLOCKS_PER_SM = 8  # an upper bound on residency: surplus blocks find the work counter exhausted
 
+
 def csc_key_dtype(n: int) -> torch.dtype:
     """dtype of the CSC sort keys (values 0..N): int16 where N fits, as the radix sort's passes follow the key's
     width (two over 16 bits, four over 32)."""
     return torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
 
+
 KEY_CTYPES = {torch.int16: "short", torch.int32: "int"}  # template argument `Key` of the kernels reading keys
 
 OUT_CTYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}  # `Out` of the weight-gradient kernel
+
 
 def csc_keys(ell_cols_MW: torch.Tensor, ell_count_M: torch.Tensor, heavy_M: torch.Tensor, n: int) -> torch.Tensor:
     """[M, W] in csc_key_dtype(n): each light ELL entry's column, N for unused and heavy-token slots (which so
@@ -61,6 +66,7 @@ def csc_keys(ell_cols_MW: torch.Tensor, ell_count_M: torch.Tensor, heavy_M: torc
     used_MW &= ~heavy_M[:, None]
     return torch.where(used_MW, ell_cols_MW, n).to(csc_key_dtype(n))
 
+
 def csc_order(key_MW: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The light ELL entries in column-major order: (order_E, col_start) with col_start int64 [N + 1].
 
@@ -72,11 +78,13 @@ def csc_order(key_MW: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     col_start = torch.searchsorted(sorted_E, torch.arange(n + 1, dtype=sorted_E.dtype, device=sorted_E.device))
     return order_E, col_start
 
+
 def csc_whole_column(col_start: torch.Tensor) -> int:
     """The longest column that is one work item: CSC_WHOLE_COLUMN, or CSC_WHOLE_PER_MEAN times the mean column if
     that is more (integer arithmetic, as train_csc_chunks)."""
     n = col_start.numel() - 1
     return max(CSC_WHOLE_COLUMN, CSC_WHOLE_PER_MEAN * int(col_start[-1]) // max(n, 1))
+
 
 def csc_chunk_starts(col_start: torch.Tensor) -> torch.Tensor:
     """int64 [N + 1]: where column n's work chunks start in the list of all chunks: one for a column of up to
@@ -87,11 +95,13 @@ def csc_chunk_starts(col_start: torch.Tensor) -> torch.Tensor:
     torch.cumsum(chunks, 0, out=chunk_start[1:])
     return chunk_start
 
+
 def csc_chunk_columns(chunk_start: torch.Tensor) -> torch.Tensor:
     """int32 [chunk_start[N]]: the column of each work chunk. torch reference of train_csc_chunks' map."""
     n = chunk_start.numel() - 1
     columns = torch.arange(n, dtype=torch.int32, device=chunk_start.device)
     return torch.repeat_interleave(columns, chunk_start.diff())
+
 
 def csc_shared_ranks(chunk_start: torch.Tensor) -> torch.Tensor:
     """int32 [N]: how many columns before each have more than one work chunk (a many-chunk column's rank, which
@@ -99,7 +109,10 @@ def csc_shared_ranks(chunk_start: torch.Tensor) -> torch.Tensor:
     many = (chunk_start.diff() > 1).to(torch.int32)
     return torch.cumsum(many, 0, dtype=torch.int32) - many
 
-def csc_index(key_MW: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def csc_index(
+    key_MW: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order_E, col_start, chunk_start, chunk_col, shared_rank) of the transposed view from the keys
     train_bwd_sddmm wrote: a stable sort, then column starts by one thread per entry and the chunks' starts,
     columns and many-chunk ranks by one block (int64 [N + 1] offsets; chunk_col int32, valid up to
@@ -117,22 +130,37 @@ def csc_index(key_MW: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor,
     runtime.launch(columns, (blocks,), (CSC_COLUMNS_THREADS,), args, device)
     chunks = runtime.get_function("train_backward.cu", "train_csc_chunks", device)
     args = (
-        runtime.ptr(col_start), runtime.ptr(chunk_start), runtime.ptr(chunk_col), runtime.ptr(shared_rank), np.int32(n),
-        np.int32(CSC_CHUNK), np.int32(CSC_WHOLE_COLUMN), np.int32(CSC_WHOLE_PER_MEAN),
-    )  # fmt: skip
+        runtime.ptr(col_start),
+        runtime.ptr(chunk_start),
+        runtime.ptr(chunk_col),
+        runtime.ptr(shared_rank),
+        np.int32(n),
+        np.int32(CSC_CHUNK),
+        np.int32(CSC_WHOLE_COLUMN),
+        np.int32(CSC_WHOLE_PER_MEAN),
+    )
     runtime.launch(chunks, (1,), (CSC_CHUNKS_THREADS,), args, device)
     return order_E, col_start, chunk_start, chunk_col, shared_rank
 
+
 def wgrad_scratch(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scratch, counters) for two `csc_weight_gradients` launches in a row: a zeroed fp32 [WGRAD_SLOTS * 2, K] that each
+    """(scratch, counters) for two `csc_weight_gradients` launches in a row: a zeroed fp32 [WGRAD_SLOTS * 2, K] that
+    each
     launch leaves zeroed, and zeroed int64 [2, 1 + 2 * WGRAD_SLOTS] counters, a row per launch."""
     scratch = torch.zeros(WGRAD_SLOTS * 2, k, dtype=torch.float32, device=device)
     return scratch, torch.zeros(2, 1 + 2 * WGRAD_SLOTS, dtype=torch.int64, device=device)
 
+
 def csc_weight_gradients(
-    csc: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], src_MK: torch.Tensor, outs: tuple[torch.Tensor, ...], scratch: torch.Tensor,
-    counters: torch.Tensor, width: int, add: bool = False,
-) -> None:  # fmt: skip
+    csc: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    src_MK: torch.Tensor,
+    outs: tuple[torch.Tensor, ...],
+    scratch: torch.Tensor,
+    counters: torch.Tensor,
+    width: int,
+    add: bool = False,
+) -> None:
     """Writes every row of each [N, K] out (fp32 or bf16, one per value array: 1 or 2): row n = the fp32 sum over
     column n's entries of value * src_MK[token], rounded once to the out's dtype; with `add`, adds it to row n.
 
@@ -143,10 +171,21 @@ def csc_weight_gradients(
     sms = runtime.sm_count(device)
     kw, parts = wgrad_slices(k)
     args = (
-        *(runtime.ptr(t) for t in csc), runtime.ptr(values[0]), runtime.ptr(values[-1]), runtime.ptr(src_MK),
-        runtime.ptr(outs[0]), runtime.ptr(outs[-1]), runtime.ptr(scratch), runtime.ptr(counters),
-        np.int32(n), np.int32(k), np.int32(width), np.int32(CSC_CHUNK), np.int32(parts), np.int32(WGRAD_SLOTS),
+        *(runtime.ptr(t) for t in csc),
+        runtime.ptr(values[0]),
+        runtime.ptr(values[-1]),
+        runtime.ptr(src_MK),
+        runtime.ptr(outs[0]),
+        runtime.ptr(outs[-1]),
+        runtime.ptr(scratch),
+        runtime.ptr(counters),
+        np.int32(n),
+        np.int32(k),
+        np.int32(width),
+        np.int32(CSC_CHUNK),
+        np.int32(parts),
+        np.int32(WGRAD_SLOTS),
         np.int32(add),
-    )  # fmt: skip
+    )
     kernel = f"train_csc_wgrad<{kw},{len(values)},{OUT_CTYPES[outs[0].dtype]}>"
     launch_train_kernel("train_backward.cu", kernel, sms * WGRAD_BLOCKS_PER_SM, WGRAD_WARPS_PER_BLOCK, args, device)

@@ -6,15 +6,16 @@ and shape, so a call is a single launch (what a decoding step replayed in a CUDA
 """
 
 from __future__ import annotations
+
 import math
+
 import numpy as np
 import torch
+
 from sparse_llm.cuda import runtime
-from sparse_llm.ffn.twell.cost_model import decode_block_sums, decode_mma_gate
 from sparse_llm.cuda.kernel_constants import DECODE_GROUP_M, DECODE_MAX_M, DECODE_MMA_NEURONS, DECODE_WARPS
+from sparse_llm.ffn.twell.cost_model import decode_block_sums, decode_mma_gate
 from sparse_llm.ffn.twell.infer_launch import as_i32
-
-
 
 DECODE_BLOCKS_PER_SM = 2
 
@@ -27,12 +28,14 @@ def decode_kernel_name(kv: int, block_sums: bool, mma_gate: bool, finish: bool) 
     flags = ",".join(str(flag).lower() for flag in (block_sums, mma_gate, finish))
     return f"decode_ffn<{kv},{flags}>"
 
+
 def decode_workspace_words(k: int, tokens: int = DECODE_MAX_M) -> tuple[int, int, int, int]:
     """Where the decode workspace for up to `tokens` rows of K columns (kernels/decode_ffn.cu) keeps l1, l0 and the
     counts of blocks done (one per group of tokens), in fp32 words from its start, and its size; its rows of y sums
     come first, the counts last."""
     done_at = tokens * (k + 2)
     return tokens * k, tokens * (k + 1), done_at, done_at + math.ceil(tokens / DECODE_GROUP_M)
+
 
 def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
     """On CUDA `device` (with its index), the zeroed fp32 workspace of `decode_ffn` calls issued from Python, for rows
@@ -45,11 +48,18 @@ def decode_workspace(device: torch.device, k: int) -> torch.Tensor:
         workspace = _DECODE_WORKSPACES[key] = torch.zeros(size, dtype=torch.float32, device=device)
     return workspace
 
+
 _DECODE_WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
 
+
 def decode_ffn(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
-    residual_MK: torch.Tensor | None = None, l0_max: float | None = None, statistics: bool = True,
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    residual_MK: torch.Tensor | None = None,
+    l0_max: float | None = None,
+    statistics: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The block for M <= DECODE_MAX_M tokens in one pass over the neurons per group of up to DECODE_GROUP_M tokens
     (kernels/decode_ffn.cu): (y_MK bf16 [M, K], plus residual_MK (bf16, contiguous) when given; l1_M fp32 [M]; l0_M
@@ -93,7 +103,14 @@ def decode_ffn(
     base = workspace.data_ptr()
     parts = (np.uint64(base + 4 * words) for words in (0, l1_at, l0_at, done_at))  # y sums, l1, l0, counts
     operands = (x_MK, w_gate_NK, w_up_NK, w_down_t_NK)
-    args = (*map(runtime.ptr, operands), *parts, *map(runtime.ptr, (residual_MK, *outs, fired_N)), as_i32(m), as_i32(k), as_i32(n))
+    args = (
+        *map(runtime.ptr, operands),
+        *parts,
+        *map(runtime.ptr, (residual_MK, *outs, fired_N)),
+        as_i32(m),
+        as_i32(k),
+        as_i32(n),
+    )
     runtime.launch(kernel, (blocks, groups), (DECODE_WARPS * 32,), args, device, shared_mem=smem)
     if graphed:
         pieces = m * k // 8

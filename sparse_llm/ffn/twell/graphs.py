@@ -84,14 +84,24 @@ class GraphedForward:
         of the replay that made them (None: an eager call's, whose outputs are its own). A new dense_rows is captured
         anew, as a new shape is: it changes with the layer's observed tail, once per statistics window at most."""
 
-        key = (x_MK.shape, x_MK.dtype, x_MK.device, width, dense_rows, w_gate_NK.data_ptr(), w_up_NK.data_ptr(),
-               w_compute_RK.data_ptr(), w_compute_RK.shape)  # fmt: skip
+        key = (
+            x_MK.shape,
+            x_MK.dtype,
+            x_MK.device,
+            width,
+            dense_rows,
+            w_gate_NK.data_ptr(),
+            w_up_NK.data_ptr(),
+            w_compute_RK.data_ptr(),
+            w_compute_RK.shape,
+        )
         if key != self.key:  # a new shape or new weight storage: run eagerly once, capture at the next call
             self.key, self.graph, self.outputs, self.eager_calls = key, None, (), 0
         if self.graph is None and self.eager_calls == 0:
             self.eager_calls += 1
-            outputs = forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
-                                      dense_rows=dense_rows)  # fmt: skip
+            outputs = forward_kernels(
+                x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(), dense_rows=dense_rows
+            )
             return outputs, None
         x_in_MK, gate_MN = _shared_buffers(x_MK.device, *x_MK.shape, w_gate_NK.shape[0])
         x_in_MK.copy_(x_MK)
@@ -106,9 +116,15 @@ class GraphedForward:
         return outputs, ReplayToken(self, self.graph, self.replays)
 
     def _capture(
-        self, x_in_MK: Tensor, gate_MN: Tensor, w_gate_NK: Tensor, w_up_NK: Tensor, width: int, w_compute_RK: Tensor,
+        self,
+        x_in_MK: Tensor,
+        gate_MN: Tensor,
+        w_gate_NK: Tensor,
+        w_up_NK: Tensor,
+        width: int,
+        w_compute_RK: Tensor,
         dense_rows: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
 
         main = torch.cuda.current_stream()
         side = _capture_stream(x_in_MK.device.index)
@@ -118,8 +134,9 @@ class GraphedForward:
         with torch.cuda.stream(side), own_cublas_workspace():
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                outputs = forward_kernels(x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN,
-                                          dense_rows=dense_rows)  # fmt: skip
+                outputs = forward_kernels(
+                    x_in_MK, w_gate_NK, w_up_NK, width, w_compute_RK, gate_MN=gate_MN, dense_rows=dense_rows
+                )
             finally:
                 graph.capture_end()
         main.wait_stream(side)
@@ -154,8 +171,10 @@ def _capture_stream(device_index: int) -> torch.cuda.Stream:
 def _shared_buffers(device: torch.device, m: int, k: int, n: int) -> tuple[Tensor, Tensor]:
     """(x_in_MK, gate_MN): bf16 [M, K] and [M, N] read and written by every layer's graph of that shape in turn."""
     with runtime.on_device(device):
-        return (torch.empty(m, k, dtype=torch.bfloat16, device=device),
-                torch.empty(m, n, dtype=torch.bfloat16, device=device))  # fmt: skip
+        return (
+            torch.empty(m, k, dtype=torch.bfloat16, device=device),
+            torch.empty(m, n, dtype=torch.bfloat16, device=device),
+        )
 
 
 _graphed: dict[int, GraphedForward] = {}  # id(w_gate_NK) -> its layer's graph

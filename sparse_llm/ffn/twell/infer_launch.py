@@ -5,19 +5,20 @@ Each function takes torch tensors, checks what the kernel relies on and queues t
 """
 
 from __future__ import annotations
+
 import math
 import weakref
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sparse_llm.cuda import runtime
-from sparse_llm.cuda import tensor_map
-from sparse_llm.formats.constants import SLOTS, TILE
-from sparse_llm.ffn.twell.cost_model import Columns, DENSE_ROW_NNZ, SPLIT_BELOW_M, column_parts, slice_width
-from sparse_llm.cuda.kernel_constants import DENSE_ROWS_THREADS, DIRECT_LIST_CAP, FIRST_PART, LAST_PART, ORDER_GROUP
-from sparse_llm.ffn.twell.validation import check_2d, check_operands, check_tensor
 
+from sparse_llm.cuda import runtime, tensor_map
+from sparse_llm.cuda.kernel_constants import DENSE_ROWS_THREADS, DIRECT_LIST_CAP, FIRST_PART, LAST_PART, ORDER_GROUP
+from sparse_llm.ffn.twell.cost_model import DENSE_ROW_NNZ, SPLIT_BELOW_M, Columns, column_parts, slice_width
+from sparse_llm.ffn.twell.validation import check_2d, check_operands, check_tensor
+from sparse_llm.formats.constants import SLOTS, TILE
 
 GATE_BLOCK_M = 128  # rows per output tile of the fused gate GEMM
 
@@ -27,19 +28,21 @@ GATE_STAGES = 3
 # tile as bf16 rows (pitch TILE / 2 + 4 words), its three packer warps' lists, two barriers per stage and alignment
 # slack.
 GATE_SMEM_BYTES = (
-    GATE_STAGES * (128 * 64 + 256 * 64) * 2 + GATE_BLOCK_M * (TILE // 2 + 4) * 4 + 3 * SLOTS * 4 + GATE_STAGES * 16 + 1024
+    GATE_STAGES * (128 * 64 + 256 * 64) * 2
+    + GATE_BLOCK_M * (TILE // 2 + 4) * 4
+    + 3 * SLOTS * 4
+    + GATE_STAGES * 16
+    + 1024
 )
 
 GATE_THREADS = 384  # a producer warpgroup and two consumers
 
 GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 
-# Warps (one per token) per block of the one-warp-per-token kernels (the training kernels' walks): one, so a block's registers are freed with its token rather than with the
+# Warps (one per token) per block of the one-warp-per-token kernels (the training kernels' walks): one, so a block's
+# registers are freed with its token rather than with the
 # slowest of several.
 TOKENS_PER_BLOCK = 1
-
-
-
 
 
 # The direct route walks the non-zeros in one of two ways (`direct_walk` picks by price):
@@ -56,7 +59,9 @@ def _version(t: torch.Tensor) -> int:
     # they cannot change in place either.
     return -1 if t.is_inference() else t._version
 
+
 _KERNEL_TYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+
 
 def transposed_copy(
     w_RC: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None, add: bool = False
@@ -92,6 +97,7 @@ def transposed_copy(
         runtime.launch(kernel, (cols // 32, rows // 32), (32, 8), args, src.device)
     return out
 
+
 class TransposeCache:
     """w [K, N] -> contiguous w^T [N, K], rebuilt when the weight tensor changes (new object, storage or version)."""
 
@@ -101,12 +107,7 @@ class TransposeCache:
     def get(self, w_KN: torch.Tensor) -> torch.Tensor:
         key = id(w_KN)
         entry = self._entries.get(key)
-        if (
-            entry is not None
-            and entry[0]() is w_KN
-            and entry[1] == _version(w_KN)
-            and entry[2] == w_KN.data_ptr()
-        ):
+        if entry is not None and entry[0]() is w_KN and entry[1] == _version(w_KN) and entry[2] == w_KN.data_ptr():
             return entry[3]
         w_t_NK = transposed_copy(w_KN, w_KN.dtype)
         ref = weakref.ref(w_KN, lambda _, key=key: self._entries.pop(key, None))
@@ -116,10 +117,13 @@ class TransposeCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+
 DOWN_TRANSPOSES = TransposeCache()
+
 
 def as_i32(value: int) -> np.int32:
     return np.int32(value)
+
 
 def twell_gate(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, overflow_gate_MN: torch.Tensor | None = None
@@ -149,10 +153,12 @@ def twell_gate(
     runtime.launch(kernel, grid, (GATE_THREADS,), args, device, shared_mem=GATE_SMEM_BYTES)
     return packed_MS
 
+
 def flagged_parts(columns: Columns) -> list[tuple[tuple[int, int], int]]:
     """Each column range of a walk in parts with its FIRST_PART / LAST_PART flags, in walking order."""
     last = len(columns) - 1
     return [(c, (FIRST_PART if i == 0 else 0) | (LAST_PART if i == last else 0)) for i, c in enumerate(columns)]
+
 
 @dataclass(frozen=True)
 class OutputNorm:
@@ -164,11 +170,13 @@ class OutputNorm:
     eps: float
     out_MK: torch.Tensor
 
+
 def norm_args(norm: OutputNorm | None) -> tuple[np.uint64, np.uint64, np.float32]:
     """The kernels' (norm_weight, normed, norm_eps) arguments: null pointers without a norm."""
     if norm is None:
         return runtime.ptr(None), runtime.ptr(None), np.float32(0.0)
     return runtime.ptr(norm.weight_K), runtime.ptr(norm.out_MK), np.float32(norm.eps)
+
 
 def direct_up_down(
     x_MK: torch.Tensor,
@@ -216,20 +224,29 @@ def direct_up_down(
     n = gate_MN.shape[1]
     if norm is not None:
         check_output_norm(norm, x_MK, walk)
-    check_operands(x_MK, n, [
-        ("gate_MN", gate_MN, (m, n), "the pre-activation gate x w_gate^T [M, N]"),
-        ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
-        ("w_down_t_NK", w_down_t_NK, (n, k), "down_proj.weight transposed to [N, K], contiguous"),
-        *([("residual_MK", residual_MK, (m, k), "the residual stream [M, K], bf16, contiguous")]
-          if residual_MK is not None else []),
-    ])  # fmt: skip
+    check_operands(
+        x_MK,
+        n,
+        [
+            ("gate_MN", gate_MN, (m, n), "the pre-activation gate x w_gate^T [M, N]"),
+            ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
+            ("w_down_t_NK", w_down_t_NK, (n, k), "down_proj.weight transposed to [N, K], contiguous"),
+            *(
+                [("residual_MK", residual_MK, (m, k), "the residual stream [M, K], bf16, contiguous")]
+                if residual_MK is not None
+                else []
+            ),
+        ],
+    )
     columns = column_parts(k, n, parts)  # checks `parts`
     if walk == "slices" and slice_width(n) is None:
         raise ValueError(f"walk='slices': a slice of w_down's N={n} rows does not fit shared memory; use walk='rows'")
     if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 0:
         raise ValueError(f"dense_rows={dense_rows!r}: give a row count >= 0 (0: no dense rows)")
-    return launch_direct_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows,
-                           norm)  # fmt: skip
+    return launch_direct_up_down(
+        x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, columns, walk, dense_rows, norm
+    )
+
 
 def check_output_norm(norm: OutputNorm, x_MK: torch.Tensor, walk: str) -> None:
     if walk != "rows":
@@ -241,11 +258,20 @@ def check_output_norm(norm: OutputNorm, x_MK: torch.Tensor, walk: str) -> None:
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
 
+
 def launch_direct_up_down(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None = None, columns: Columns | None = None, walk: str = "rows", dense_rows: int = 0,
-    norm: OutputNorm | None = None, packed_MS: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x_MK: torch.Tensor,
+    gate_MN: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    split_nnz: int,
+    residual_MK: torch.Tensor | None = None,
+    columns: Columns | None = None,
+    walk: str = "rows",
+    dense_rows: int = 0,
+    norm: OutputNorm | None = None,
+    packed_MS: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`direct_up_down` on operands already validated (the block op checks its inputs once); columns: the
     "rows" walk's column parts (`column_parts`; None: by the weights' size); norm: "rows" only. packed_MS: the gate's
     TwELL words from the fused GEMM (`twell_gate` with gate_MN as its overflow_gate_MN), which either walk then lists
@@ -271,14 +297,15 @@ def launch_direct_up_down(
     def split_tokens(count_1: torch.Tensor, **part: object) -> None:
         rows_M = heavy_rows_M
         if dense_rows:
-            rows_M, count_1 = dense_heavy_rows(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK,
-                                               dense_rows, norm)  # fmt: skip
-        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, norm=norm,
-                            **part)  # fmt: skip
+            rows_M, count_1 = dense_heavy_rows(
+                x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, dense_rows, norm
+            )
+        split_token_up_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, rows_M, count_1, outs, residual_MK, norm=norm, **part)
 
     if walk == "slices":
-        _up_then_down(x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts,
-                      packed_MS)  # fmt: skip
+        _up_then_down(
+            x_MK, gate_MN, w_up_NK, w_down_t_NK, split_nnz, residual_MK, outs, heavy_rows_M, heavy_counts, packed_MS
+        )
         split_tokens(heavy_counts)
         return outs
     # the y sums carried from one part to the next
@@ -291,12 +318,26 @@ def launch_direct_up_down(
     runtime.set_dynamic_smem(light, smem)
     for i, ((begin, end), part) in enumerate(flagged_parts(columns)):
         count_1 = heavy_counts[i : i + 1]
-        operands = (gate, heavy_gate, x_MK, w_up_NK, w_down_t_NK, y_MK, residual_MK, l1_M, l0_M, fired_N, heavy_rows_M,
-                    count_1, partial_MK)  # fmt: skip
+        operands = (
+            gate,
+            heavy_gate,
+            x_MK,
+            w_up_NK,
+            w_down_t_NK,
+            y_MK,
+            residual_MK,
+            l1_M,
+            l0_M,
+            fired_N,
+            heavy_rows_M,
+            count_1,
+            partial_MK,
+        )
         args = (*(runtime.ptr(t) for t in operands), *map(as_i32, (m, k, n, split, begin, end, part)), *norm_args(norm))
         runtime.launch(light, (m,), (32,), args, device, shared_mem=smem)
         split_tokens(count_1, partial_MK=partial_MK, columns=(begin, end), part=part)
     return outs
+
 
 def _listed_gate(
     gate_MN: torch.Tensor, packed_MS: torch.Tensor | None
@@ -305,6 +346,7 @@ def _listed_gate(
     ("false", gate_MN, None) for cuBLAS's bf16 gate, ("true", packed_MS, gate_MN) for the fused GEMM's TwELL words."""
     return ("false", gate_MN, None) if packed_MS is None else ("true", packed_MS, gate_MN)
 
+
 def light_smem_bytes(kv: int, residual: bool) -> int:
     """Shared memory of one gate_up_down_light warp (light_list_offset / light_residual_offset in gate_up_down.cu):
     its ring's slots and the x row (KV * 512 bytes each; 2 slots up to KV = 8, else 3), the list, the barriers padded
@@ -312,13 +354,22 @@ def light_smem_bytes(kv: int, residual: bool) -> int:
     slots = 2 if kv <= 8 else 3
     return (slots + 1 + residual) * kv * 512 + DIRECT_LIST_CAP * 4 + 128
 
+
 def _up_then_down(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor, split_nnz: int,
-    residual_MK: torch.Tensor | None, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    heavy_rows_M: torch.Tensor, count_1: torch.Tensor, packed_MS: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+    x_MK: torch.Tensor,
+    gate_MN: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    split_nnz: int,
+    residual_MK: torch.Tensor | None,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    heavy_rows_M: torch.Tensor,
+    count_1: torch.Tensor,
+    packed_MS: torch.Tensor | None = None,
+) -> None:
     """The light tokens of the "slices" walk (kernels/gate_up_then_down.cu) into outs = (y_MK, l1_M, l0_M, fired_N) as
-    `launch_direct_up_down` allocates them: the up walk lists each token's positives and writes its h entries (a token with
+    `launch_direct_up_down` allocates them: the up walk lists each token's positives and writes its h entries (a
+    token with
     more than split_nnz goes to heavy_rows_M, counted in count_1, for the caller), the tokens are ordered by count in
     groups of ORDER_GROUP, then one block per SM computes slices of y from the ordered entries. The up walk lists the
     positives from the bf16 pre-activation gate_MN, or where given from its TwELL words packed_MS (int32 [M, (N/256) *
@@ -348,6 +399,7 @@ def _up_then_down(
     runtime.launch(to_slots, (fours // 256,), (256,), (*map(runtime.ptr, operands), as_i32(m)), device)
     slices_down(slot_entries, slot_counts_M, slot_tokens_M, w_down_t_NK, y_MK, residual_MK)
 
+
 def order_slots(counts_M: torch.Tensor, heavy_M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(token_slots_M, slot_counts_M, slot_tokens_M), int32 [M] each: order_tokens's places for the tokens of
     counts_M (int32 [M] entries per token, -1 or heavy_M (bool [M]) for a token with none on the slices walk), by
@@ -356,15 +408,23 @@ def order_slots(counts_M: torch.Tensor, heavy_M: torch.Tensor | None = None) -> 
     token_slots_M, slot_counts_M, slot_tokens_M = torch.empty(3, m, dtype=torch.int32, device=counts_M.device)
     order = runtime.get_function("gate_up_then_down.cu", "order_tokens", counts_M.device)
     operands = (counts_M, heavy_M, token_slots_M, slot_counts_M, slot_tokens_M)
-    runtime.launch(order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(runtime.ptr, operands), as_i32(m)),
-                counts_M.device)  # fmt: skip
+    runtime.launch(
+        order, (math.ceil(m / ORDER_GROUP),), (ORDER_GROUP,), (*map(runtime.ptr, operands), as_i32(m)), counts_M.device
+    )
     return token_slots_M, slot_counts_M, slot_tokens_M
 
+
 def slices_down(
-    slot_entries: torch.Tensor, slot_counts_M: torch.Tensor, slot_tokens_M: torch.Tensor, w_NK: torch.Tensor,
-    out_MK: torch.Tensor | None, residual_MK: torch.Tensor | None = None, sums_in_SK: torch.Tensor | None = None,
-    sums_out_SK: torch.Tensor | None = None, slots: tuple[int, int] | None = None,
-) -> None:  # fmt: skip
+    slot_entries: torch.Tensor,
+    slot_counts_M: torch.Tensor,
+    slot_tokens_M: torch.Tensor,
+    w_NK: torch.Tensor,
+    out_MK: torch.Tensor | None,
+    residual_MK: torch.Tensor | None = None,
+    sums_in_SK: torch.Tensor | None = None,
+    sums_out_SK: torch.Tensor | None = None,
+    slots: tuple[int, int] | None = None,
+) -> None:
     """entries_down: out_MK[t] (bf16 [M, K]; residual_MK's row added) = sum over slot entries (value, n) of token t of
     value * w_NK[n] (bf16 [N, K]), one block per SM holding slice_width(N) columns of w_NK at a time. Tokens whose
     slot count is -1 are left unwritten. With fp32 sums (the training backward's two passes), over the slots
@@ -379,17 +439,25 @@ def slices_down(
     runtime.set_dynamic_smem(down, smem)
     blocks = min(runtime.sm_count(device), k // ks * math.ceil((s1 - s0) / 32))
     entries = slot_entries[s0 * DIRECT_LIST_CAP :]  # chunks of 32 slots, DIRECT_LIST_CAP entries each
-    operands = (entries, slot_counts_M[s0:s1], slot_tokens_M[s0:s1], w_NK, out_MK, residual_MK, sums_in_SK,
-                sums_out_SK)  # fmt: skip
+    operands = (entries, slot_counts_M[s0:s1], slot_tokens_M[s0:s1], w_NK, out_MK, residual_MK, sums_in_SK, sums_out_SK)
     args = (*map(runtime.ptr, operands), *map(as_i32, (s1 - s0, k, n, s0)))
     runtime.launch(down, (blocks,), (1024,), args, device, shared_mem=smem)
 
+
 def split_token_up_down(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
-    rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    residual_MK: torch.Tensor | None = None, partial_MK: torch.Tensor | None = None,
-    columns: tuple[int, int] | None = None, part: int = FIRST_PART | LAST_PART, norm: OutputNorm | None = None,
-) -> None:  # fmt: skip
+    x_MK: torch.Tensor,
+    gate_MN: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    rows_M: torch.Tensor,
+    count_1: torch.Tensor,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    residual_MK: torch.Tensor | None = None,
+    partial_MK: torch.Tensor | None = None,
+    columns: tuple[int, int] | None = None,
+    part: int = FIRST_PART | LAST_PART,
+    norm: OutputNorm | None = None,
+) -> None:
     """Writes the y, l1 and l0 rows of the tokens rows_M[: count_1[0]] and sets their fired neurons, each token
     split over a block of warps (gate_up_down_heavy). rows_M: int32 [M]; count_1: int32 [1], read on the device,
     so the host never learns it. outs = (y_MK, l1_M, l0_M, fired_N) as `launch_direct_up_down` allocates them; y rows
@@ -412,11 +480,19 @@ def split_token_up_down(
     args = (*(runtime.ptr(t) for t in operands), *map(as_i32, (k, n, begin, end, part)), *norm_args(norm))
     runtime.launch(heavy, (blocks,), (32 * warps,), args, device, shared_mem=smem)
 
+
 def dense_heavy_rows(
-    x_MK: torch.Tensor, gate_MN: torch.Tensor, w_up_NK: torch.Tensor, w_down_t_NK: torch.Tensor,
-    rows_M: torch.Tensor, count_1: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    residual_MK: torch.Tensor | None, capacity: int, norm: OutputNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x_MK: torch.Tensor,
+    gate_MN: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_t_NK: torch.Tensor,
+    rows_M: torch.Tensor,
+    count_1: torch.Tensor,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    residual_MK: torch.Tensor | None,
+    capacity: int,
+    norm: OutputNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first min(count_1[0], capacity) heavy tokens rows_M lists (gate_up_down_light's list; the count stays on the
     device) through dense GEMMs: their y rows (with residual_MK's row when given), l1, l0 and fired neurons go into
     outs = (y_MK, l1_M, l0_M, fired_N) with the dense bf16 block's rounding (kernels/dense_rows.cu), and their norm's
@@ -438,8 +514,11 @@ def dense_heavy_rows(
     y_CK = torch.mm(h_CN, w_down_t_NK)
     scatter = runtime.get_function("dense_rows.cu", "scatter_dense_rows", device)
     operands = (y_CK, rows_M, count_1, residual_MK, y_MK)
-    runtime.launch(scatter, grid, block, (*map(runtime.ptr, operands), as_i32(capacity), as_i32(k), *norm_args(norm)), device)
+    runtime.launch(
+        scatter, grid, block, (*map(runtime.ptr, operands), as_i32(capacity), as_i32(k), *norm_args(norm)), device
+    )
     return rows_M[capacity:], rest_1
+
 
 def dense_row_stats(h_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum |h| per row in fp32 [R], non-zeros per row int32 [R], fired neurons bool [N]) of a dense h [R, N]."""

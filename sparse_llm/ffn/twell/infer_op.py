@@ -39,19 +39,28 @@ describes the routes and lists the tuned constants with the measurements behind 
 """
 
 from __future__ import annotations
+
 import functools
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
 from sparse_llm.cuda import tensor_map
+from sparse_llm.cuda.kernel_constants import DECODE_MAX_M
 from sparse_llm.ffn.backend import FFNResult, Tail
 from sparse_llm.ffn.trials import best_times_ms, env_choice, log_bucket
 from sparse_llm.ffn.twell.cost_model import DENSE_ROW_NNZ, column_parts, dense_row_capacity, direct_walk
-from sparse_llm.cuda.kernel_constants import DECODE_MAX_M
-from sparse_llm.ffn.twell.validation import check_residual, check_inputs
-from sparse_llm.ffn.twell.infer_launch import OutputNorm, WALKS, DOWN_TRANSPOSES, check_output_norm, launch_direct_up_down, twell_gate
 from sparse_llm.ffn.twell.decode import decode_ffn
-
+from sparse_llm.ffn.twell.infer_launch import (
+    DOWN_TRANSPOSES,
+    WALKS,
+    OutputNorm,
+    check_output_norm,
+    launch_direct_up_down,
+    twell_gate,
+)
+from sparse_llm.ffn.twell.validation import check_inputs, check_residual
 
 MLP_ROUTES = ("auto", "direct")  # twell_gated_mlp: "auto" takes decode_ffn for up to DECODE_MAX_M tokens, else "direct"
 
@@ -73,6 +82,7 @@ WALK_TRIAL_REPS = 2  # timed calls per walk in a trial, after one untimed call e
 WALK_TRIAL_BUCKETS = 2  # densities within a factor 2 ** (1 / this) of mean non-zeros share a trial
 
 _measured_walks: dict[tuple[int, int, int, int], str] = {}
+
 
 def twell_gated_mlp(
     x_MK: torch.Tensor,
@@ -120,7 +130,13 @@ def twell_gated_mlp(
     fused = residual_MK if fusable else None
     if gate_route == "auto" and 0 < x_MK.shape[0] <= DECODE_MAX_M:
         y_MK, l1_M, l0_M, fired_N = decode_ffn(
-            x_MK, w_gate_NK, w_up_NK, DOWN_TRANSPOSES.get(w_down_KN), fused, None if l0_hint is None else l0_hint[1], statistics
+            x_MK,
+            w_gate_NK,
+            w_up_NK,
+            DOWN_TRANSPOSES.get(w_down_KN),
+            fused,
+            None if l0_hint is None else l0_hint[1],
+            statistics,
         )
         return _finished(y_MK, l1_M, l0_M, fired_N, residual_MK if fused is None else None, statistics, "twell-decode")
     (m, k), n = x_MK.shape, w_gate_NK.shape[0]
@@ -144,9 +160,18 @@ def twell_gated_mlp(
         columns = None if walk == "slices" else column_parts(k, n, l0_mean=None if l0_hint is None else l0_hint[0])
         gate_MN, packed_MS = _direct_gate(x_MK, w_gate_NK, walk) if gate is None else gate
         return launch_direct_up_down(
-            x_MK, gate_MN, w_up_NK, w_down_t_NK, dense_row_nnz, fused, columns, walk=walk, dense_rows=dense_rows,
-            norm=norm if walk == "rows" else None, packed_MS=packed_MS,
-        )  # fmt: skip
+            x_MK,
+            gate_MN,
+            w_up_NK,
+            w_down_t_NK,
+            dense_row_nnz,
+            fused,
+            columns,
+            walk=walk,
+            dense_rows=dense_rows,
+            norm=norm if walk == "rows" else None,
+            packed_MS=packed_MS,
+        )
 
     if trial is not None:
         walk = measured_walk(trial, walk_through)
@@ -155,6 +180,8 @@ def twell_gated_mlp(
     if norm is not None and walk == "rows":
         result.normed_MK = norm.out_MK
     return result
+
+
 def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The direct route's gate for its walk: (gate_MN, packed_MS). The walks list from the fused GEMM's TwELL words
     (the "slices" walk always, the "rows" walk from WORDS_GATE_MIN_M tokens), which spare them the dense row's read and
@@ -168,6 +195,7 @@ def _direct_gate(x_MK: torch.Tensor, w_gate_NK: torch.Tensor, walk: str) -> tupl
         return gate_MN, twell_gate(x_MK, w_gate_NK, overflow_gate_MN=gate_MN)
     return F.linear(x_MK, w_gate_NK), None
 
+
 def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Tensor) -> OutputNorm | None:
     """The OutputNorm the kernels can write for twell_gated_mlp's `output_norm`, or None (the caller norms)."""
     if output_norm is None:
@@ -180,9 +208,15 @@ def _output_norm(output_norm: tuple[torch.Tensor, float] | None, x_MK: torch.Ten
         return None
     return norm
 
+
 def _finished(
-    y_MK: torch.Tensor, l1_M: torch.Tensor, l0_M: torch.Tensor, fired_N: torch.Tensor,
-    unfused_residual_MK: torch.Tensor | None, statistics: bool, path: str,
+    y_MK: torch.Tensor,
+    l1_M: torch.Tensor,
+    l0_M: torch.Tensor,
+    fired_N: torch.Tensor,
+    unfused_residual_MK: torch.Tensor | None,
+    statistics: bool,
+    path: str,
 ) -> FFNResult:
     """The result of a route whose kernels returned (y_MK, l1_M, l0_M, fired_N): the residual they could not fuse
     added to y, and the L1 sum and fired flags only where statistics were asked for."""
@@ -191,6 +225,7 @@ def _finished(
     l1_sum, fired_N = (l1_M.sum(), fired_N.bool()) if statistics else (None, None)
     return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path=path)
 
+
 def walk_choice() -> str:
     """How a walk priced for slices is settled: SPARSE_LLM_TWELL_WALK, "measured" (default) or "priced"."""
     return env_choice(
@@ -198,8 +233,10 @@ def walk_choice() -> str:
         "measured: time both walks once per shape and density; priced: the cost model's choice, bit-reproducible",
     )
 
+
 def _mean_bucket(l0_mean: float) -> int:
     return log_bucket(l0_mean, WALK_TRIAL_BUCKETS)
+
 
 def measured_walk(key: tuple[int, int, int, int], walk_through: Callable[[str], object]) -> str:
     """The faster of the two walks for `key` (M, K, N, the density bucket): timed once per key (`best_times_ms`

@@ -5,7 +5,9 @@ log-normal tail of heavy tokens, which is what the kernels' routes and prices de
 """
 
 from __future__ import annotations
+
 import math
+
 import torch
 
 
@@ -41,6 +43,4 @@ def synthetic_block(
     w_gate_NK[:, 0] = -t
     w_up_NK = torch.randn(n, k, generator=gen) / math.sqrt(k)
     w_down_KN = torch.randn(k, n, generator=gen) / math.sqrt(n)
-    return tuple(
-        t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN)
-    )
+    return tuple(t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (x_MK, w_gate_NK, w_up_NK, w_down_KN))

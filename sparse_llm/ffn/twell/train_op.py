@@ -84,9 +84,28 @@ On CPU (and for opcheck / gradcheck in CI) the same op runs the torch reference 
 """
 
 from __future__ import annotations
+
 import torch
+
 from sparse_llm.cuda import runtime
 from sparse_llm.ffn.backend import FFNResult, Tail
+from sparse_llm.ffn.step_scope import adding_into_grads, graphing_forwards, held_grads, reused_cast
+from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH, dense_row_capacity, dx_by_slices
+from sparse_llm.ffn.twell.graphs import graphed_forward
+from sparse_llm.ffn.twell.train_backward import cuda_backward
+from sparse_llm.ffn.twell.train_launch import (
+    COUNTS_OUTPUT,
+    OpOutputs,
+    accumulation_dtype,
+    backup_gate_up,
+    compute_weights,
+    compute_weights_shape,
+    forward_kernels,
+    heavy_rows,
+    new_counts_host,
+    require_kernels,
+)
+from sparse_llm.ffn.twell.validation import check_train_inputs
 from sparse_llm.formats import (
     HybridPacked,
     HybridSaved,
@@ -94,19 +113,18 @@ from sparse_llm.formats import (
     hybrid_gated_mlp_forward_ref,
     hybrid_mul,
 )
-from sparse_llm.ffn.step_scope import adding_into_grads, graphing_forwards, held_grads, reused_cast
-from sparse_llm.ffn.twell.graphs import graphed_forward
-from sparse_llm.ffn.twell.cost_model import DEFAULT_WIDTH, dense_row_capacity, dx_by_slices
-from sparse_llm.ffn.twell.validation import check_train_inputs
-from sparse_llm.ffn.twell.train_launch import COUNTS_OUTPUT, OpOutputs, accumulation_dtype, backup_gate_up, require_kernels, compute_weights, compute_weights_shape, forward_kernels, heavy_rows, new_counts_host
-from sparse_llm.ffn.twell.train_backward import cuda_backward
-
 
 
 def _reference_forward(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int, dx_slices: bool = False,
-    dense_rows: int = 0, w_compute_RK: torch.Tensor | None = None,
-) -> OpOutputs:  # fmt: skip
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    width: int,
+    dx_slices: bool = False,
+    dense_rows: int = 0,
+    w_compute_RK: torch.Tensor | None = None,
+) -> OpOutputs:
     # dx_slices and dense_rows (part of the op's schema) are the CUDA route's: the reference has one dx and computes
     # every heavy token densely. w_compute_RK: the weights' `compute_weights` when the caller has them (reused over an
     # optimizer step's micro-batches).
@@ -126,14 +144,37 @@ def _reference_forward(
     fired_N |= nonzero_RN.any(dim=0)
     heavy_counts = torch.tensor([g.backup_rows_R.numel()], dtype=torch.int32)
     return (
-        fwd.y_MK, fwd.l1_sum, l0_M, fired_N,
-        g.ell_cols_MW, g.ell_count_M, g.heavy_M, g.ell_values_MW, u.ell_values_MW, heavy_counts, w_compute_RK,
-    )  # fmt: skip
+        fwd.y_MK,
+        fwd.l1_sum,
+        l0_M,
+        fired_N,
+        g.ell_cols_MW,
+        g.ell_count_M,
+        g.heavy_M,
+        g.ell_values_MW,
+        u.ell_values_MW,
+        heavy_counts,
+        w_compute_RK,
+    )
+
 
 def _reference_backward(
-    x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-    w_compute_RK, dy_MK, dl1, dx_slices=False, grads_into=None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    x_MK,
+    w_gate_NK,
+    w_up_NK,
+    w_down_KN,
+    ell_cols_MW,
+    ell_count_M,
+    heavy_M,
+    ell_g_MW,
+    ell_u_MW,
+    heavy_counts,
+    w_compute_RK,
+    dy_MK,
+    dl1,
+    dx_slices=False,
+    grads_into=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     # dx_slices picks the CUDA backward's dx walk; the reference has one. grads_into: as in cuda_backward.
     weight_dtype = w_gate_NK.dtype
     w_gate_NK, w_up_NK, w_down_KN = (w.to(x_MK.dtype) for w in (w_gate_NK, w_up_NK, w_down_KN))
@@ -159,10 +200,17 @@ def _reference_backward(
         return grads.dx_MK, None, None, None
     return (grads.dx_MK, *(t.to(weight_dtype) for t in dw))
 
+
 def _cuda_forward(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int, dx_slices: bool = False,
-    dense_rows: int = 0, w_compute_RK: torch.Tensor | None = None,
-) -> OpOutputs:  # fmt: skip
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    width: int,
+    dx_slices: bool = False,
+    dense_rows: int = 0,
+    w_compute_RK: torch.Tensor | None = None,
+) -> OpOutputs:
     # dx_slices (part of the op's schema) reaches the backward through the autograd context; w_compute_RK as in
     # _reference_forward
     device = x_MK.device
@@ -170,12 +218,19 @@ def _cuda_forward(
     with runtime.on_device(device):
         if w_compute_RK is None:
             w_compute_RK = compute_weights(w_gate_NK, w_up_NK, w_down_KN, torch.bfloat16)
-        return forward_kernels(x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(),
-                               dense_rows=dense_rows)  # fmt: skip
+        return forward_kernels(
+            x_MK, w_gate_NK, w_up_NK, width, w_compute_RK, counts_host=new_counts_host(), dense_rows=dense_rows
+        )
+
 
 @torch.library.custom_op("sparsellm::twell_train_forward", mutates_args=())
 def twell_train_forward_op(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int, dx_slices: bool = False,
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    width: int,
+    dx_slices: bool = False,
     dense_rows: int = 0,
 ) -> OpOutputs:
     """Forward on the hybrid format: (y_MK, l1_sum, l0_M, fired_N, *state) with state as in STATE_NAMES
@@ -188,21 +243,47 @@ def twell_train_forward_op(
     """
     return _reference_forward(x_MK, w_gate_NK, w_up_NK, w_down_KN, width)
 
+
 @torch.library.custom_op("sparsellm::twell_train_backward", mutates_args=())
 def twell_train_backward_op(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor,
-    ell_cols_MW: torch.Tensor, ell_count_M: torch.Tensor, heavy_M: torch.Tensor, ell_g_MW: torch.Tensor, ell_u_MW: torch.Tensor,
-    heavy_counts: torch.Tensor, w_compute_RK: torch.Tensor, dy_MK: torch.Tensor, dl1: torch.Tensor, dx_slices: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    ell_cols_MW: torch.Tensor,
+    ell_count_M: torch.Tensor,
+    heavy_M: torch.Tensor,
+    ell_g_MW: torch.Tensor,
+    ell_u_MW: torch.Tensor,
+    heavy_counts: torch.Tensor,
+    w_compute_RK: torch.Tensor,
+    dy_MK: torch.Tensor,
+    dl1: torch.Tensor,
+    dx_slices: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN) given dy_MK and dl1 = dLoss/dl1_sum (a scalar tensor); the
     weight gradients in the weights' dtype."""
     return _reference_backward(
-        x_MK, w_gate_NK, w_up_NK, w_down_KN, ell_cols_MW, ell_count_M, heavy_M, ell_g_MW, ell_u_MW, heavy_counts,
-        w_compute_RK, dy_MK, dl1, dx_slices,
-    )  # fmt: skip
+        x_MK,
+        w_gate_NK,
+        w_up_NK,
+        w_down_KN,
+        ell_cols_MW,
+        ell_count_M,
+        heavy_M,
+        ell_g_MW,
+        ell_u_MW,
+        heavy_counts,
+        w_compute_RK,
+        dy_MK,
+        dl1,
+        dx_slices,
+    )
+
 
 twell_train_forward_op.register_kernel("cuda")(_cuda_forward)
 twell_train_backward_op.register_kernel("cuda")(cuda_backward)
+
 
 @twell_train_forward_op.register_fake
 def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False, dense_rows=0):
@@ -210,16 +291,24 @@ def _forward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, width, dx_slices=False, d
     n = w_gate_NK.shape[0]
     i32 = torch.int32
     return (
-        x_MK.new_empty(m, k), x_MK.new_empty((), dtype=accumulation_dtype(x_MK.dtype)),
-        x_MK.new_empty(m, dtype=i32), x_MK.new_empty(n, dtype=torch.bool),
-        x_MK.new_empty(m, width, dtype=i32), x_MK.new_empty(m, dtype=i32), x_MK.new_empty(m, dtype=torch.bool),
-        x_MK.new_empty(m, width), x_MK.new_empty(m, width), torch.empty(1, dtype=i32, device="cpu"),
+        x_MK.new_empty(m, k),
+        x_MK.new_empty((), dtype=accumulation_dtype(x_MK.dtype)),
+        x_MK.new_empty(m, dtype=i32),
+        x_MK.new_empty(n, dtype=torch.bool),
+        x_MK.new_empty(m, width, dtype=i32),
+        x_MK.new_empty(m, dtype=i32),
+        x_MK.new_empty(m, dtype=torch.bool),
+        x_MK.new_empty(m, width),
+        x_MK.new_empty(m, width),
+        torch.empty(1, dtype=i32, device="cpu"),
         x_MK.new_empty(compute_weights_shape(w_gate_NK, x_MK.dtype)),
-    )  # fmt: skip
+    )
+
 
 @twell_train_backward_op.register_fake
 def _backward_fake(x_MK, w_gate_NK, w_up_NK, w_down_KN, *_):
     return torch.empty_like(x_MK), torch.empty_like(w_gate_NK), torch.empty_like(w_up_NK), torch.empty_like(w_down_KN)
+
 
 def _setup_context(ctx, inputs, output) -> None:
     x_MK, w_gate_NK, w_up_NK, w_down_KN, _, ctx.dx_slices, _ = inputs
@@ -228,6 +317,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # No zero gradients for the nine state and statistics outputs (a fill and an allocation each per call, up to
     # [3N, K] for w_compute_RK): the backward takes None for them, and for y or l1_sum when the loss skips one.
     ctx.set_materialize_grads(False)
+
 
 def _gradients(
     ctx, dy_MK, dl1, backward_impl
@@ -240,10 +330,13 @@ def _gradients(
     dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN = backward_impl(*saved, dy_MK, dl1, ctx.dx_slices)
     return dx_MK, dw_gate_NK, dw_up_NK, dw_down_KN, None, None, None
 
+
 def _backward(ctx, dy_MK, dl1, *_):
     return _gradients(ctx, dy_MK, dl1, twell_train_backward_op)
 
+
 twell_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
 
 class _EagerTrainFFN(torch.autograd.Function):
     """The op's eager route: the forward and backward implementations and the context of the custom ops above,
@@ -277,7 +370,9 @@ class _EagerTrainFFN(torch.autograd.Function):
         if ctx.replay is not None:
             ctx.replay.check()
 
-        def backward_impl(x_MK: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        def backward_impl(
+            x_MK: torch.Tensor, *args: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
             """What the backward custom op runs for x_MK's device, called directly, adding into held gradients where
             the forward was called to and the weights' gradients allow it. args[:3] are the weights, saved as
             inputs: unpacked, they are the tensors the forward was given."""
@@ -286,9 +381,17 @@ class _EagerTrainFFN(torch.autograd.Function):
 
         return _gradients(ctx, dy_MK, dl1, backward_impl)
 
+
 def twell_train_ffn(
-    x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, *, width: int = DEFAULT_WIDTH,
-    l0_hint: tuple[float, float] | None = None, tail: Tail | None = None, dense_rows: int | None = None,
+    x_MK: torch.Tensor,
+    w_gate_NK: torch.Tensor,
+    w_up_NK: torch.Tensor,
+    w_down_KN: torch.Tensor,
+    *,
+    width: int = DEFAULT_WIDTH,
+    l0_hint: tuple[float, float] | None = None,
+    tail: Tail | None = None,
+    dense_rows: int | None = None,
 ) -> FFNResult:
     """The gated FFN block for training on the hybrid sparse format, differentiable through y and l1_sum.
 
@@ -329,5 +432,11 @@ def twell_train_ffn(
     with torch.autocast(device_type, enabled=False):
         outputs = op(*tensors, width, dx_slices, dense_rows)
     y_MK, l1_sum, l0_M, fired_N = outputs[:4]
-    return FFNResult(y_MK=y_MK, l1_sum=l1_sum, l0_M=l0_M, fired_N=fired_N, path="twell-train",
-                     overflow_rows=outputs[COUNTS_OUTPUT][:1])  # fmt: skip
+    return FFNResult(
+        y_MK=y_MK,
+        l1_sum=l1_sum,
+        l0_M=l0_M,
+        fired_N=fired_N,
+        path="twell-train",
+        overflow_rows=outputs[COUNTS_OUTPUT][:1],
+    )

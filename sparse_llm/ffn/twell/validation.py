@@ -6,10 +6,11 @@ then runs it).
 """
 
 from __future__ import annotations
+
 import torch
+
 from sparse_llm.formats.common import FLOAT_DTYPES
 from sparse_llm.formats.constants import MAX_N, TILE
-
 
 MAX_K = 4096  # the up+down kernel keeps a token's x and output row in registers (K <= 256 * 16)
 
@@ -26,6 +27,7 @@ def shape_unsupported_reason(k: int, n: int) -> str | None:
         return f"FFN width N={n} exceeds {MAX_N} (16-bit column indices)"
     return None
 
+
 def check_tensor(
     t: object, name: str, shape: tuple[int, int], layout: str, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
 ) -> None:
@@ -39,6 +41,7 @@ def check_tensor(
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
 
+
 def check_residual(residual_MK: object, x_MK: torch.Tensor) -> bool:
     """Validates a residual to add to the block's output: True where the kernels can add it as they store y (bf16,
     contiguous); the caller adds any other."""
@@ -51,10 +54,12 @@ def check_residual(residual_MK: object, x_MK: torch.Tensor) -> bool:
         )
     return residual_MK.dtype == torch.bfloat16 and residual_MK.is_contiguous()
 
+
 def check_2d(t: object, name: str, expected: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a 2-D tensor {expected}, got {got}")
+
 
 def check_operands(
     x_MK: torch.Tensor,
@@ -77,9 +82,8 @@ def check_operands(
         if t.device != x_MK.device:
             raise ValueError(f"{name} is on {t.device} but x_MK is on {x_MK.device}; move them to one device")
     if x_MK.device.type != "cuda":
-        raise ValueError(
-            f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)"
-        )
+        raise ValueError(f"x_MK is on {x_MK.device}; the twell kernels need CUDA tensors (use kernel=torch on CPU)")
+
 
 def check_inputs(
     x_MK: torch.Tensor,
@@ -94,13 +98,20 @@ def check_inputs(
     check_2d(w_gate_NK, "w_gate_NK", "[N, K] (gate_proj.weight)")
     m, k = x_MK.shape
     n = w_gate_NK.shape[0]
-    check_operands(x_MK, n, [
-        ("w_gate_NK", w_gate_NK, (n, k), "gate_proj.weight in nn.Linear layout [N, K]"),
-        ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
-        ("w_down_KN", w_down_KN, (k, n), "down_proj.weight in nn.Linear layout [K, N]"),
-    ], weight_dtypes)  # fmt: skip
+    check_operands(
+        x_MK,
+        n,
+        [
+            ("w_gate_NK", w_gate_NK, (n, k), "gate_proj.weight in nn.Linear layout [N, K]"),
+            ("w_up_NK", w_up_NK, (n, k), "up_proj.weight in nn.Linear layout [N, K]"),
+            ("w_down_KN", w_down_KN, (k, n), "down_proj.weight in nn.Linear layout [K, N]"),
+        ],
+        weight_dtypes,
+    )
+
 
 MAX_WIDTH = 4096  # widest ELL row the training kernels take
+
 
 def check_train_inputs(
     x_MK: torch.Tensor, w_gate_NK: torch.Tensor, w_up_NK: torch.Tensor, w_down_KN: torch.Tensor, width: int
