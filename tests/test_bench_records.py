@@ -3,10 +3,12 @@
 
 import json
 import runpy
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from sparse_llm.bench import records
 from sparse_llm.bench.records import SCHEMA, make_record, read_records, record_file_name, write_record
 from sparse_llm.bench.report import BANNER, render_benchmarks
 
@@ -136,3 +138,17 @@ def test_bench_report_writes_the_page_and_checks_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--record-dir", str(tmp_path / "missing"), "--out", str(out)])
     assert exit_info.value.code == 2 and "no such directory" in capsys.readouterr().err
+
+
+def test_a_record_marks_a_commit_whose_files_were_changed(tmp_path):
+    """The commit a record names is the code that ran only where no tracked file differs from it: "+dirty" otherwise
+    (a copy of a working tree carries the .git of an older commit, for one)."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert records.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert records.git_commit(tmp_path) == f"{head}+dirty"

@@ -85,14 +85,25 @@ def hardware_block(device: torch.device | str) -> dict[str, Any]:
 
 
 def git_commit(checkout: Path = CHECKOUT) -> str | None:
-    """The commit checked out at `checkout`, None outside a git checkout (an installed wheel) or without git."""
+    """The commit checked out at `checkout`, with "+dirty" where tracked files differ from it (the code that ran is
+    then not that commit's); None outside a git checkout (an installed wheel) or without git."""
     try:
-        out = subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True, timeout=10, check=True
-        )
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    if not head:
+        return None
+    return f"{head}+dirty" if changed else head
 
 
 def _plain(value: Any) -> Any:
