@@ -25,10 +25,10 @@
 
 namespace {
 
-constexpr int BM = 128;
+constexpr int BM = GATE_BLOCK_M;  // the tile geometry comes from sparse_llm/cuda/kernel_constants.py
 constexpr int BN = 256;
 constexpr int BK = 64;
-constexpr int STAGES = 3;  // with the tile buffer, four do not fit in shared memory
+constexpr int STAGES = GATE_STAGES;
 constexpr int A_BYTES = BM * BK * 2;       // 16 KiB
 constexpr int B_BYTES = BN * BK * 2;       // 32 KiB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -39,7 +39,7 @@ constexpr int TILE_OFFSET = STAGES * STAGE_BYTES;
 constexpr int PACKERS = 3;  // warps
 constexpr int LISTS_OFFSET = TILE_OFFSET + BM * TILE_PITCH * 4;  // a 32-word segment being built, per packer
 constexpr int BARRIERS_OFFSET = LISTS_OFFSET + PACKERS * TWELL_SLOTS * 4;
-constexpr int CLUSTER = 2;  // CTAs sharing each w_gate tile (multicast)
+constexpr int CLUSTER = GATE_CLUSTER;  // CTAs sharing each w_gate tile (multicast)
 constexpr int B_PART_ROWS = BN / CLUSTER;  // w_gate rows each CTA of the cluster loads
 constexpr int RELEASES = 8 * CLUSTER;  // a stage is free once each consumer warp of both CTAs has read it
 // Named barriers between the consumers (256 threads) and the packers (96): the tile buffer is full / free again. Both
@@ -48,9 +48,10 @@ constexpr int RELEASES = 8 * CLUSTER;  // a stage is free once each consumer war
 // each side reaches the other barrier right after (H100, M = 4096 to 32768).
 constexpr int TILE_FULL = 1, TILE_FREE = 2, TILE_PARTIES = 256 + 32 * PACKERS;
 // Dynamic shared memory: the stages, the tile buffer, the packers' lists, 2 * STAGES barriers, and slack to align the
-// stages to 1024 bytes (the swizzle pattern is a function of the address bits). Mirrored by GATE_SMEM_BYTES in
-// sparse_llm/ffn/twell/infer_launch.py.
+// stages to 1024 bytes (the swizzle pattern is a function of the address bits).
 [[maybe_unused]] constexpr int SMEM_BYTES = BARRIERS_OFFSET + 2 * STAGES * 8 + 1024;
+static_assert(SMEM_BYTES == GATE_SMEM_BYTES, "the launcher reserves GATE_SMEM_BYTES (kernel_constants.py): keep both");
+static_assert(BN == TWELL_TILE && 3 * 128 == GATE_THREADS, "a tile of the GEMM is a TwELL tile; three warpgroups");
 
 // A CUtensorMap (the driver's 128-byte opaque tensor map), passed by value as a __grid_constant__ parameter.
 struct __align__(64) TensorMap {
@@ -184,7 +185,7 @@ __device__ __forceinline__ void pack_tile(const uint32_t *tile, uint32_t *list, 
 
 }  // namespace
 
-extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(384, 1) twell_gate_wgmma(
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(GATE_THREADS, 1) twell_gate_wgmma(
     const __grid_constant__ TensorMap x_map,  // x [M, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
     const __grid_constant__ TensorMap w_map,  // w_gate [N, K]: boxes of 64 columns x 128 rows, 128-byte swizzle
     uint32_t *__restrict__ packed,            // [M, (N/256) * 32]

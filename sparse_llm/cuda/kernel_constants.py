@@ -18,6 +18,20 @@ DENSE_ROWS_THREADS = 256  # threads per block of the dense-row kernels (one bloc
 BACKUP_GRADS_THREADS = 256  # threads per block of train_backup_grads
 ORDER_GROUP = 1024  # tokens ordered by count together (one block of order_tokens)
 FIRST_PART, LAST_PART = 1, 2  # `part` flags of the kernels that walk a block in column parts
+GATE_BLOCK_M = 128  # rows of an output tile of the fused gate GEMM (kernels/twell_gate_wgmma.cu)
+GATE_STAGES = 3  # its pipeline stages: with the finished-tile buffer, four do not fit in shared memory
+GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
+GATE_THREADS = 384  # a producer warpgroup and two consumer warpgroups
+# Its dynamic shared memory: the stages (a BLOCK_M x 64 and a TILE x 64 bf16 operand each), the finished tile as bf16
+# rows (pitch TILE / 2 + 4 words), three packer warps' segments, two barriers per stage, and alignment slack. The
+# kernel sums its own layout and static_asserts that it equals this.
+GATE_SMEM_BYTES = (
+    GATE_STAGES * (GATE_BLOCK_M * 64 + TILE * 64) * 2
+    + GATE_BLOCK_M * (TILE // 2 + 4) * 4
+    + 3 * SLOTS * 4
+    + GATE_STAGES * 16
+    + 1024
+)
 
 
 def cuda_defines() -> str:
@@ -35,5 +49,10 @@ def cuda_defines() -> str:
         "ORDER_GROUP": ORDER_GROUP,
         "FIRST_PART": FIRST_PART,
         "LAST_PART": LAST_PART,
+        "GATE_BLOCK_M": GATE_BLOCK_M,
+        "GATE_STAGES": GATE_STAGES,
+        "GATE_CLUSTER": GATE_CLUSTER,
+        "GATE_THREADS": GATE_THREADS,
+        "GATE_SMEM_BYTES": GATE_SMEM_BYTES,
     }
     return "".join(f"#define {name} {value}\n" for name, value in values.items())

@@ -15,29 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.cuda import runtime, tensor_map
-from sparse_llm.cuda.kernel_constants import DENSE_ROWS_THREADS, DIRECT_LIST_CAP, FIRST_PART, LAST_PART, ORDER_GROUP
+from sparse_llm.cuda.kernel_constants import (
+    DENSE_ROWS_THREADS,
+    DIRECT_LIST_CAP,
+    FIRST_PART,
+    GATE_BLOCK_M,
+    GATE_CLUSTER,
+    GATE_SMEM_BYTES,
+    GATE_THREADS,
+    LAST_PART,
+    ORDER_GROUP,
+)
 from sparse_llm.ffn.twell.cost_model import DENSE_ROW_NNZ, SPLIT_BELOW_M, Columns, column_parts, slice_width
 from sparse_llm.ffn.twell.validation import check_2d, check_operands, check_tensor
 from sparse_llm.formats.constants import SLOTS, TILE
-
-GATE_BLOCK_M = 128  # rows per output tile of the fused gate GEMM
-
-GATE_STAGES = 3
-
-# The fused gate GEMM's shared memory (SMEM_BYTES in kernels/twell_gate_wgmma.cu): its pipeline stages, the finished
-# tile as bf16 rows (pitch TILE / 2 + 4 words), its three packer warps' lists, two barriers per stage and alignment
-# slack.
-GATE_SMEM_BYTES = (
-    GATE_STAGES * (128 * 64 + 256 * 64) * 2
-    + GATE_BLOCK_M * (TILE // 2 + 4) * 4
-    + 3 * SLOTS * 4
-    + GATE_STAGES * 16
-    + 1024
-)
-
-GATE_THREADS = 384  # a producer warpgroup and two consumers
-
-GATE_CLUSTER = 2  # CTAs of a cluster, sharing each w_gate tile
 
 # Warps (one per token) per block of the one-warp-per-token kernels (the training kernels' walks): one, so a block's
 # registers are freed with its token rather than with the
