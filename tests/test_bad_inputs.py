@@ -106,6 +106,18 @@ def truncated_jsonl(path: Path) -> None:
     cut_in_half(path)
 
 
+def streamed_second_file_cut_short(run: Path, scratch: Path) -> list[str]:
+    """A streamed corpus of two files: the first holds the held-out documents and a step's worth more, the second is
+    cut short, so the stream reaches the damage during training, not while it reads the held-out head."""
+    first, second = scratch / "first.jsonl", scratch / "second.jsonl"
+    first.write_text(jsonl_rows(8))
+    truncated_jsonl(second)
+    paths = f"data.paths=[{first},{second}]"
+    return train_on(
+        scratch, "data=local", paths, "data.streaming=true", "data.val_documents=5", "data.shuffle_buffer=0"
+    )
+
+
 def truncated_parquet(path: Path) -> None:
     cut_in_half(write_parquet(path))
 
@@ -227,6 +239,11 @@ CASES = [
         "local-binary-past-the-head-txt",
         local_corpus("corpus.txt", DOCUMENT.encode() * 100 + b"\xff\xfe\x80" * 9),
         ("corpus.txt", f"is not UTF-8 text (byte {len(DOCUMENT.encode()) * 100} is 0xff)"),
+    ),
+    Case(
+        "local-streamed-damage-mid-run",
+        streamed_second_file_cut_short,
+        ("second.jsonl", "is not valid JSON"),
     ),
     Case(
         "local-latin1-txt",

@@ -586,7 +586,17 @@ def _open_document_stream(cfg: DataConfig) -> tuple[DocumentOpener, list[str]]:
             rows.set_epoch(epoch)
         if world_size > 1:
             rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
-        return (row[cfg.text_field] for row in rows.skip(skip))
+        return documents(rows.skip(skip))
+
+    def documents(rows: Any) -> Iterator[str]:
+        try:
+            for row in rows:
+                yield row[cfg.text_field]
+        except Exception as error:  # a damaged local file shows where the stream reaches it, which may be mid-run
+            if cfg.name != "local":
+                raise
+            builder, files = _local_files(cfg)
+            raise _corpus_damage(cfg, builder, files, error) from error
 
     return open_stream, val_texts
 
