@@ -183,9 +183,10 @@ def load_with(
     return setup
 
 
-def task_data(run: Path, scratch: Path) -> list[str]:
-    path = scratch / "arc_easy.jsonl"
-    truncated_jsonl(path)
+def task_data(run: Path, scratch: Path, path: Path | None = None) -> list[str]:
+    if path is None:
+        path = scratch / "arc_easy.jsonl"
+        truncated_jsonl(path)
     return [
         "eval.py",
         f"checkpoint={run / 'final'}",
@@ -195,6 +196,13 @@ def task_data(run: Path, scratch: Path) -> list[str]:
         "logging.wandb=false",
         f"out={scratch / 'eval'}",
     ]
+
+
+def task_rows_without_fields(run: Path, scratch: Path) -> list[str]:
+    """arc_easy rows that are valid JSON but lack the fields the task reads (its question, choices, answer key)."""
+    path = scratch / "arc_easy.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "text": DOCUMENT}) + "\n" for i in range(4)))
+    return task_data(run, scratch, path)
 
 
 def tokenizer_option(run: Path, scratch: Path) -> list[str]:
@@ -360,6 +368,9 @@ CASES = [
             "eval.py", "checkpoints/step_4/model/model.safetensors", cut_in_half, checkpoint="checkpoints/step_4"
         ),
         ("step_4/model/model.safetensors", "cut short"),
+    ),
+    Case(
+        "eval-task-rows-without-fields", task_rows_without_fields, ("task_data.arc_easy=", "arc_easy.jsonl", "fields")
     ),
     Case("eval-corrupt-task-data", task_data, ("arc_easy.jsonl", "is not valid JSON", "task_data.arc_easy")),
     Case(

@@ -428,6 +428,7 @@ def run_lm_eval(
 ) -> dict[str, Any]:
     """Score ``model`` (the loaded object, on its backend) on the task specs; returns lm-eval's results."""
     lm_eval = mc_tasks.import_lm_eval()
+    from jinja2.exceptions import UndefinedError  # lm-eval's (optional) dependency: its templates read a row's fields
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=cfg.batch_size)
@@ -446,6 +447,16 @@ def run_lm_eval(
         )
         raise TaskDataError(
             f"lm-eval could not load a task's data ({type(error).__name__}: {error}).{advice}"
+        ) from error
+    except (KeyError, IndexError, TypeError, ValueError, UndefinedError) as error:
+        local = {name: path for name, path in cfg.task_data.items() if path}
+        if not local:
+            raise
+        # lm-eval reads each row's fields as the task's config names them: a row without one fails deep inside it
+        files = ", ".join(f"task_data.{name}={path}" for name, path in local.items())
+        raise TaskDataError(
+            f"lm-eval failed on the rows of {files} ({type(error).__name__}: {error}). Check that every row has the "
+            "fields the task reads (docs/evaluation.md, local task data)."
         ) from error
     finally:
         hf_log.removeFilter(truncations)
