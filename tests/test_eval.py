@@ -47,7 +47,7 @@ def _compose(config_name: str, overrides: list[str]):
 
 @pytest.fixture(scope="module")
 def models(trained_run, tmp_path_factory) -> dict[str, Path]:
-    """The `final/` of the session's trained run, and a random-init model of the same shape with its tokenizer."""
+    """The `final/` of the trained run the tests share, and a random-init model of its shape with its tokenizer."""
     tokenizer = load_tokenizer("embedded")
     random_dir = tmp_path_factory.mktemp("runs") / "random" / "final"
     torch.manual_seed(0)

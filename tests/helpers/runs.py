@@ -44,7 +44,7 @@ SMALL = [
     f"data.cache_dir={TOKEN_CACHE}",
 ]
 
-# A run that learns something in 40 steps (the session's `trained_run`, tests/conftest.py).
+# A run that learns something in 40 steps (`trained_run` of tests/conftest.py, trained once per test run).
 TRAINED = (
     "model.max_position_embeddings=128",
     "trainer.max_steps=40",
