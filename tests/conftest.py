@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import TRAINED, run_train_py, small_config
+from helpers.entry_points import EntryPoints
+from helpers.runs import ROOT, TRAINED, child_env, run_train_py, small_config
 
 from sparse_llm.training.trainer import train
 
@@ -34,3 +35,12 @@ def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
     run_train_py(run_dir, 1, "checkpoint.every=3", "trainer.max_steps=6")
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def entry_points() -> EntryPoints:
+    """train.py, eval.py, generate.py and scripts/ run in forked children of one process that imported torch,
+    transformers, hydra and lm-eval once: each run is a process of its own with its exit code and output, without
+    seconds of start-up per run (tests/helpers/entry_points.py)."""
+    with EntryPoints(ROOT, child_env()) as server:
+        yield server

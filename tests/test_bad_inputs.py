@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.entry_points import EntryPoints
 from helpers.runs import child_env
 
 from sparse_llm.data.pipeline import DataConfig, write_token_file
@@ -418,14 +417,6 @@ def trained_run(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
-
-
-@pytest.fixture(scope="module")
-def entry_points() -> EntryPoints:
-    """The scripts run in forked children of one process that imported torch, transformers and hydra once: each run
-    is a process of its own that ends with the script's exit code, without seconds of start-up per case."""
-    with EntryPoints(ROOT, child_env()) as server:
-        yield server
 
 
 def script_env(**extra: str) -> dict[str, str]:

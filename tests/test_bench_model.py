@@ -5,7 +5,6 @@ import json
 import os
 import runpy
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -301,16 +300,14 @@ def test_bad_arguments_are_named(extra, message, capsys):
 @pytest.mark.parametrize(
     ("script", "extra"), [("bench_model", []), ("bench_decode", []), ("profile_train_step", ["--accumulate", "1"])]
 )
-def test_every_model_script_checks_its_model_source_before_loading(script, extra, tmp_path):
+def test_every_model_script_checks_its_model_source_before_loading(script, extra, entry_points, tmp_path):
     """bench_model, bench_decode and profile_train_step share the check: a --checkpoint without a model in it, or one
     given with --density-l0, is a usage error naming the fix."""
-    run = [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *extra, "--device", "cpu"]
-    missing = subprocess.run([*run, "--checkpoint", str(tmp_path)], capture_output=True, text=True, env=SCRIPT_ENV)
+    run = [f"scripts/{script}.py", *extra, "--device", "cpu"]
+    missing = entry_points.run([*run, "--checkpoint", str(tmp_path)], SCRIPT_ENV, tmp_path)
     assert missing.returncode == 2 and "not a model directory (no config.json); pass a run's final/" in missing.stderr
     (tmp_path / "config.json").write_text("{}")
-    both = subprocess.run(
-        [*run, "--checkpoint", str(tmp_path), "--density-l0", "5"], capture_output=True, text=True, env=SCRIPT_ENV
-    )
+    both = entry_points.run([*run, "--checkpoint", str(tmp_path), "--density-l0", "5"], SCRIPT_ENV, tmp_path)
     assert both.returncode == 2 and "a checkpoint has its own sparsity" in both.stderr
 
 
@@ -450,13 +447,12 @@ def test_stock_mlps_share_the_weights_and_compute_the_same_function():
     assert {mlp.down_proj.weight.dtype for mlp in sparse_mlps(model)} == {torch.float64}
 
 
-def test_bench_mlp_hands_train_mode_to_the_training_benchmark():
+def test_bench_mlp_hands_train_mode_to_the_training_benchmark(entry_points, tmp_path):
     """`bench_mlp.py --mode train` runs bench_train_mlp.py with the shape (on a CPU it stops at the GPU check);
     training options are refused in inference mode."""
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(ROOT / "scripts" / "bench_mlp.py"), *args]
-        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120, env=SCRIPT_ENV)
+        return entry_points.run(["scripts/bench_mlp.py", *args], SCRIPT_ENV, tmp_path)
 
     train = run("--mode", "train", "--m", "64", "--cases", "u28")
     if not torch.cuda.is_available():

@@ -1,11 +1,10 @@
 """Config composition for every model size, and the errors a user gets for bad keys or values."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import child_env
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -64,18 +63,14 @@ def test_unknown_model_lists_the_available_ones():
     assert "model/3b" in message and "1b" in message and "tiny" in message
 
 
-def test_cli_prints_resolved_config():
-    out = subprocess.run(
-        [sys.executable, "train.py", "model=1b", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+def test_cli_prints_resolved_config(entry_points, tmp_path):
+    out = entry_points.run(["train.py", "model=1b", "--cfg", "job"], child_env(), tmp_path)
     assert out.returncode == 0, out.stderr
     assert "num_layers: 18" in out.stdout and "intermediate_size: 5632" in out.stdout
 
 
-def test_cli_error_names_the_bad_key_and_the_likely_one():
-    out = subprocess.run(
-        [sys.executable, "train.py", "trainer.max_stesp=1"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+def test_cli_error_names_the_bad_key_and_the_likely_one(entry_points, tmp_path):
+    out = entry_points.run(["train.py", "trainer.max_stesp=1"], child_env(), tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown config key 'trainer.max_stesp'" in out.stderr, out.stderr
     assert "Did you mean 'trainer.max_steps'?" in out.stderr, out.stderr
@@ -140,20 +135,9 @@ def test_run_dir_stamp_is_shared_by_ranks_of_one_launch(monkeypatch):
     assert first == time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(parent_start))
 
 
-def test_cli_input_error_is_a_message_not_a_traceback(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "data=local",
-            f"data.paths=[{tmp_path}/missing.txt]",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_cli_input_error_is_a_message_not_a_traceback(entry_points, tmp_path):
+    arguments = ["train.py", "data=local", f"data.paths=[{tmp_path}/missing.txt]", f"hydra.run.dir={tmp_path}/run"]
+    out = entry_points.run(arguments, child_env(), tmp_path)
     assert out.returncode == 2
     assert "missing.txt" in out.stderr + out.stdout and "Traceback" not in out.stderr
 

@@ -1,16 +1,13 @@
 """eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import TRAINED, small_config
+from helpers.runs import TRAINED, child_env, small_config
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -368,18 +365,16 @@ def test_eval_config_composes_and_rejects_misspelt_keys():
 
 
 @pytest.mark.slow
-def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(tmp_path):
+def test_eval_py_reports_a_bad_checkpoint_and_writes_no_results(entry_points, tmp_path):
     out = tmp_path / "eval"
-    command = [sys.executable, "eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}", "logging.wandb=false"]
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    command = ["eval.py", f"checkpoint={tmp_path / 'missing'}", f"out={out}", "logging.wandb=false"]
+    env = {k: v for k, v in child_env().items() if k != "HYDRA_FULL_ERROR"}
+    run = entry_points.run(command, env, tmp_path)
     # An input error is one message and exit code 2, without a traceback.
     assert run.returncode == 2
     assert "missing' does not exist" in run.stderr and "Traceback" not in run.stderr
     assert not (out / "results.json").exists()
-    debug = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"}
-    )
+    debug = entry_points.run(command, {**env, "HYDRA_FULL_ERROR": "1"}, tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
 
 

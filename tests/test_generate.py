@@ -1,13 +1,12 @@
 """generate.py: sampling from a checkpoint, batched prompts, and clear errors."""
 
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import child_env
 
 from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.generation.generate import GenerateConfig, generate, report
@@ -70,12 +69,10 @@ def test_bad_options_are_named(checkpoint, changes, message):
         generate(config(checkpoint, **changes))
 
 
-def test_the_script_prints_continuations_and_exits_2_on_input_errors(checkpoint, tmp_path):
-    run = [sys.executable, "generate.py", f"checkpoint={checkpoint}", "max_new_tokens=4", "device=cpu"]
-    ok = subprocess.run(run + ["prompts=Hello"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_the_script_prints_continuations_and_exits_2_on_input_errors(checkpoint, entry_points, tmp_path):
+    run = ["generate.py", f"checkpoint={checkpoint}", "max_new_tokens=4", "device=cpu"]
+    ok = entry_points.run(run + ["prompts=Hello"], child_env(), tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.startswith("--- Hello\nHello") and "one prompt" in ok.stdout
-    missing = subprocess.run(
-        run[:2] + [f"checkpoint={tmp_path / 'nope'}"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    missing = entry_points.run(run[:1] + [f"checkpoint={tmp_path / 'nope'}"], child_env(), tmp_path)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
