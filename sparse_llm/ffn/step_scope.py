@@ -10,7 +10,7 @@ parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell.train_
   autograd a separate gradient costs three passes over it (write it, then read it and `.grad`, write `.grad`); adding
   in place costs two. Only where a backward accumulates into `.grad` (not `torch.autograd.grad`) and no tensor hook
   waits for the gradient (`held_grads`). DDP's reducer reads `.grad` after the weight's AccumulateGrad node has run,
-  which it still does (with no gradient to add), so it all-reduces the sums (tests/ddp_step_scope_check.py); the
+  which it still does (with no gradient to add), so it all-reduces the sums (tests/helpers/ddp_step_scope_check.py); the
   trainer turns this on for one process and under DDP, not under FSDP, whose unsharded gradients are its own.
 - graph_forwards: its forward replays one CUDA graph per layer (`twell.graphs`), whose outputs the layer's next forward
   rewrites. For steps whose compiled layers are CUDA graphs too (`trainer.cuda_graphs=true`), which make the same
