@@ -5,19 +5,7 @@
     python scripts/bench_train_mlp.py                       # paper shapes, all density cases (H100: minutes)
     python scripts/bench_train_mlp.py --m 4096 --cases u28 h60 --out train.jsonl
 
-Per case: one step is the forward, then the backward from a fixed upstream gradient dy (bf16 [M, K], as the
-layer above hands it down) and the L1 term's coeff / M on l1_sum (the trainer's L1 term for one layer), so the
-time is the block's alone (no loss computed around it). Reported: median ms of forward+backward (CUDA events
-after warm-up) for dense bf16 autograd and for the op, back to back (the host issues ahead, as in a model:
-the ratio is taken on these) and as isolated calls (each waited for, so the host's latency to the first kernel
-is included), host wall-clock ms per step of back-to-back steps, forward-only ms, peak memory above the
-inputs and weights during forward+backward and the memory held between forward and backward (the saved
-activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
-them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows, and what
-`kernel=auto` runs with the training kernels allowed (train.py's train_kernels=true; the layer's dispatcher, eager
-layers, given the block's mean and max non-zeros) with its ratio to the dense path. Sparsity
-is controlled with `synthetic_block` (a constant input feature with a negative gate weight; sigma > 0 scales
-tokens log-normally for heavy tails).
+What a case measures and reports: sparse_llm/bench/train_block.py.
 """
 
 from __future__ import annotations

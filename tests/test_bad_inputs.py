@@ -16,19 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.runs import child_env
+from helpers.runs import TINY_MODEL, child_env
 
 from sparse_llm.data.pipeline import DataConfig, write_token_file
 from sparse_llm.telemetry.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-# tests/test_train.py's smallest model and batch: a step takes well under a second on two cores.
+# The tests' model with a 4-step run: a step takes well under a second on two cores.
 SMALL = [
-    "model.hidden_size=64",
-    "model.intermediate_size=256",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.max_position_embeddings=64",
+    *TINY_MODEL,
     "trainer.micro_batch=4",
     "trainer.global_batch=8",
     "trainer.warmup_steps=1",

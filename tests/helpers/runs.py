@@ -26,13 +26,16 @@ register_configs()
 TOKEN_CACHE = Path(tempfile.mkdtemp(prefix="sparse_llm_test_tokens_"))
 atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
 
-# A model and batch small enough for a few seconds per run on two cores.
-SMALL = [
+# The tests' model: two layers of width 64, small enough for a few seconds per run on two cores.
+TINY_MODEL = [
     "model.hidden_size=64",
     "model.intermediate_size=256",
     "model.num_layers=2",
     "model.num_heads=2",
     "model.max_position_embeddings=64",
+]
+SMALL = [
+    *TINY_MODEL,
     "trainer.micro_batch=4",
     "trainer.global_batch=8",
     "trainer.warmup_steps=5",

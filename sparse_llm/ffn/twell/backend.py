@@ -67,8 +67,6 @@ class TwellFFN(FFNBackend):
     ):
         # The kernels add the residual as they write a fresh y: residual_writable only serves the torch fallback.
         if training:
-            # The training op (sparse_llm/ffn/twell/train_op.py) imports this module's kernels: import it here.
-
             result = twell_train_ffn(x_MK, w_gate_NK, w_up_NK, w_down_KN, l0_hint=l0, tail=tail)
             return with_residual(result, residual_MK)
         reason = self.unavailable_reason(x_MK.device)
