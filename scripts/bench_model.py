@@ -60,7 +60,7 @@ a few hundred steps, watch the per-layer L0 in the run's metrics.jsonl (keys `l0
 `l0_p99/...`, `l0_max/...`), then benchmark the checkpoint on held-out text:
 
     python scripts/tokenize_corpus.py --out data/embedded      # the shipped corpus (or a fineweb_edu file)
-    python train.py model=2b l1=5e-4 train_kernels=true data=tokens 'data.paths=[data/embedded.bin]' \\
+    python train.py model=2b l1=5e-4 data=tokens 'data.paths=[data/embedded.bin]' \\
         trainer.max_steps=200 trainer.global_batch=8 trainer.micro_batch=4 trainer.warmup_steps=50 seed=0
     python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/embedded --batch 8
 
@@ -124,7 +124,6 @@ SETTINGS = (
     "seq_len",
     "l1",
     "lr",
-    "train_kernels",
     "grad_ckpt",
     "compile",
     "cuda_graphs",
@@ -217,12 +216,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="AdamW lr of the timed steps: AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed",
-    )
-    parser.add_argument(
-        "--train-kernels",
-        action="store_true",
-        help="the `auto` variant may train on the sparse kernels where their cost model predicts a win (train.py's "
-        "train_kernels=true); without it `auto` trains on the dense path",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in train mode")
     parser.add_argument(

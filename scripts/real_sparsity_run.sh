@@ -3,13 +3,11 @@
 # checkpoint (the recipe of scripts/bench_model.py's docstring, in one command). Re-running resumes the
 # training where it stopped, so it can be spread over several shorter GPU sessions.
 #   [SIZE=2b] [L1=5e-4] [STEPS=200] [GLOBAL_BATCH=8] [CHECKPOINT_EVERY=50] [RUN=real_<size>] [TOKENS=data/embedded] \
-#     [TRAIN_KERNELS=true] [BENCH_ARGS="--batch 8 --train-batch 2"] \
+#     [BENCH_ARGS="--batch 8 --train-batch 2"] \
 #     bash scripts/real_sparsity_run.sh [train.py overrides...]
 # TOKENS is a token file prefix (scripts/tokenize_corpus.py); data/embedded is written when missing.
 # One step checkpoint is kept: at 2B one holds ~25 GB with its optimizer state, and a 64 GB disk runs full holding two
 # while a third is written.
-# TRAIN_KERNELS: train.py's train_kernels (layers train on the sparse kernels once sparse enough) and bench_model's
-# --train-kernels.
 # Watch l0/mean in outputs/$RUN/metrics.jsonl: raise L1 if it stays above ~40, lower it if it falls under ~24.
 # Seen on an H100, SIZE=1b STEPS=200 GLOBAL_BATCH=8 on data/docs: L1=2e-4 settles at 25-30
 # non-zeros/token (99.5%) from step 150, 36% of the neurons dead; L1=1e-3 fell to ~2 with 70-88% dead.
@@ -27,12 +25,10 @@ GLOBAL_BATCH=${GLOBAL_BATCH:-8}
 CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-50}
 RUN=${RUN:-real_${SIZE}}
 TOKENS=${TOKENS:-data/embedded}
-TRAIN_KERNELS=${TRAIN_KERNELS:-true}
 BENCH_ARGS=${BENCH_ARGS:-"--batch 8 --train-batch 2"}
-[ "$TRAIN_KERNELS" != true ] || BENCH_ARGS="$BENCH_ARGS --train-kernels"
 [ -f "$TOKENS.bin" ] || [ "$TOKENS" != data/embedded ] || python scripts/tokenize_corpus.py --out data/embedded
 if [ ! -d "outputs/$RUN/final" ]; then
-  python train.py model="$SIZE" l1="$L1" train_kernels="$TRAIN_KERNELS" data=tokens "data.paths=[$TOKENS.bin]" \
+  python train.py model="$SIZE" l1="$L1" data=tokens "data.paths=[$TOKENS.bin]" \
     trainer.max_steps="$STEPS" trainer.global_batch="$GLOBAL_BATCH" trainer.micro_batch=4 trainer.warmup_steps=50 \
     seed=0 run_name="$RUN" checkpoint.every="$CHECKPOINT_EVERY" checkpoint.keep_last=1 checkpoint.resume=auto \
     logging.wandb=false logging.progress_bar=false "$@"

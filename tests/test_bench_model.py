@@ -246,35 +246,6 @@ def test_device_table_gives_the_idle_time_of_the_timed_step():
     assert got["GEMM ms"] == "55.00" and got["attention ms"] == "0.00" and got["other ms"] == "101.50"
 
 
-def test_train_kernels_reach_only_the_auto_variant():
-    """--train-kernels lets `auto` train on the sparse kernels (train.py's train_kernels=true); forced variants decide
-    by themselves. The report's settings line repeats the command, so the choice is on record."""
-    args = bench_model["parse_args"]([*TINY, "--train-kernels"])
-    model = build_model(
-        ModelConfig(
-            name="tiny",
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            vocab_size=64,
-            max_position_embeddings=32,
-        ),
-        vocab_size=64,
-    )
-    for kernel, allowed in (("auto", True), ("twell", False), ("torch", False)):
-        set_kernel(model, kernel, None, args.train_kernels)
-        assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [allowed]
-    set_kernel(model, "auto", None)
-    assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(model)] == [False]
-    settings = [
-        line
-        for line in bench_model["report_header"](args, model, torch.device("cpu"), "n/a", None)
-        if line.startswith("Settings:")
-    ]
-    assert settings and "--train-kernels" in settings[0]
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -91,6 +91,11 @@ def test_misspelt_override_suggests_the_key_meant(schema, override, suggestion):
     assert message is not None and f"Did you mean {suggestion}" in message  # the closest first
 
 
+def test_a_retired_key_names_what_replaced_it():
+    message = unknown_key_message(["train_kernels=true"], TrainConfig)
+    assert message.startswith("config key 'train_kernels' was removed") and "kernel=torch trains dense" in message
+
+
 def test_far_off_key_lists_the_keys_of_its_level():
     message = unknown_key_message(["trainer.zzzz=1"], TrainConfig)
     assert "TrainerConfig has no 'zzzz'" in message and "max_steps, micro_batch" in message

@@ -1,6 +1,7 @@
 """The per-layer `auto` choice: cheapest available backend that accepts the inputs, with hysteresis."""
 
 import functools
+import math
 import time
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail
 from sparse_llm.ffn.dispatch import LayerDispatcher, density_of
 from sparse_llm.ffn.mlp import SparseMLP, cuda_graphed
 from sparse_llm.ffn.torch_backend import TorchFFN
+from sparse_llm.ffn.twell.backend import TwellFFN
 
 
 class FakeSparse(FFNBackend):
@@ -57,14 +59,37 @@ def test_auto_takes_the_cheaper_backend_that_accepts_the_inputs(fake):
     assert dispatcher.choose(x, w.float(), False).name == "torch"  # fp32 weights: not accepted
 
 
-def test_auto_trains_on_a_sparse_backend_only_with_train_kernels(fake):
-    """Inference takes the cheaper sparse backend either way; training only where the layer allows it."""
+def test_auto_trains_on_a_sparse_backend_where_it_is_cheaper(fake):
+    """Training takes the cheaper sparse backend as inference does: no opt-in."""
     x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
-    for train_kernels, trained_on in ((False, "torch"), (True, "fake")):
-        dispatcher = LayerDispatcher("auto", train_kernels=train_kernels)
-        dispatcher.observe(3.0, 9.0)
-        assert dispatcher.choose(x, w, False).name == "fake"
-        assert dispatcher.choose(x, w, True).name == trained_on
+    dispatcher = LayerDispatcher("auto")
+    assert dispatcher.choose(x, w, True).name == "torch"  # no observation yet
+    dispatcher.observe(3.0, 9.0)
+    assert dispatcher.choose(x, w, True).name == "fake"
+    fake.ms = math.inf
+    dispatcher.observe(3.0, 9.0)
+    assert dispatcher.choose(x, w, True).name == "torch"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_layers_stay_dense_while_dense_and_switch_once_sparse(monkeypatch, compiled):
+    """The TwELL training price against the dense one at the 2B FFN shape (K 2048, N 5632), as a run's observations
+    fall from an early model's hundreds of non-zeros per token to the paper's tens: micro-batches of 4 x 2048 tokens
+    stay dense until the layer is sparse, then switch, and go back if it densifies; 2048 tokens a micro-batch stay
+    dense at any sparsity (the host's time to issue the sparse op is the larger)."""
+    monkeypatch.setattr(TwellFFN, "unavailable_reason", lambda self, device: None)
+    dispatcher = LayerDispatcher("auto")
+    with torch.device("meta"):
+        x_big, x_small = (torch.empty(m, 2048, dtype=torch.bfloat16) for m in (8192, 2048))
+        w = torch.empty(5632, 2048, dtype=torch.bfloat16)
+    chosen = []
+    for l0_mean, l0_max in ((700.0, 2000.0), (300.0, 1200.0), (100.0, 400.0), (40.0, 120.0), (25.0, 60.0)):
+        dispatcher.observe(l0_mean, l0_max)
+        small = dispatcher.choose(x_small, w, True, compiled=compiled).name
+        chosen.append((small, dispatcher.choose(x_big, w, True, compiled=compiled).name))
+    assert chosen == [("torch", "torch")] * 3 + [("torch", "twell")] * 2
+    dispatcher.observe(300.0, 1200.0)
+    assert dispatcher.choose(x_big, w, True, compiled=compiled).name == "torch"
 
 
 def test_switching_to_sparse_needs_a_margin(fake):
@@ -84,7 +109,7 @@ def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake)
     m, k, n = 16384, 2048, 5632
     eager, compiled = (TorchFFN().estimated_ms(m, k, n, 56.0, 95.0, True, compiled=c) for c in (False, True))
     assert compiled == pytest.approx(9 * 2 * m * k * n / 600e12 * 1e3) and eager > compiled + 0.5
-    dispatcher = LayerDispatcher("auto", train_kernels=True)
+    dispatcher = LayerDispatcher("auto")
     dispatcher.observe(56.0, 95.0)
     fake.ms = 0.9 * eager  # faster than the eager dense block, slower than the compiled one
     with torch.device("meta"):
@@ -172,7 +197,7 @@ def test_prices_far_apart_training_and_untimeable_calls_take_the_price(fake, tim
     assert dispatcher.choose(x, w, False, trial=lambda b: None).name == "fake"
     dispatcher, x, w = close_prices(fake, 0.8)
     assert dispatcher.choose(x, w, False).name == "fake"  # no trial offered
-    training = LayerDispatcher("auto", train_kernels=True)
+    training = LayerDispatcher("auto")
     training.observe(3.0, 9.0)
     assert training.choose(x, w, True, trial=lambda b: None).name == "fake"
     monkeypatch.setattr(dispatch, "can_time", lambda x: False)  # e.g. a CUDA graph being captured

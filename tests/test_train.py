@@ -14,7 +14,8 @@ import torch
 from helpers.runs import losses, small_config
 from safetensors.torch import load_file, save_file
 
-from sparse_llm.ffn import step_scope
+from sparse_llm.ffn import registry, step_scope
+from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.model.llama import build_model, sparse_mlps
 from sparse_llm.telemetry.metrics import read_metrics
 from sparse_llm.training import checkpoint
@@ -27,6 +28,7 @@ from sparse_llm.training.trainer import (
     NonFiniteLossError,
     Trainer,
     cosine_with_warmup,
+    graphs_by_default,
     make_optimizer,
     plain_tensor,
     plan_batches,
@@ -230,22 +232,55 @@ def test_sparse_training_without_cuda_graphs_gets_a_hint_naming_the_missing_sett
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     eager, compiled = TrainerConfig(), TrainerConfig(compile=True)
     graphed = TrainerConfig(compile=True, cuda_graphs=True)
-    assert "trainer.compile=true trainer.cuda_graphs=true" in sparse_training_hint("twell", False, eager, cuda)
-    hint = sparse_training_hint("auto", True, compiled, cuda)
+    assert "trainer.compile=true trainer.cuda_graphs=true" in sparse_training_hint("twell", eager, cuda)
+    assert "trainer.compile=true trainer.cuda_graphs=true" in sparse_training_hint("auto", eager, cuda)
+    hint = sparse_training_hint("auto", compiled, cuda)
     assert "trainer.cuda_graphs=true" in hint and "trainer.compile=true" not in hint
-    assert sparse_training_hint("twell", False, graphed, cuda) is None  # already set
-    assert sparse_training_hint("auto", False, eager, cuda) is None  # trains densely
-    assert sparse_training_hint("torch", False, eager, cuda) is None
-    assert sparse_training_hint("auto", True, eager, cpu) is None  # no kernels there
-    assert sparse_training_hint("twell", False, eager, cuda, fsdp=True) is None  # FSDP refuses trainer.compile
+    assert sparse_training_hint("twell", graphed, cuda) is None  # already set
+    assert sparse_training_hint("torch", eager, cuda) is None  # trains densely
+    assert sparse_training_hint("auto", eager, cpu) is None  # no kernels there
+    assert sparse_training_hint("twell", eager, cuda, fsdp=True) is None  # FSDP refuses trainer.compile
 
 
-def test_train_kernels_reach_every_layer_and_need_kernel_auto(tmp_path):
-    trainer = Trainer(small_config("train_kernels=true"), tmp_path / "on")
-    assert [mlp.dispatcher.train_kernels for mlp in sparse_mlps(trainer.model)] == [True, True]
-    assert not any(mlp.dispatcher.train_kernels for mlp in sparse_mlps(Trainer(small_config(), tmp_path / "off").model))
-    with pytest.raises(ValueError, match="train_kernels=true applies to kernel=auto only"):
-        Trainer(small_config("train_kernels=true", "kernel=torch"), tmp_path / "torch")
+def test_cuda_graphs_follow_compile_where_they_can_run_for_sparse_models(tmp_path):
+    """Left unset, trainer.cuda_graphs is on with trainer.compile for a model that may train on the sparse kernels,
+    on a CUDA GPU, with inductor and without gradient checkpointing; off anywhere else."""
+    cuda = torch.device("cuda")
+    assert graphs_by_default(TrainerConfig(compile=True), cuda, sparse=True)
+    assert not graphs_by_default(TrainerConfig(), cuda, sparse=True)
+    assert not graphs_by_default(TrainerConfig(compile=True), cuda, sparse=False)  # dense: spare the pools' memory
+    assert not graphs_by_default(TrainerConfig(compile=True), torch.device("cpu"), sparse=True)
+    assert not graphs_by_default(TrainerConfig(compile=True, gradient_checkpointing=True), cuda, sparse=True)
+    assert not graphs_by_default(TrainerConfig(compile=True, compile_backend="aot_eager"), cuda, sparse=True)
+    trainer = Trainer(small_config("trainer.compile=true", "trainer.compile_backend=aot_eager"), tmp_path / "cpu")
+    assert trainer.cfg.trainer.cuda_graphs is False  # resolved at start: a CPU run
+
+
+class CheapDense(TorchFFN):
+    """The dense path under another name, priced at nothing: a sparse backend that always wins once priced."""
+
+    name = "cheap"
+
+    def estimated_ms(self, m, k, n, l0_mean, l0_max, training, compiled=False, tail=None):
+        return 0.0
+
+
+def test_layers_switch_after_their_first_observation_and_the_switch_is_logged(tmp_path, monkeypatch, caplog):
+    """A training layer of `kernel=auto` has no price before its first observation (the window read at the first
+    logged step, step 2), stays on the dense path until then, and moves to the cheaper backend at the next step: the
+    trainer names each layer in one log line with that step and counts them in backend/sparse_layers."""
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    registry.register_backend(CheapDense())
+    with caplog.at_level(logging.INFO, logger="sparse_llm.training.trainer"):
+        trainer = Trainer(small_config("trainer.max_steps=4"), tmp_path / "run")
+        trainer.run()
+    switches = [r.getMessage() for r in caplog.records if "changed backend" in r.getMessage()]
+    assert len(switches) == 1 and switches[0].startswith("step 3: FFN layers changed backend: layer 00: torch -> cheap")
+    assert switches[0].count("torch -> cheap") == len(sparse_mlps(trainer.model))
+    sparse_layers = {
+        r["step"]: r.get("backend/sparse_layers") for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+    }
+    assert sparse_layers[2] == 0 and sparse_layers[4] == len(sparse_mlps(trainer.model))
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_no_update(tmp_path):

@@ -144,21 +144,20 @@ def test_precompile_runs_the_children_side_by_side_and_reports_each_kernel(monke
     assert cuda.precompile(kernels, done=lambda *_: finished.append("called")) == {} and "called" not in finished
 
 
-def tiny_model(kernel: str, train_kernels: bool = False) -> torch.nn.Module:
+def tiny_model(kernel: str) -> torch.nn.Module:
     config = ModelConfig(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4, vocab_size=64)
-    return build_model(config, kernel=kernel, train_kernels=train_kernels)
+    return build_model(config, kernel=kernel)
 
 
-def test_model_kernels_follow_the_layers_backend_and_train_kernels():
+def test_model_kernels_follow_the_layers_backend():
     rope = list(kernel_set.ROPE_KERNELS)
     inference, training = kernel_set.inference_kernels(512, 1024), kernel_set.training_kernels(512, 1024)
     assert ("gate_up_down.cu", "gate_up_down_light<2,true>") in inference  # K = 512: two 16-byte pieces a lane
     assert kernel_set.model_kernels(tiny_model("torch"), training=True) == rope  # the rotary kernel runs anyway
     auto = tiny_model("auto")
     assert kernel_set.model_kernels(auto, training=False) == list(dict.fromkeys(rope + inference))
-    assert kernel_set.model_kernels(auto, training=True) == list(dict.fromkeys(rope + inference))  # trains densely
     with_training = list(dict.fromkeys(rope + inference + training))
-    assert kernel_set.model_kernels(tiny_model("auto", train_kernels=True), training=True) == with_training
+    assert kernel_set.model_kernels(auto, training=True) == with_training  # its layers switch once sparse
     assert kernel_set.model_kernels(tiny_model("twell"), training=True) == with_training
     narrow = build_model(ModelConfig(hidden_size=96, intermediate_size=256, num_layers=1, num_heads=2, vocab_size=64))
     assert kernel_set.model_kernels(narrow, training=False) == rope  # K = 96: no kernel takes the layer

@@ -64,7 +64,6 @@ class MeasureOptions:
     l1: float = 2e-5  # L1 coefficient of the training loss
     lr: float = 0.0  # AdamW does the same work at any lr; 0 keeps the weights (so L0) fixed
     accumulate: int = 1  # training micro-batches per optimizer step
-    train_kernels: bool = False  # `auto` may train on the sparse kernels
     compile: bool = False  # decoder layers are torch.compiled: no per-module breakdown
     cuda_graphs: bool = False  # compiled parts replayed as CUDA graphs
     profile_dir: str | None = None  # one profiled call per variant: trace and top-ops table here
@@ -221,7 +220,7 @@ def bench_train(
     result = VariantResult("train", kernel, ids.shape[0], ids.numel() * options.accumulate)
     model.load_state_dict(master)
     model.train()
-    set_kernel(model, kernel, observed, options.train_kernels)
+    set_kernel(model, kernel, observed)
     step: TrainStep | None = None
     try:
         with FrozenHeap() as heap:  # as the trainer runs its steps

@@ -161,11 +161,8 @@ def use_stock_modules(model: LlamaForCausalLM) -> None:
         layer.mlp = new
 
 
-def set_kernel(
-    model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None, train_kernels: bool = False
-) -> None:
-    """Route every FFN through `kernel` (or the stock MLP); `auto` layers decide from `observed`, in training only
-    between the dense path and, with `train_kernels`, the sparse training kernels.
+def set_kernel(model: LlamaForCausalLM, kernel: str, observed: list[LayerStats] | None) -> None:
+    """Route every FFN through `kernel` (or the stock MLP); `auto` layers decide from `observed`.
 
     Self-observation is switched off so that no layer changes its mind (or syncs the host) mid-timing.
     """
@@ -175,7 +172,7 @@ def set_kernel(
     for layer in decoder_layers(model):
         if layer in _SPARSE_MLPS:  # it shares its Linear modules (and so any dtype change) with the stock MLP
             layer.mlp = _SPARSE_MLPS.pop(layer)
-    sparsify(model, kernel, train_kernels and kernel == "auto")  # resets each layer's dispatcher
+    sparsify(model, kernel)  # resets each layer's dispatcher
     for i, mlp in enumerate(sparse_mlps(model)):
         mlp.self_observe = False
         if observed is not None:

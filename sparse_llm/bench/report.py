@@ -22,6 +22,7 @@ BENCH_TITLES = {
     "profile_mlp": "One gated MLP block: device time per kernel",
     "profile_train_step": "Training step: host time to issue each phase beside the device's time to run it",
     "compare_runs": "Training runs side by side: loss, throughput and quality",
+    "bench_train_grid": "Training step, kernel=auto against the dense path over models, modes and micro-batches",
     "sparsify_table": "Sparsifying a dense model against training a sparse one from scratch",
 }
 

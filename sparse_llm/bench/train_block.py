@@ -10,11 +10,10 @@ the ratio is taken on these) and as isolated calls (each waited for, so the host
 is included), host wall-clock ms per step of back-to-back steps, forward-only ms, peak memory above the
 inputs and weights during forward+backward and the memory held between forward and backward (the saved
 activations), relative errors of y and the four gradients vs an fp32 dense reference (dense bf16 beside
-them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows, and what
-`kernel=auto` runs with the training kernels allowed (train.py's train_kernels=true; the layer's dispatcher, eager
-layers, given the block's mean and max non-zeros) with its ratio to the dense path. Sparsity
-is controlled with `synthetic_block` (a constant input feature with a negative gate weight; sigma > 0 scales
-tokens log-normally for heavy tails).
+them), the tokens' gate non-zeros (mean / p99 / max) and the tokens computed as dense backup rows, and what a
+training layer of `kernel=auto` runs (the layer's dispatcher, eager layers, given the block's mean and max non-zeros)
+with its ratio to the dense path. Sparsity is controlled with `synthetic_block` (a constant input feature with a
+negative gate weight; sigma > 0 scales tokens log-normally for heavy tails).
 """
 
 from __future__ import annotations
@@ -89,9 +88,8 @@ def memory_mb(forward, leaves, dy, coeff) -> tuple[float, float]:
 
 
 def auto_choice(x: torch.Tensor, wg: torch.Tensor, l0_hint: tuple[float, float]) -> str:
-    """The backend a training layer with `kernel=auto` and the training kernels allowed takes at this block's
-    sparsity."""
-    dispatcher = LayerDispatcher("auto", train_kernels=True)
+    """The backend a training layer with `kernel=auto` takes at this block's sparsity."""
+    dispatcher = LayerDispatcher("auto")
     dispatcher.observe(*l0_hint)
     return dispatcher.choose(x, wg, training=True).name
 

@@ -1,7 +1,8 @@
 """Command-line overrides checked against a script's config schema before Hydra composes it.
 
 Hydra refuses a key its schema lacks ("Key 'lrr' not in 'TrainerConfig'"); the check here also says which key was
-probably meant, and lists the keys where nothing is close. Only plain `a.b=value` overrides are checked: `+key=`
+probably meant, and lists the keys where nothing is close; a key a schema retired (its class attribute `RETIRED`, key ->
+what to do instead) is named with its replacement. Only plain `a.b=value` overrides are checked: `+key=`
 (add), `~key` (delete), flags, Hydra's own keys, group paths (`hydra/job_logging=...`) and keys below a mapping field
 pass through to Hydra.
 """
@@ -46,6 +47,9 @@ def _unknown_part(key: str, schema: type) -> str | None:
             return None
         hints = typing.get_type_hints(node)
         names = [f.name for f in dataclasses.fields(node)]
+        retired = getattr(node, "RETIRED", {})
+        if part not in names and part in retired:
+            return f"config key '{key}' was removed: {retired[part]}"
         if part not in names:
             prefix = ".".join(parts[:depth] + [""])
             close = difflib.get_close_matches(part, names, n=3)

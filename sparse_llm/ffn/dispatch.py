@@ -9,9 +9,10 @@ density bucket) and keeps the faster: a price knows the layer's density, not how
 A call issued from Python whose prices are both under HOST_BOUND_MS (a decoding step's few tokens) is timed the same
 way, whatever its prices: it runs at the host's pace, which the prices (device times) do not see. In a CUDA graph
 (`SparseMLP.in_cuda_graph`) the host issues nothing, and the prices stand.
-In training, `auto` considers the sparse backends only where `train_kernels` is on (train.py's `train_kernels=true`):
-a sparse training step needs the host to keep up with the GPU (compiled layers, CUDA graphs, 6k+ tokens per
-micro-batch), which the cost models cannot see.
+In training the same prices decide, with no trial (a training call's backward cannot be timed apart from the step):
+the sparse training op's price never drops below the host's exposed time to issue it (the cost model's floor), so a
+layer stays dense while it is dense-ish (early in training) or its micro-batch is small, and switches once its
+observed sparsity makes the sparse op the cheaper by SWITCH_MARGIN.
 
 Rank consistency: in distributed training the decision must be the same on every rank (or ranks
 would run different kernels and disagree on statistics). The trainer therefore feeds `observe` with
@@ -121,10 +122,9 @@ def validate_kernel(kernel: str) -> None:
 class LayerDispatcher:
     """Chooses and remembers the backend of one FFN layer."""
 
-    def __init__(self, kernel: str = "auto", train_kernels: bool = False) -> None:
+    def __init__(self, kernel: str = "auto") -> None:
         validate_kernel(kernel)
         self.kernel = kernel
-        self.train_kernels = train_kernels  # `auto` may train on a sparse backend (see the module docstring)
         self.l0_mean: float | None = None  # last observed mean non-zeros per token
         self.l0_max: float | None = None
         self.tail: Tail | None = None  # its heavy tokens, where known
@@ -220,8 +220,6 @@ class LayerDispatcher:
         (m, k), n = x_MK.shape, w_gate_NK.shape[0]
         estimates = {}
         for name in backend_names():
-            if training and name != "torch" and not self.train_kernels:
-                continue
             backend = get_backend(name)
             reason = backend.unavailable_reason(x_MK.device)
             if reason is not None:

@@ -104,8 +104,8 @@ def training_kernels(k: int, n: int) -> list[Kernel]:
 
 def model_kernels(model: nn.Module, training: bool) -> list[Kernel]:
     """The kernels `model` may run: the rotary embedding's, and for each FFN shape of its `SparseMLP`s that the
-    kernels take and that is not held on `kernel=torch`, the inference kernels, plus the training op's where training
-    may take it (`kernel=twell`, or `auto` with the layer's `train_kernels` on). In order, without repeats."""
+    kernels take and that is not held on `kernel=torch`, the inference kernels, plus the training op's when
+    `training`. In order, without repeats."""
     kernels = list(ROPE_KERNELS)
     for mlp in model.modules():
         if not isinstance(mlp, SparseMLP) or mlp.dispatcher.kernel == "torch":
@@ -114,7 +114,7 @@ def model_kernels(model: nn.Module, training: bool) -> list[Kernel]:
         if shape_unsupported_reason(k, n) is not None:
             continue
         kernels += inference_kernels(k, n)
-        if training and (mlp.dispatcher.kernel == "twell" or mlp.dispatcher.train_kernels):
+        if training:
             kernels += training_kernels(k, n)
     return list(dict.fromkeys(kernels))
 

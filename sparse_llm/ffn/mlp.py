@@ -36,19 +36,16 @@ class SparseMLP(nn.Module):
         hidden_size: K, model width.
         intermediate_size: N, FFN width.
         kernel: "auto" | "torch" | "twell" (see `sparse_llm.ffn.dispatch`).
-        train_kernels: whether "auto" may also train on the sparse kernels (`LayerDispatcher`).
     """
 
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, kernel: str = "auto", train_kernels: bool = False
-    ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, kernel: str = "auto") -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.dispatcher = LayerDispatcher(kernel, train_kernels)
+        self.dispatcher = LayerDispatcher(kernel)
         self.self_observe = True  # the trainer turns this off and feeds rank-reduced statistics instead
         self.record_statistics = False  # inference calls keep L1/L0/fired in last_result (recording_statistics)
         self.in_cuda_graph = False  # calls run in (or warm up for) a CUDA graph: no host time per call (cuda_graphed)
@@ -123,8 +120,7 @@ class SparseMLP(nn.Module):
         return result.y_MK.reshape(x.shape), None if normed_MK is None else normed_MK.reshape(x.shape)
 
     def extra_repr(self) -> str:
-        train = ", train_kernels=True" if self.dispatcher.train_kernels else ""
-        return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}{train}"
+        return f"hidden={self.hidden_size}, ffn={self.intermediate_size}, kernel={self.dispatcher.kernel}"
 
 
 @contextlib.contextmanager

@@ -378,10 +378,10 @@ FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
-def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool = False) -> LlamaForCausalLM:
+def sparsify(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
     """Swap every `LlamaMLP` of `model` for a `SparseMLP` that reuses the same weight tensors, and each
     module of `FUSED_CLASSES` for its fused twin (in place; parameters and state-dict keys are unchanged).
-    kernel, train_kernels: every layer's backend choice (`LayerDispatcher`)."""
+    kernel: every layer's backend choice (`LayerDispatcher`)."""
     if model.config.hidden_act != "relu":
         raise ValueError(
             f"The model's hidden_act is {model.config.hidden_act!r}; sparse FFNs need a ReLU gate "
@@ -390,12 +390,12 @@ def sparsify(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool 
     for layer in model.model.layers:
         old = layer.mlp
         if isinstance(old, SparseMLP):
-            old.dispatcher = LayerDispatcher(kernel, train_kernels)
+            old.dispatcher = LayerDispatcher(kernel)
             continue
         if getattr(old.gate_proj, "bias", None) is not None:
             raise ValueError("SparseMLP has no biases; this checkpoint has mlp_bias=True.")
         with torch.device("meta"):  # its own Linear layers are replaced at once: don't allocate or init them
-            new = SparseMLP(old.hidden_size, old.intermediate_size, kernel, train_kernels)
+            new = SparseMLP(old.hidden_size, old.intermediate_size, kernel)
         new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
         layer.mlp = new
     return fuse_layers(model)
@@ -413,15 +413,14 @@ def fuse_layers(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
-def prepare_model(model: LlamaForCausalLM, kernel: str = "auto", train_kernels: bool = False) -> LlamaForCausalLM:
+def prepare_model(model: LlamaForCausalLM, kernel: str = "auto") -> LlamaForCausalLM:
     """`sparsify` a ReLU model; a model of another activation (a dense baseline) keeps its `LlamaMLP`s, which run
     on the torch path, and only its other modules are fused: kernel=twell is an error for it."""
     if model.config.hidden_act == "relu":
-        return sparsify(model, kernel, train_kernels)
-    if kernel == "twell" or train_kernels:
-        setting = "kernel=twell" if kernel == "twell" else "train_kernels=true"
+        return sparsify(model, kernel)
+    if kernel == "twell":
         raise ValueError(
-            f"{setting} needs a ReLU model; this one has hidden_act={model.config.hidden_act!r}, whose "
+            f"kernel=twell needs a ReLU model; this one has hidden_act={model.config.hidden_act!r}, whose "
             "dense FFNs run on the torch path only. Use kernel=auto or kernel=torch, or sparsify it "
             "first (recipe=sparsify)."
         )
@@ -452,16 +451,14 @@ def kernel_width_note(config: LlamaConfig, kernel: str) -> str | None:
     return f"the sparse kernels will not run on this model ({reason}): every FFN layer takes the torch path"
 
 
-def build_model(
-    cfg: ModelConfig, vocab_size: int | None = None, kernel: str = "auto", train_kernels: bool = False
-) -> LlamaForCausalLM:
-    """A freshly initialised sparse Llama (weights ~ N(0, init_std^2), as in the paper); kernel and train_kernels
-    as `sparsify` takes them.
+def build_model(cfg: ModelConfig, vocab_size: int | None = None, kernel: str = "auto") -> LlamaForCausalLM:
+    """A freshly initialised sparse Llama (weights ~ N(0, init_std^2), as in the paper); kernel as `sparsify` takes
+    it.
 
     Build it under `torch.device("meta")` to count parameters without allocating them.
     """
     model = LlamaForCausalLM(llama_config(cfg, vocab_size))
-    return prepare_model(model, kernel, train_kernels)
+    return prepare_model(model, kernel)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -52,8 +53,9 @@ class TrainerConfig:
     # With compile (inductor): replay each layer's compiled parts as CUDA graphs (torch.compile mode
     # "reduce-overhead"), taking their launch work off the host, for steps the host cannot issue as fast as the GPU
     # runs them (sparse FFNs). With several micro-batches a step each one replays the same graphs, and the gradients
-    # stay allocated between steps (training.hold_gradients). Not with gradient checkpointing.
-    cuda_graphs: bool = False
+    # stay allocated between steps (training.hold_gradients). Not with gradient checkpointing. null (default): on with
+    # compile where graphs can run, for a model whose FFN layers may train on the sparse kernels (`graphs_by_default`).
+    cuda_graphs: bool | None = None
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | no
     val_every: int = 100  # optimizer steps between validation passes (0: never)
     val_batches: int = 8  # micro-batches per validation pass
@@ -69,6 +71,11 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
+    RETIRED: ClassVar[dict[str, str]] = {
+        "train_kernels": "kernel=auto trains each layer on the sparse kernels once they are the cheaper path for it "
+        "(drop the key); kernel=torch trains dense."
+    }
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -82,10 +89,6 @@ class TrainConfig:
     recipe: str = ""  # the configs/recipe/ group applied (recipe=sparsify), as its file records it
     l1: float = 2e-5  # L1 coefficient (normalisation: see sparse_llm/training/sparsity.py)
     kernel: str = "auto"  # auto | torch | twell
-    # With kernel=auto: let training steps, not only inference, take the sparse kernels in layers where their cost
-    # model predicts a win. Off by default: the sparse step is faster only when the host keeps up with the GPU
-    # (trainer.compile and trainer.cuda_graphs, 6k+ tokens per micro-batch; README "Known limits").
-    train_kernels: bool = False
     seed: int = 0
     run_name: str = "${launch_stamp:}"  # run directory: outputs/<run_name>
 

@@ -162,6 +162,7 @@ class SparsityTracker:
         # still on their way from the GPU (layer, pinned CPU tensor), added once a read needs them.
         self.dense_rows_L = [0] * len(mlps)
         self.pending_rows: list[tuple[int, torch.Tensor]] = []
+        self.backends_L = [mlp.dispatcher.current for mlp in mlps]  # each layer's backend as `switches` last saw it
         self.balance = (
             LayerBalance(len(mlps), cfg.layer_balance, cfg.layer_balance_max, device, self.reduce)
             if cfg.layer_balance
@@ -321,11 +322,26 @@ class SparsityTracker:
             if l0_mean is not None:
                 mlp.dispatcher.observe(l0_mean, l0_max, Tail(*tail[0]) if tail and tail[0] is not None else None)
 
-    def backends(self) -> dict[str, str]:
-        """Which path each layer took in its latest call."""
-        return {
+    def backends(self) -> dict[str, str | int]:
+        """Which path each layer took in its latest call, and how many layers are on a sparse backend."""
+        paths = {
             f"backend/layer_{i:02d}": (m.last_result.path if m.last_result else "none") for i, m in enumerate(self.mlps)
         }
+        return paths | {"backend/sparse_layers": sum(m.dispatcher.current != "torch" for m in self.mlps)}
+
+    def switches(self) -> list[str]:
+        """The layers whose backend changed since the last call, each as "layer NN: old -> new (L0 mean)": with
+        `kernel=auto` a layer leaves the dense path once its observed sparsity makes a sparse backend the cheaper."""
+        switched = []
+        for i, mlp in enumerate(self.mlps):
+            now = mlp.dispatcher.current
+            if now != self.backends_L[i]:
+                l0 = mlp.dispatcher.l0_mean
+                switched.append(
+                    f"layer {i:02d}: {self.backends_L[i]} -> {now}" + ("" if l0 is None else f" (L0 {l0:.1f})")
+                )
+                self.backends_L[i] = now
+        return switched
 
 
 class NoSparsity:
@@ -352,8 +368,11 @@ class NoSparsity:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def backends(self) -> dict[str, str]:
+    def backends(self) -> dict[str, str | int]:
         return {}
+
+    def switches(self) -> list[str]:
+        return []
 
 
 def _tail_of(hist_B: torch.Tensor, values_B: torch.Tensor) -> Tail:

@@ -317,6 +317,15 @@ def check_cuda_graphs_setup(t: TrainerConfig, device: torch.device) -> None:
         )
 
 
+def graphs_by_default(t: TrainerConfig, device: torch.device, sparse: bool) -> bool:
+    """trainer.cuda_graphs as an unset (null) value takes it: on where trainer.compile is on and graphs can run
+    (`check_cuda_graphs_setup`'s conditions), for a model whose FFN layers may train on the sparse kernels (`sparse`):
+    replayed graphs keep its step at the GPU's pace (docs/performance.md). A dense model keeps the memory the graphs'
+    pools would take."""
+    valid = t.compile_backend == "inductor" and not t.gradient_checkpointing and device.type == "cuda"
+    return t.compile and valid and sparse
+
+
 def hold_gradients(parameters: Iterable[torch.Tensor]) -> None:
     """Give every trainable parameter a zeroed gradient that stays allocated: `zero_grad(set_to_none=False)` then
     zeroes it in place, and each backward adds into it.
@@ -343,15 +352,12 @@ def hold_gradients_for_graphs(parameters: Iterable[torch.Tensor], cuda_graphs: b
     return held
 
 
-def sparse_training_hint(
-    kernel: str, train_kernels: bool, t: TrainerConfig, device: torch.device, fsdp: bool = False
-) -> str | None:
+def sparse_training_hint(kernel: str, t: TrainerConfig, device: torch.device, fsdp: bool = False) -> str | None:
     """A start-up hint where the sparse kernels may train on a GPU without the settings that keep the host off the
     step's critical path, else None (also under FSDP, which refuses trainer.compile). The training op is issued layer
     by layer from Python, and a step of several micro-batches gives the host no slack to catch up: the 2B step with 8
     micro-batches ran 1.14x the dense step without CUDA graphs and 1.36x with them on an H200 (docs/performance.md)."""
-    sparse = kernel == "twell" or (kernel == "auto" and train_kernels)
-    if not sparse or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
+    if kernel == "torch" or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
         return None
     missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true trainer.cuda_graphs=true"
     return (
@@ -478,6 +484,13 @@ class Trainer:
         if t.gradient_checkpointing:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if t.cuda_graphs is None:
+            t.cuda_graphs = graphs_by_default(t, self.acc.device, cfg.kernel != "torch" and bool(sparse_mlps(model)))
+            if t.cuda_graphs and self.acc.is_main_process:
+                log.info(
+                    "trainer.cuda_graphs: on with trainer.compile, for the layers that train on the sparse kernels "
+                    "(their memory pools take up to ~6 GiB at the 2B shape; trainer.cuda_graphs=false turns them off)"
+                )
         if t.compile:
             compile_layers(model, t.compile_backend, t.cuda_graphs)
             log.info(
@@ -489,7 +502,7 @@ class Trainer:
                 else "",
             )
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        hint = sparse_training_hint(cfg.kernel, cfg.train_kernels, t, self.acc.device, fsdp)
+        hint = sparse_training_hint(cfg.kernel, t, self.acc.device, fsdp)
         if hint and self.acc.is_main_process:
             log.info("Hint: %s.", hint)
         with self.acc.local_main_process_first():  # one process per machine compiles, the others load the cache
@@ -528,11 +541,6 @@ class Trainer:
         if cfg.sparsity.l1_warmup_shape not in L1_WARMUP_SHAPES:
             raise ValueError(
                 f"sparsity.l1_warmup_shape={cfg.sparsity.l1_warmup_shape!r}; use one of {', '.join(L1_WARMUP_SHAPES)}."
-            )
-        if cfg.train_kernels and cfg.kernel != "auto":
-            raise ValueError(
-                f"train_kernels=true applies to kernel=auto only (kernel={cfg.kernel} decides every "
-                "layer's path by itself: twell trains on the sparse kernels, torch never does). Drop one."
             )
         t = cfg.trainer
         if t.compile:
@@ -574,7 +582,7 @@ class Trainer:
         sparsify.relu asks, after the dense model's validation CE was measured."""
         cfg = self.cfg
         if self.init is None:
-            return build_model(cfg.model, self.data.vocab_size, cfg.kernel, cfg.train_kernels), {}
+            return build_model(cfg.model, self.data.vocab_size, cfg.kernel), {}
         resuming = ckpt.resolve_resume(cfg.checkpoint.resume, self.run_dir) is not None
         model = stock_model(self.init, weights=not resuming)
         if not resuming:
@@ -594,7 +602,7 @@ class Trainer:
         note = kernel_width_note(model.config, cfg.kernel)
         if note and self.acc.is_main_process:
             log.warning("init: %s.", note)
-        return prepare_model(model, cfg.kernel, cfg.train_kernels), metrics
+        return prepare_model(model, cfg.kernel), metrics
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.acc.reduce(tensor, reduction=op) if self.acc.num_processes > 1 else tensor
@@ -831,6 +839,9 @@ class Trainer:
         t = self.cfg.trainer
         issued = self._optimizer_step(stop)
         self.step += 1
+        switched = self.tracker.switches()
+        if switched and self.acc.is_main_process:
+            log.info("step %d: FFN layers changed backend: %s", self.step, "; ".join(switched))
         window.steps += 1
         logging_now = telemetry.should_log(self.step)
         val_now = self._is_due(t.val_every)

@@ -1,0 +1,53 @@
+"""scripts/bench_train_grid.py: auto against dense training steps, one row per model, mode and micro-batch."""
+
+import pytest
+from helpers.script_modules import load_script
+
+from sparse_llm.bench.measure import VariantResult
+from sparse_llm.bench.model_setup import LayerStats
+from sparse_llm.bench.records import read_records
+from sparse_llm.ffn.backend import Tail
+
+grid = load_script("bench_train_grid")
+
+
+def step(kernel: str, ms: float, paths: list[str]) -> VariantResult:
+    layers = [LayerStats(20.0 + i, 40.0, 60.0, path, 0, Tail(0.0, 0.0)) for i, path in enumerate(paths)]
+    return VariantResult("train", kernel, 4, 8192, ms=ms, ms_spread=(0.99 * ms, 1.01 * ms), layers=layers)
+
+
+def test_a_row_compares_the_medians_within_the_tolerance():
+    dense = step("torch", 100.0, ["torch", "torch", "torch"])
+    faster = grid.grid_row("2b", "eager", dense, step("auto", 80.0, ["torch", "twell-train", "twell-train"]), 0.02)
+    assert faster["auto speedup"] == 1.25 and faster["sparse layers"] == "2/3" and faster["verdict"] == "ok"
+    assert faster["L0 mean"] == 21.0 and faster["spread"] == "2.0% / 2.0%"
+    assert grid.grid_row("2b", "eager", dense, step("auto", 101.9, ["torch"] * 3), 0.02)["verdict"] == "ok"
+    assert grid.grid_row("2b", "eager", dense, step("auto", 103.0, ["torch"] * 3), 0.02)["verdict"] == "slower"
+    skipped = VariantResult("train", "auto", 4, 8192, skipped="out of memory at micro-batch 4")
+    assert grid.grid_row("2b", "graphs", dense, skipped, 0.02)["skipped"] == "out of memory at micro-batch 4"
+
+
+def test_a_cpu_grid_writes_one_record_that_grows_with_its_rows(tmp_path):
+    argv = ["--sizes", "tiny", "--density-l0", "8", "--seq-len", "32", "--batches", "1", "2", "--modes", "eager"]
+    rows = grid.main([*argv, "--reps", "1", "--warmup", "1", "--device", "cpu", "--record-dir", str(tmp_path)])
+    assert [(row["model"], row["mode"], row["micro-batch"]) for row in rows] == [
+        ("tiny, random at L0 8", "eager", b) for b in (1, 2)
+    ]
+    assert all(row["sparse layers"].startswith("0/") for row in rows)  # no sparse kernels on a CPU
+    (record,) = read_records(tmp_path).values()
+    assert record["bench"] == "bench_train_grid" and record["results"] == rows
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batches", "2"], "give --sizes"),
+        (["--sizes", "tiny", "--modes", "graphs", "--device", "cpu"], "--modes graphs needs a CUDA GPU"),
+        (["--sizes", "tiny", "--batches", "0"], "must be >= 1"),
+        (["--checkpoint", "nowhere"], "not a model directory"),
+    ],
+)
+def test_usage_errors_exit_2_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grid.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
