@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.entry_points import EntryPoints
-from helpers.runs import ROOT, TRAINED, child_env, run_train_py, small_config
+from helpers.runs import PARALLEL_REFERENCE, ROOT, TRAINED, child_env, run_train_py, small_config
 
 from sparse_llm.training.trainer import train
 
@@ -30,10 +30,10 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run directory of train.py in one process, SMALL for 6 steps with a checkpoint every 3: the losses the
-    2-rank DDP and FSDP runs of the same settings must reproduce."""
+    """The run directory of train.py in one process, SMALL with PARALLEL_REFERENCE: the losses, layer weights and
+    re-initialised neurons the 2-rank DDP and FSDP runs of the same settings must reproduce."""
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    run_train_py(run_dir, 1, "checkpoint.every=3", "trainer.max_steps=6")
+    run_train_py(run_dir, 1, *PARALLEL_REFERENCE)
     return run_dir
 
 

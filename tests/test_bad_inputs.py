@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,18 +397,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
+def trained_run(tmp_path_factory, entry_points) -> Path:
     """A 4-step run of the smallest model: checkpoints/step_2, checkpoints/step_4 and final/, each with a manifest."""
     run = tmp_path_factory.mktemp("bad_inputs") / "run"
-    done = subprocess.run(
-        [sys.executable, "train.py", *SMALL, f"hydra.run.dir={run}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env=child_env(),
-    )
+    done = entry_points.run(["train.py", *SMALL, f"hydra.run.dir={run}"], child_env(), run.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
 

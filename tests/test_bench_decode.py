@@ -2,19 +2,16 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the script imports this checkout's package
 
 
-def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
+def test_smoke_run_reports_each_batch_and_kernel(tmp_path, entry_points):
     records = tmp_path / "records"
     command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_decode.py"),
+        "scripts/bench_decode.py",
         "--size",
         "tiny",
         "--batches",
@@ -32,7 +29,7 @@ def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
         "--record-dir",
         str(records),
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=SCRIPT_ENV)
+    run = entry_points.run(command, SCRIPT_ENV, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     (record_file,) = records.glob("bench_decode-*.json")
     record = json.loads(record_file.read_text())
@@ -51,7 +48,6 @@ def test_smoke_run_reports_each_batch_and_kernel(tmp_path):
     assert "| 3 | stock |" in text and "LlamaMLP |" in text and "| eager vs torch |" in text
 
 
-def test_bad_kernel_is_named():
-    command = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--size", "tiny", "--kernels", "twel"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=SCRIPT_ENV)
+def test_bad_kernel_is_named(tmp_path, entry_points):
+    run = entry_points.run(["scripts/bench_decode.py", "--size", "tiny", "--kernels", "twel"], SCRIPT_ENV, tmp_path)
     assert run.returncode == 2 and "unknown ['twel']" in run.stderr

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -145,18 +144,11 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_keeps_the_last_checkpoint_and_stops_with_code_2(small_disk):
+def test_a_full_disk_keeps_the_last_checkpoint_and_stops_with_code_2(small_disk, entry_points, tmp_path):
     run = small_disk / "run"
     overrides = [o for o in SMALL if not o.startswith("checkpoint.keep_last")] + ["checkpoint.keep_last=1"]
-    done = subprocess.run(
-        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
-    )
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    done = entry_points.run(["train.py", *overrides, f"hydra.run.dir={run}"], env, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -4,7 +4,6 @@ The same global batch split over 2 ranks must give the losses of a single proces
 log, a resumed 2-rank run must continue exactly, and a stop signal to one rank stops both at one checkpoint.
 """
 
-import json
 import shutil
 import signal
 import subprocess
@@ -13,13 +12,20 @@ import time
 
 import psutil
 import pytest
-from helpers.runs import ROOT, child_env, logged_losses, run_train_py, train_py_command
+from helpers.runs import (
+    PARALLEL_REFERENCE,
+    ROOT,
+    child_env,
+    logged_losses,
+    rank_reduced_statistics,
+    run_train_py,
+    train_py_command,
+)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not on PATH"),
 ]
-EVERY_3 = "checkpoint.every=3"
 
 
 def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
@@ -33,28 +39,23 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
 
 
 def test_two_ranks_match_one_process_and_resume(tmp_path, one_process_run):
-    ddp = run_train_py(tmp_path / "ddp", 2, EVERY_3, "trainer.max_steps=6")
+    """The same global batch over 2 ranks gives one process's losses, and its rank-reduced statistics: the layers'
+    L1 weights (layer_balance, from all ranks' non-zeros) and the dead neurons re-initialised."""
+    ddp = run_train_py(tmp_path / "ddp", 2, *PARALLEL_REFERENCE)
     assert len(ddp) == 3  # one line per logging step: rank 1 wrote nothing
     assert ddp == pytest.approx(logged_losses(one_process_run), rel=1e-5)
+    (weights, reinit), (reference_weights, reference_reinit) = map(
+        rank_reduced_statistics, (tmp_path / "ddp", one_process_run)
+    )
+    assert weights == pytest.approx(reference_weights, rel=1e-5) and weights[0] != pytest.approx(1.0)
+    assert reinit == reference_reinit > 0
     log = (tmp_path / "ddp" / "train.log").read_text()
     assert "2 ranks" in log
 
     # A new run resumed from the step-3 checkpoint continues as the run that wrote it did.
     step_3 = tmp_path / "ddp" / "checkpoints" / "step_3"
-    resumed = run_train_py(tmp_path / "resumed", 2, EVERY_3, "trainer.max_steps=6", f"checkpoint.resume={step_3}")
+    resumed = run_train_py(tmp_path / "resumed", 2, *PARALLEL_REFERENCE, f"checkpoint.resume={step_3}")
     assert resumed == pytest.approx(ddp[-2:], rel=1e-5)
-
-
-def test_two_ranks_weigh_the_layers_as_one_process_does(tmp_path):
-    """sparsity.layer_balance moves the layers' L1 weights from the non-zeros of all ranks' tokens, so two ranks keep
-    one process's weights and losses."""
-    balance = ("trainer.max_steps=4", "sparsity.layer_balance=0.5")
-    single = run_train_py(tmp_path / "single", 1, EVERY_3, *balance)
-    ddp = run_train_py(tmp_path / "ddp", 2, EVERY_3, *balance)
-    assert ddp == pytest.approx(single, rel=1e-5)
-    last = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1]) for name in ("single", "ddp")]
-    weights = [[record[f"l1_weight/layer_{layer:02d}"] for layer in (0, 1)] for record in last]
-    assert weights[0] == pytest.approx(weights[1], rel=1e-5) and weights[0][0] != pytest.approx(1.0)
 
 
 def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):

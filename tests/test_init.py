@@ -3,12 +3,11 @@ refusals that name the field, train.py init= (resume wins over it), sparsifying 
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import child_env
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
@@ -194,16 +193,9 @@ def test_missing_and_misshapen_weights_are_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_entry_points_exit_2_on_an_unreadable_checkpoint(tmp_path):
+def test_entry_points_exit_2_on_an_unreadable_checkpoint(tmp_path, entry_points):
     path = write_reference(tmp_path / "ref", stock(), sparsity_gated_mlp=False)
-    done = subprocess.run(
-        [sys.executable, "generate.py", f"checkpoint={path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = entry_points.run(["generate.py", f"checkpoint={path}"], child_env(), tmp_path)
     assert done.returncode == 2 and "sparsity_gated_mlp=False" in done.stderr and "Traceback" not in done.stderr
     assert main([str(path), str(tmp_path / "out")]) == 2
 

@@ -58,6 +58,21 @@ TRAINED = (
 )
 
 
+# The one-process run that the 2-rank DDP and FSDP runs must reproduce (tests/conftest.py, one_process_run): 6 steps
+# with a checkpoint every 3, and every statistic that is reduced over ranks at work: the layers' L1 weights move with
+# the non-zeros of all ranks' tokens (layer_balance), and a steep L1 term with a quick learning rate kills neurons
+# within a few steps, whose gate rows the ranks re-initialise alike (reinit_dead).
+PARALLEL_REFERENCE = (
+    "trainer.max_steps=6",
+    "checkpoint.every=3",
+    "sparsity.layer_balance=0.5",
+    "sparsity.reinit_dead=true",
+    "l1=3",
+    "trainer.lr=1e-2",
+    "trainer.warmup_steps=1",
+)
+
+
 def small_config(*overrides: str) -> TrainConfig:
     """train.yaml with SMALL and then `overrides` applied, as train.py would compose it."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -68,6 +83,19 @@ def small_config(*overrides: str) -> TrainConfig:
 def losses(run_dir: Path) -> dict[int, float]:
     """Step -> loss of a run's metrics.jsonl, a resumed attempt's lines replacing the ones before."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def last_metrics(run_dir: Path) -> dict:
+    """The last line of a run's metrics.jsonl."""
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def rank_reduced_statistics(run_dir: Path) -> tuple[list[float], int]:
+    """The layers' L1 weights at a run's last logged step, and the neurons it re-initialised over its logged steps:
+    what PARALLEL_REFERENCE's ranks must agree on."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    weights = [value for key, value in sorted(records[-1].items()) if key.startswith("l1_weight/")]
+    return weights, sum(r.get("reinit_neurons", 0) for r in records)
 
 
 def logged_losses(run_dir: Path) -> list[float]:
