@@ -9,9 +9,9 @@ For each model (a random-init --sizes model made sparse at each --density-l0, or
 --batches (x --seq-len tokens), one table row: the training step's median ms with `kernel=torch` and with
 `kernel=auto` (the layers' choices made from the L0 the dense pass observed, as the trainer's observations do), their
 ratio (above 1: auto is faster), each one's spread ((max - min) / median of its timed steps: a gap smaller than
-that is noise), the layers auto trains on the sparse op, and "slower" where auto's median took more than --tolerance
-(2%) longer than dense's. A training step here is --accumulate micro-batches and the optimizer's update
-(`bench.train_step.TrainStep`, as train.py runs it), timed back to back after --warmup steps.
+that is noise), both steps' peak GPU memory, the layers auto trains on the sparse op, and "slower" where auto's median
+took more than --tolerance (2%) longer than dense's. A training step here is --accumulate micro-batches and the
+optimizer's update (`bench.train_step.TrainStep`, as train.py runs it), timed back to back after --warmup steps.
 
 The rows print as they are measured, and the record (docs/records/, `--record-dir`) is rewritten after each, so a run
 cut short keeps what it measured. Each model is built again for each mode (its layers compiled for that mode); the
@@ -103,6 +103,8 @@ def grid_row(source: str, mode: str, dense: VariantResult, auto: VariantResult, 
         "torch ms": round(dense.ms, 2),
         "auto ms": round(auto.ms, 2),
         "spread": f"{spread(dense):.1%} / {spread(auto):.1%}",
+        "peak GiB torch": dense.peak_gib and round(dense.peak_gib, 2),  # None off a GPU
+        "peak GiB auto": auto.peak_gib and round(auto.peak_gib, 2),
         "auto speedup": round(ratio, 3),
         "sparse layers": f"{len(sparse)}/{len(auto.layers)}",
         "verdict": "slower" if ratio < 1 - tolerance else "ok",

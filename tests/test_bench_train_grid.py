@@ -13,7 +13,9 @@ grid = load_script("bench_train_grid")
 
 def step(kernel: str, ms: float, paths: list[str]) -> VariantResult:
     layers = [LayerStats(20.0 + i, 40.0, 60.0, path, 0, Tail(0.0, 0.0)) for i, path in enumerate(paths)]
-    return VariantResult("train", kernel, 4, 8192, ms=ms, ms_spread=(0.99 * ms, 1.01 * ms), layers=layers)
+    result = VariantResult("train", kernel, 4, 8192, ms=ms, ms_spread=(0.99 * ms, 1.01 * ms), layers=layers)
+    result.peak_gib = 2.0 if kernel == "torch" else 1.5
+    return result
 
 
 def test_a_row_compares_the_medians_within_the_tolerance():
@@ -21,6 +23,7 @@ def test_a_row_compares_the_medians_within_the_tolerance():
     faster = grid.grid_row("2b", "eager", dense, step("auto", 80.0, ["torch", "twell-train", "twell-train"]), 0.02)
     assert faster["auto speedup"] == 1.25 and faster["sparse layers"] == "2/3" and faster["verdict"] == "ok"
     assert faster["L0 mean"] == 21.0 and faster["spread"] == "2.0% / 2.0%"
+    assert (faster["peak GiB torch"], faster["peak GiB auto"]) == (2.0, 1.5)
     assert grid.grid_row("2b", "eager", dense, step("auto", 101.9, ["torch"] * 3), 0.02)["verdict"] == "ok"
     assert grid.grid_row("2b", "eager", dense, step("auto", 103.0, ["torch"] * 3), 0.02)["verdict"] == "slower"
     skipped = VariantResult("train", "auto", 4, 8192, skipped="out of memory at micro-batch 4")
