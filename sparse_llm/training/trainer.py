@@ -359,7 +359,7 @@ def sparse_training_hint(kernel: str, t: TrainerConfig, device: torch.device, fs
     micro-batches ran 1.14x the dense step without CUDA graphs and 1.36x with them on an H200 (docs/performance.md)."""
     if kernel == "torch" or device.type != "cuda" or fsdp or (t.compile and t.cuda_graphs):
         return None
-    missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true trainer.cuda_graphs=true"
+    missing = "trainer.cuda_graphs=true" if t.compile else "trainer.compile=true (which brings trainer.cuda_graphs)"
     return (
         f"the sparse training kernels are issued from the host layer by layer; {missing} replays each layer's "
         "compiled parts and the sparse op's forward as CUDA graphs, which kept a 2B step of 8 micro-batches at the "
