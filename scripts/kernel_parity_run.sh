@@ -34,7 +34,7 @@ for seed in $SEEDS; do
   grep -h "changed backend" "outputs/parity_${KERNEL}_r$seed.log" || echo "seed $seed: no layer changed backend"
   runs+=("outputs/parity_torch_r$seed" "outputs/parity_${KERNEL}_r$seed")
 done
-GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
+GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
 NOTE="$GPU, bf16 autocast, same seed and data per pair, ${COMMON[*]}"
 for seed in $SEEDS; do
   python scripts/compare_runs.py "outputs/parity_torch_r$seed" "outputs/parity_${KERNEL}_r$seed" \
