@@ -102,10 +102,10 @@ def grid_row(source: str, mode: str, dense: VariantResult, auto: VariantResult, 
         "L0 mean": round(sum(layer.l0_mean for layer in dense.layers) / len(dense.layers), 1),
         "torch ms": round(dense.ms, 2),
         "auto ms": round(auto.ms, 2),
+        "auto speedup": round(ratio, 3),
         "spread": f"{spread(dense):.1%} / {spread(auto):.1%}",
         "peak GiB torch": dense.peak_gib and round(dense.peak_gib, 2),  # None off a GPU
         "peak GiB auto": auto.peak_gib and round(auto.peak_gib, 2),
-        "auto speedup": round(ratio, 3),
         "sparse layers": f"{len(sparse)}/{len(auto.layers)}",
         "verdict": "slower" if ratio < 1 - tolerance else "ok",
     }
