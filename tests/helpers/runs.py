@@ -85,11 +85,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
-def last_metrics(run_dir: Path) -> dict:
-    """The last line of a run's metrics.jsonl."""
-    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-
-
 def rank_reduced_statistics(run_dir: Path) -> tuple[list[float], int]:
     """The layers' L1 weights at a run's last logged step, and the neurons it re-initialised over its logged steps:
     what PARALLEL_REFERENCE's ranks must agree on."""
