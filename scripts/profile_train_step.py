@@ -61,6 +61,7 @@ SETTINGS = (
     "compile",
     "cuda_graphs",
     "no_step_scope",
+    "no_graph_forwards",
     "warmup",
     "steps",
     "l1",
@@ -127,6 +128,7 @@ def profile_kernel(
                 cuda_graphs=args.cuda_graphs,
                 accumulate=args.accumulate,
                 step_scope=not args.no_step_scope,
+                graph_forwards=False if args.no_graph_forwards else None,
             )
             warmup_s = []  # each warm-up step's seconds: compiling, and recording CUDA graphs
             for _ in range(args.warmup):
@@ -221,6 +223,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="run the micro-batches outside step_scope.optimizer_step: the training op casts its weights per "
         "micro-batch and hands its weight gradients to autograd (for an A/B)",
     )
+    parser.add_argument(
+        "--no-graph-forwards",
+        action="store_true",
+        help="issue the training op's forward eagerly in every call instead of replaying one CUDA graph per layer "
+        "(the default on a GPU, as the trainer's; for an A/B)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the training loss")
@@ -264,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"# {what}, micro-batch {args.train_batch} x {args.seq_len}, {args.accumulate} per step, "
         f"{'compiled layers, ' if args.compile else ''}{'CUDA graphs, ' if args.cuda_graphs else ''}"
-        f"{'no step scope, ' if args.no_step_scope else ''}{device}",
+        f"{'no step scope, ' if args.no_step_scope else ''}"
+        f"{'eager op forwards, ' if args.no_graph_forwards else ''}{device}",
         flush=True,
     )
     results: list[dict[str, object]] = []

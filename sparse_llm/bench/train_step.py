@@ -15,6 +15,7 @@ from sparse_llm.training.sparsity import l1_term
 from sparse_llm.training.trainer import (
     HostCopy,
     defer_clipping,
+    graphs_sparse_forwards,
     hold_gradients_for_graphs,
     make_optimizer,
     skip_update_if_non_finite,
@@ -47,10 +48,10 @@ class TrainStep:
         self.model, self.ids, self.l1, self.after, self.cuda_graphs = model, ids, l1, after, cuda_graphs
         self.accumulate = accumulate  # micro-batches (forward + backward passes) per optimizer step
         self.step_scope = step_scope  # False: casts per micro-batch, gradients through autograd (for an A/B)
-        # the training op's forward as a CUDA graph per layer (`train_graphs`); by default with cuda_graphs, as the
-        # trainer
-        self.graph_forwards = cuda_graphs if graph_forwards is None else graph_forwards
         cfg = TrainConfig()
+        # the training op's forward as a CUDA graph per layer (`twell.graphs`); by default where the trainer does
+        default = graphs_sparse_forwards(cfg.trainer, ids.device)
+        self.graph_forwards = default if graph_forwards is None else graph_forwards
         cfg.trainer.lr = lr
         self.optimizer = make_optimizer(model, cfg, ids.device)
         self.mlps = sparse_mlps(model)

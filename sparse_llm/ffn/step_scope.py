@@ -13,8 +13,8 @@ parameters' `.grad`. Inside `optimizer_step(...)` the training op (`twell.train_
   which it still does (with no gradient to add), so it all-reduces the sums (tests/helpers/ddp_step_scope_check.py); the
   trainer turns this on for one process and under DDP, not under FSDP, whose unsharded gradients are its own.
 - graph_forwards: its forward replays one CUDA graph per layer (`twell.graphs`), whose outputs the layer's next forward
-  rewrites. For steps whose compiled layers are CUDA graphs too (`trainer.cuda_graphs=true`), which make the same
-  demand: each micro-batch's backward runs before the next micro-batch's forward.
+  rewrites. For steps where each micro-batch's backward runs before the next micro-batch's forward (no gradient
+  checkpointing, whose recompute is a second forward), as the compiled layers' CUDA graphs also demand.
 
 Outside the block neither happens. The block is entered once per optimizer step (train.py's trainer and
 scripts/bench_model.py's TrainStep), so nothing cached outlives the step it was made in: weights written through

@@ -326,6 +326,15 @@ def graphs_by_default(t: TrainerConfig, device: torch.device, sparse: bool) -> b
     return t.compile and valid and sparse
 
 
+def graphs_sparse_forwards(t: TrainerConfig, device: torch.device, fsdp: bool = False) -> bool:
+    """Whether the sparse training op's forward replays one CUDA graph per layer (`step_scope.optimizer_step(
+    graph_forwards=True)`): on a GPU, with or without trainer.cuda_graphs, wherever each micro-batch's backward runs
+    before its layers' next forward. Not with gradient checkpointing (its recompute is a second forward) nor FSDP
+    (it gathers the weights anew for every forward). A replay issues the op's ~25 launches in one, which the host
+    would otherwise pay for every layer and micro-batch (docs/performance.md, "2B training step")."""
+    return device.type == "cuda" and not t.gradient_checkpointing and not fsdp
+
+
 def hold_gradients(parameters: Iterable[torch.Tensor]) -> None:
     """Give every trainable parameter a zeroed gradient that stays allocated: `zero_grad(set_to_none=False)` then
     zeroes it in place, and each backward adds into it.
@@ -679,13 +688,11 @@ class Trainer:
 
     def _step_scope(self) -> contextlib.AbstractContextManager[None]:
         """`step_scope.optimizer_step` for this run's micro-batches, on one process and under DDP. Not under FSDP: it
-        gathers the weights anew for every forward and reduces gradients from hooks of its own. With CUDA graphs the
-        sparse op's forwards are graphs too (`train_graphs`): the compiled layers' graphs already demand each
-        micro-batch's backward before the next forward, which is what graphed forwards rely on."""
+        gathers the weights anew for every forward and reduces gradients from hooks of its own. On a GPU the sparse
+        op's forwards are graphs (`graphs_sparse_forwards`)."""
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        return optimizer_step(
-            reuse_casts=not fsdp, add_into_grads=not fsdp, graph_forwards=self.cfg.trainer.cuda_graphs
-        )
+        graph_forwards = graphs_sparse_forwards(self.cfg.trainer, self.acc.device, fsdp)
+        return optimizer_step(reuse_casts=not fsdp, add_into_grads=not fsdp, graph_forwards=graph_forwards)
 
     def _optimizer_step(self, stop: StopSignals) -> StepReadout:
         """Issue one update; its metrics and the ranks' stop votes come back through the returned readout.

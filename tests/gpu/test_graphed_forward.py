@@ -1,4 +1,4 @@
-"""The training op's forward replayed as a CUDA graph per layer (`train_graphs`, `optimizer_step(graph_forwards=True)`):
+"""The training op's forward replayed as a CUDA graph per layer (`twell.graphs`, `optimizer_step(graph_forwards=True)`):
 every call's outputs, heavy-token count and gradients equal the eager op's on the same inputs, while the layer's
 graph is
 captured once and replayed; a backward whose forward was replayed over raises."""

@@ -1,12 +1,13 @@
-"""The training op's forward replayed as one CUDA graph per layer, in training steps whose compiled layers are graphs.
+"""The training op's forward replayed as one CUDA graph per layer, in the training steps of a GPU.
 
-With `trainer.cuda_graphs=true` torch.compile replays each decoder layer's compiled parts as CUDA graphs, and the
-sparse FFN op runs eagerly between them. Issuing it (a GEMM, a handful of CuPy launches, a dozen allocations and their
-Python) takes the host longer than the device needs for the layer's forward, so in a graphed step the device would
-idle in every forward (docs/performance.md, "Limits that hold today"). The forward reads nothing back to the host, so
-it can be captured: `GraphedForward` runs a layer's first call eagerly (which also compiles the kernels and sets their
-shared-memory limits), captures its kernels at the second call, and from then on replays them: one copy of x into the
-graph's input and one graph launch. The heavy-token count's device-to-host copy
+The sparse FFN op runs eagerly (with `trainer.cuda_graphs=true`, between the compiled layers' graphs). Issuing it (a
+GEMM, a handful of CuPy launches, a dozen allocations and their Python) takes the host longer than the device needs for
+the layer's forward, so the device would idle in every forward of a step the host sets the pace of
+(docs/performance.md, "Limits that hold today"). The forward reads nothing back to the host, so it can be captured:
+`GraphedForward` runs a layer's first call eagerly (which also compiles the kernels and sets their shared-memory
+limits), captures its kernels at the second call, and from then on replays them: one copy of x into the graph's input
+and one graph launch. The trainer turns this on wherever a GPU trains without gradient checkpointing or FSDP
+(`training.trainer.graphs_sparse_forwards`). The heavy-token count's device-to-host copy
 stays outside the graph, into a fresh pinned tensor per call, so that a count read late (the backward, the sparsity
 statistics) reads its own call's count.
 
@@ -51,8 +52,8 @@ class ReplayToken:
             raise RuntimeError(
                 "The sparse training op's forward was replayed again before this forward's backward ran, so the "
                 "activations saved for it were overwritten. Graphed forwards (step_scope.optimizer_step("
-                "graph_forwards=True), on with trainer.cuda_graphs=true) need each micro-batch's backward before the "
-                "same layer's next forward: no gradient checkpointing, no second forward of a layer per backward."
+                "graph_forwards=True), on in GPU training without gradient checkpointing) need each micro-batch's "
+                "backward before the same layer's next forward: no second forward of a layer per backward."
             )
 
 

@@ -165,7 +165,7 @@ def forward_kernels(
 ) -> OpOutputs:
     """The CUDA forward on the current device and stream: `_cuda_forward`'s outputs, with the heavy-token count
     copied into counts_host (`new_counts_host`) as soon as it is known, or, where counts_host is None (a CUDA graph
-    capture, `train_graphs`), left on the device in its place (int32 [1]). gate_MN: where the gate GEMM writes (bf16
+    capture, `twell.graphs`), left on the device in its place (int32 [1]). gate_MN: where the gate GEMM writes (bf16
     [M, N]), else a new tensor. dense_rows: how many heavy tokens take dense GEMMs over their gathered rows; the rest
     are split over blocks of warps. Issues no host sync."""
     device = x_MK.device
