@@ -26,6 +26,9 @@ def test_a_row_compares_the_medians_within_the_tolerance():
     assert (faster["peak GiB torch"], faster["peak GiB auto"]) == (2.0, 1.5)
     assert grid.grid_row("2b", "eager", dense, step("auto", 101.9, ["torch"] * 3), 0.02)["verdict"] == "ok"
     assert grid.grid_row("2b", "eager", dense, step("auto", 103.0, ["torch"] * 3), 0.02)["verdict"] == "slower"
+    noisy = step("auto", 103.0, ["torch"] * 3)
+    noisy.ms_spread = (90.0, 110.0)  # a 19% spread: a 3% gap could be noise
+    assert grid.grid_row("2b", "eager", dense, noisy, 0.02)["verdict"] == "slower within spread"
     skipped = VariantResult("train", "auto", 4, 8192, skipped="out of memory at micro-batch 4")
     assert grid.grid_row("2b", "graphs", dense, skipped, 0.02)["skipped"] == "out of memory at micro-batch 4"
 
@@ -39,6 +42,10 @@ def test_a_cpu_grid_writes_one_record_that_grows_with_its_rows(tmp_path):
     assert all(row["sparse layers"].startswith("0/") for row in rows)  # no sparse kernels on a CPU
     (record,) = read_records(tmp_path).values()
     assert record["bench"] == "bench_train_grid" and record["results"] == rows
+
+
+def test_smaller_micro_batches_take_more_timed_steps_up_to_four_times():
+    assert [grid.timed_steps(3, tokens) for tokens in (2048, 4096, 8192, 16384, 64)] == [12, 6, 3, 3, 12]
 
 
 @pytest.mark.parametrize(
