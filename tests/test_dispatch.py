@@ -103,6 +103,19 @@ def test_switching_to_sparse_needs_a_margin(fake):
     assert dispatcher.choose(x, w, False).name == "fake"
 
 
+def test_leaving_a_sparse_path_needs_the_same_margin(fake):
+    dispatcher = LayerDispatcher("auto")
+    x, w = torch.zeros(4096, 2048, dtype=torch.bfloat16), torch.zeros(5632, 2048, dtype=torch.bfloat16)
+    dense_ms = TorchFFN().estimated_ms(4096, 2048, 5632, 3.0, 9.0, False)
+    dispatcher.observe(3.0, 9.0)
+    fake.ms = 0.5 * dense_ms
+    assert dispatcher.choose(x, w, False).name == "fake"
+    for ratio, path in ((1.03, "fake"), (1.2, "torch"), (1.03, "torch")):  # 3% dearer: stay; 20%: leave; then stay
+        fake.ms = ratio * dense_ms
+        dispatcher.observe(3.0, 9.0)
+        assert dispatcher.choose(x, w, False).name == path, ratio
+
+
 def test_compiled_layers_price_the_dense_path_without_its_eager_statistics(fake):
     """Training: a sparse path that beats the eager dense block (ReLU, product and statistics as separate passes)
     may lose to the compiled one, which fuses them; `auto` weighs it against the dense path the layer runs."""

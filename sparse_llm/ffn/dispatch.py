@@ -12,7 +12,7 @@ way, whatever its prices: it runs at the host's pace, which the prices (device t
 In training the same prices decide, with no trial (a training call's backward cannot be timed apart from the step):
 the sparse training op's price never drops below the host's exposed time to issue it (the cost model's floor), so a
 layer stays dense while it is dense-ish (early in training) or its micro-batch is small, and switches once its
-observed sparsity makes the sparse op the cheaper by SWITCH_MARGIN.
+observed sparsity makes the sparse op the cheaper by SWITCH_MARGIN (and back once the dense path is, by the same).
 
 Rank consistency: in distributed training the decision must be the same on every rank (or ranks
 would run different kernels and disagree on statistics). The trainer therefore feeds `observe` with
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "torch", "twell")
 
-# A sparse path must beat the dense one by this factor before a layer switches to it.
+# A sparse path must beat the dense one by this factor before a layer switches to it, and the dense path the sparse
+# one before it switches back: prices within 5% of each other leave a layer on the path it runs.
 SWITCH_MARGIN = 0.95
 
 # Sparse and dense prices within this factor of each other (either way) are settled by a trial of both paths on the
@@ -245,6 +246,9 @@ class LayerDispatcher:
             settled = False
         if best != "torch" and estimates[best] > SWITCH_MARGIN * dense_ms and self.current == "torch":
             return "torch", settled
+        held = estimates.get(self.current) if self.current != "torch" else None
+        if best == "torch" and held is not None and dense_ms > SWITCH_MARGIN * held:
+            return self.current, settled  # leaving a sparse path takes the same margin as taking it
         return best, settled
 
     def _tried(
