@@ -29,6 +29,7 @@ from sparse_llm.training.trainer import (
     Trainer,
     cosine_with_warmup,
     graphs_by_default,
+    graphs_sparse_forwards,
     make_optimizer,
     plain_tensor,
     plan_batches,
@@ -254,6 +255,17 @@ def test_cuda_graphs_follow_compile_where_they_can_run_for_sparse_models(tmp_pat
     assert not graphs_by_default(TrainerConfig(compile=True, compile_backend="aot_eager"), cuda, sparse=True)
     trainer = Trainer(small_config("trainer.compile=true", "trainer.compile_backend=aot_eager"), tmp_path / "cpu")
     assert trainer.cfg.trainer.cuda_graphs is False  # resolved at start: a CPU run
+
+
+def test_the_sparse_op_is_graphed_on_a_gpu_without_gradient_checkpointing_or_fsdp():
+    """With or without trainer.compile and trainer.cuda_graphs: each micro-batch's backward runs before the next
+    forward everywhere else."""
+    cuda = torch.device("cuda")
+    assert graphs_sparse_forwards(TrainerConfig(), cuda)
+    assert graphs_sparse_forwards(TrainerConfig(compile=True, cuda_graphs=False), cuda)
+    assert not graphs_sparse_forwards(TrainerConfig(), torch.device("cpu"))
+    assert not graphs_sparse_forwards(TrainerConfig(gradient_checkpointing=True), cuda)  # its recompute is a forward
+    assert not graphs_sparse_forwards(TrainerConfig(), cuda, fsdp=True)
 
 
 class CheapDense(TorchFFN):
