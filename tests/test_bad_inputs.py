@@ -2,7 +2,8 @@
 the file and what is wrong with it, never a traceback; a damaged newest checkpoint resumes from the one before.
 
 Every case copies one small trained run (step checkpoints at steps 2 and 4, and final/), damages one thing or writes
-one bad file, and runs a script. To add a case, append a Case to CASES.
+one bad file, and runs a script. To add a case, append a Case to CASES. The scripts of the cases run two at a time,
+each in a process of its own; the test of each case checks its own run.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import background
 from helpers.runs import TINY_MODEL, child_env
 
 from sparse_llm.data.pipeline import DataConfig, write_token_file
@@ -229,6 +232,7 @@ class Case:
     setup: Callable[[Path, Path], list[str]]
     named: tuple[str, ...]
     exit_code: int = 2
+    indexes_lm_eval: bool = False  # its script indexes lm-eval's built-in tasks (~15 s): it starts first
 
 
 RESUMED_FROM_STEP_2 = ("Resumed from", "checkpoints/step_2 at step 2")
@@ -363,7 +367,10 @@ CASES = [
         ("step_4/model/model.safetensors", "cut short"),
     ),
     Case(
-        "eval-task-rows-without-fields", task_rows_without_fields, ("task_data.arc_easy=", "arc_easy.jsonl", "fields")
+        "eval-task-rows-without-fields",
+        task_rows_without_fields,
+        ("task_data.arc_easy=", "arc_easy.jsonl", "fields"),
+        indexes_lm_eval=True,
     ),
     Case("eval-corrupt-task-data", task_data, ("arc_easy.jsonl", "is not valid JSON", "task_data.arc_easy")),
     Case(
@@ -410,12 +417,38 @@ def script_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.fixture(scope="module")
+def outcomes(request, trained_run, entry_points, tmp_path_factory) -> dict[str, tuple[Path, Future]]:
+    """The runs of the cases this session selected: case id -> (its copy of the run, the future of its script's
+    CompletedProcess). Each case's setup runs here, one after the other; the scripts run two at a time on the
+    entry-point server, for two cores (the threads only wait on the server), and no background job starts a process
+    meanwhile (helpers/background.py)."""
+    selected = {
+        item.callspec.params["case"].id
+        for item in request.session.items
+        if getattr(item, "function", None) is test_a_bad_input_is_named_without_a_traceback
+    }
+    started = {}
+    with background.paused(), ThreadPoolExecutor(max_workers=2) as pool:
+        for case in sorted((case for case in CASES if case.id in selected), key=lambda case: not case.indexes_lm_eval):
+            scratch = tmp_path_factory.mktemp(case.id)
+            run = scratch / "run"
+            try:
+                shutil.copytree(trained_run, run)
+                arguments = case.setup(run, scratch)
+            except Exception as error:  # the case's test reports it
+                started[case.id] = (run, Future())
+                started[case.id][1].set_exception(error)
+                continue
+            started[case.id] = (run, pool.submit(entry_points.run, arguments, script_env(), scratch))
+        yield started
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_a_bad_input_is_named_without_a_traceback(case, trained_run, entry_points, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
-    done = entry_points.run(case.setup(run, tmp_path), script_env(), tmp_path)
+def test_a_bad_input_is_named_without_a_traceback(case, outcomes):
+    run, future = outcomes[case.id]
+    done = future.result()
     output = done.stdout + done.stderr
     assert done.returncode == case.exit_code, output[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import background
 from huggingface_hub import constants
 
 import sparse_llm.data.pipeline as data_module
@@ -320,26 +323,42 @@ def test_token_file_tokenizer_mismatch_is_an_error(tmp_path):
         build_token_data(cfg, 8)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# Taken when the tests are collected: the run below may start while a test has variables of its own set.
+FRESH_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@background.offer("fresh_interpreter_run")
+def _embedded_and_token_paths_in_a_fresh_interpreter() -> subprocess.CompletedProcess:
+    # A fresh interpreter imports torch and transformers for ~10 s: it runs while other tests do (helpers/background.py)
+    with tempfile.TemporaryDirectory() as folder:
+        tokens = str(Path(folder) / "t")
+        code = (
+            "import sys\n"
+            "from sparse_llm.data.pipeline import DataConfig, build_token_data, write_token_file\n"
+            "build_token_data(DataConfig(), 64)\n"
+            f"write_token_file(DataConfig(max_documents=40), {tokens!r})\n"
+            f"build_token_data(DataConfig(name='tokens', tokenizer='from_file', paths=[{tokens!r}]), 64)\n"
+            "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
+        )
+        return subprocess.run(
+            background.low_priority([sys.executable, "-c", code]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=FRESH_ENV,
+        )
+
+
+@pytest.fixture
+def fresh_interpreter_run() -> subprocess.CompletedProcess:
+    return background.result("fresh_interpreter_run")
+
+
 @pytest.mark.slow  # a fresh interpreter: torch and transformers imports take seconds
-def test_embedded_and_token_paths_do_not_import_datasets(tmp_path):
-    code = (
-        "import sys\n"
-        "from sparse_llm.data.pipeline import DataConfig, build_token_data, write_token_file\n"
-        "build_token_data(DataConfig(), 64)\n"
-        f"write_token_file(DataConfig(max_documents=40), {str(tmp_path / 't')!r})\n"
-        f"build_token_data(DataConfig(name='tokens', tokenizer='from_file', paths=[{str(tmp_path / 't')!r}]), 64)\n"
-        "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
-    )
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**__import__("os").environ, "PYTHONPATH": str(root)},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_embedded_and_token_paths_do_not_import_datasets(fresh_interpreter_run):
+    assert fresh_interpreter_run.returncode == 0, fresh_interpreter_run.stderr[-2000:]
 
 
 # -------------------------------------------------------------------------------------------- streaming

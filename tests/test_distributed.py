@@ -2,17 +2,20 @@
 
 The same global batch split over 2 ranks must give the losses of a single process, only rank 0 may
 log, a resumed 2-rank run must continue exactly, and a stop signal to one rank stops both at one checkpoint.
+The run that is stopped has ranks of their own, as users' runs do; the others' ranks are forked from the entry-point
+server (tests/helpers/entry_points.py), which saves each launch the ranks' ~10 s of imports.
 """
 
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 from helpers.runs import (
+    ACCELERATE_LAUNCH,
+    FORKED_RANK,
     PARALLEL_REFERENCE,
     ROOT,
     child_env,
@@ -38,10 +41,10 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} process under the launcher")
 
 
-def test_two_ranks_match_one_process_and_resume(tmp_path, one_process_run):
+def test_two_ranks_match_one_process_and_resume(tmp_path, one_process_run, entry_points, both_cores):
     """The same global batch over 2 ranks gives one process's losses, and its rank-reduced statistics: the layers'
     L1 weights (layer_balance, from all ranks' non-zeros) and the dead neurons re-initialised."""
-    ddp = run_train_py(tmp_path / "ddp", 2, *PARALLEL_REFERENCE)
+    ddp = run_train_py(tmp_path / "ddp", 2, *PARALLEL_REFERENCE, entry_points=entry_points)
     assert len(ddp) == 3  # one line per logging step: rank 1 wrote nothing
     assert ddp == pytest.approx(logged_losses(one_process_run), rel=1e-5)
     (weights, reinit), (reference_weights, reference_reinit) = map(
@@ -54,11 +57,13 @@ def test_two_ranks_match_one_process_and_resume(tmp_path, one_process_run):
 
     # A new run resumed from the step-3 checkpoint continues as the run that wrote it did.
     step_3 = tmp_path / "ddp" / "checkpoints" / "step_3"
-    resumed = run_train_py(tmp_path / "resumed", 2, *PARALLEL_REFERENCE, f"checkpoint.resume={step_3}")
+    resumed = run_train_py(
+        tmp_path / "resumed", 2, *PARALLEL_REFERENCE, f"checkpoint.resume={step_3}", entry_points=entry_points
+    )
     assert resumed == pytest.approx(ddp[-2:], rel=1e-5)
 
 
-def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
+def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path, entry_points, both_cores):
     run_dir = tmp_path / "stopped"
     launcher = subprocess.Popen(
         train_py_command(run_dir, 2, "trainer.max_steps=400", "checkpoint.every=0"),
@@ -88,14 +93,14 @@ def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path):
     # Both ranks wrote their part of it (sparsity statistics, RNG states), and the run continues from it.
     assert sorted(p.name for p in checkpoint.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
     assert len(list(checkpoint.glob("accelerator/random_states_*.pkl"))) == 2
-    losses = run_train_py(run_dir, 2, f"trainer.max_steps={step + 2}", "checkpoint.every=0", "checkpoint.resume=auto")
+    resume = (f"trainer.max_steps={step + 2}", "checkpoint.every=0", "checkpoint.resume=auto")
+    losses = run_train_py(run_dir, 2, *resume, entry_points=entry_points)
     assert len(losses) > 0 and (run_dir / "final").is_dir()
 
 
-def test_distributed_step_check_passes_where_ranks_agree():
+def test_distributed_step_check_passes_where_ranks_agree(entry_points, both_cores):
     launcher = [
-        shutil.which("accelerate") or sys.executable,
-        "launch",
+        *ACCELERATE_LAUNCH,
         "--multi_gpu",
         "--num_processes",
         "2",
@@ -103,12 +108,15 @@ def test_distributed_step_check_passes_where_ranks_agree():
         "1",
         "--dynamo_backend",
         "no",
+        "--no_python",
+        *FORKED_RANK,
         "scripts/dist_step_check.py",
         "--mixed-precision",
         "no",
         "--tol",
         "1e-4",
     ]
-    out = subprocess.run(launcher, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    env = entry_points.rank_env(child_env())
+    out = subprocess.run(launcher, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MULTI_CPU x 2" in out.stdout and "worst over 38 parameters" in out.stdout

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.entry_points import FORKED_RANK, EntryPoints
 from helpers.runs import PARALLEL_REFERENCE, ROOT, SMALL, child_env, logged_losses, rank_reduced_statistics
 
 pytestmark = [
@@ -21,24 +22,30 @@ pytestmark = [
 ]
 
 
-def _fsdp_run(run_dir: Path, *overrides: str) -> list[float]:
+def _fsdp_run(entry_points: EntryPoints, run_dir: Path, *overrides: str) -> list[float]:
+    """The ranks are forked from the entry-point server (tests/helpers/entry_points.py): no ~10 s of imports each."""
     command = [
         shutil.which("torchrun") or sys.executable,
         "--nproc_per_node",
         "2",
+        "--no-python",
+        *FORKED_RANK,
         "tests/helpers/fsdp_cpu_train.py",
         *SMALL,
         *PARALLEL_REFERENCE,
         *overrides,
         f"hydra.run.dir={run_dir}",
     ]
-    out = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    env = entry_points.rank_env(child_env())
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)
 
 
-def test_fsdp_ranks_match_one_process_and_resume_from_sharded_checkpoints(tmp_path, one_process_run):
-    fsdp = _fsdp_run(tmp_path / "fsdp")
+def test_fsdp_ranks_match_one_process_and_resume_from_sharded_checkpoints(
+    tmp_path, one_process_run, entry_points, both_cores
+):
+    fsdp = _fsdp_run(entry_points, tmp_path / "fsdp")
     assert fsdp == pytest.approx(logged_losses(one_process_run), rel=1e-5)
     (weights, reinit), (reference_weights, reference_reinit) = map(
         rank_reduced_statistics, (tmp_path / "fsdp", one_process_run)
@@ -54,5 +61,5 @@ def test_fsdp_ranks_match_one_process_and_resume_from_sharded_checkpoints(tmp_pa
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
     # A new run resumed from the step-3 checkpoint continues as the run that wrote it did.
-    resumed = _fsdp_run(tmp_path / "resumed", f"checkpoint.resume={step_3}")
+    resumed = _fsdp_run(entry_points, tmp_path / "resumed", f"checkpoint.resume={step_3}")
     assert resumed == pytest.approx(fsdp[-2:], rel=1e-5)

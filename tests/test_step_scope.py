@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import child_env
+from helpers.entry_points import FORKED_RANK, child_env
 
 from sparse_llm.ffn import step_scope
 from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast
@@ -223,14 +223,24 @@ def test_graph_forwards_leave_cpu_calls_to_the_reference():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
-def test_ddp_all_reduces_gradients_added_in_place():
+def test_ddp_all_reduces_gradients_added_in_place(entry_points, both_cores):
     """Two CPU ranks (tests/helpers/ddp_step_scope_check.py): the op adds into .grad in the micro-batches after the
     first and hands autograd nothing for those weights; DDP's reducer, which runs once a weight's AccumulateGrad node
     has run (it still runs, with no gradient to add), all-reduces the sums, equal to one process's over both ranks'
-    batches."""
+    batches. The ranks are forked from the entry-point server (tests/helpers/entry_points.py), without ~3 s of imports
+    each."""
     torchrun = shutil.which("torchrun") or sys.executable
-    command = [torchrun, "--nproc_per_node", "2", "tests/helpers/ddp_step_scope_check.py", "cpu"]
-    out = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    command = [
+        torchrun,
+        "--nproc_per_node",
+        "2",
+        "--no-python",
+        *FORKED_RANK,
+        "tests/helpers/ddp_step_scope_check.py",
+        "cpu",
+    ]
+    env = entry_points.rank_env(child_env())
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(re.findall(r"rank (\d): added in place", out.stdout)) == ["0", "1"], out.stdout[-2000:]
 

@@ -10,13 +10,16 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import background
 
 from sparse_llm import doctor
 from sparse_llm.cuda import runtime as cuda
@@ -57,6 +60,7 @@ KERNEL_FILES = (
     "decode_ffn.cu",
 )
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+NVCC_ENV = dict(os.environ)  # taken at collection: the builds may run while a test has variables of its own set
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -82,21 +86,39 @@ def test_missing_kernel_names_the_places_tried():
         cuda.kernel_path("no_such_kernel.cu")
 
 
+@background.offer("sm90a_builds")
+def _compile_kernels_for_sm90a() -> dict[str, subprocess.CompletedProcess]:
+    # nvcc on each file, one after another (~20 s): done while other tests run (helpers/background.py).
+    builds = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for filename in KERNEL_FILES if NVCC is not None else ():
+            background.step()
+            src = Path(folder) / filename
+            src.write_text(cuda.kernel_source(filename))
+            cmd = [
+                NVCC,
+                "-gencode=arch=compute_90a,code=sm_90a",
+                "-std=c++17",
+                "--cubin",
+                "-o",
+                str(Path(folder) / "k.cubin"),
+                str(src),
+            ]
+            builds[filename] = subprocess.run(
+                background.low_priority(cmd), capture_output=True, text=True, timeout=300, env=NVCC_ENV
+            )
+    return builds
+
+
+@pytest.fixture(scope="module")
+def sm90a_builds() -> dict[str, subprocess.CompletedProcess]:
+    return background.result("sm90a_builds")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("filename", KERNEL_FILES)
-def test_kernels_compile_for_sm90a(filename, tmp_path):
-    src = tmp_path / filename
-    src.write_text(cuda.kernel_source(filename))
-    cmd = [
-        NVCC,
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-std=c++17",
-        "--cubin",
-        "-o",
-        str(tmp_path / "k.cubin"),
-        str(src),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def test_kernels_compile_for_sm90a(filename, sm90a_builds):
+    done = sm90a_builds[filename]
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -9,9 +9,12 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import background
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.cuda import runtime as cuda
@@ -36,6 +39,7 @@ from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
 
 KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+NVCC_ENV = dict(os.environ)  # taken at collection: the builds may run while a test has variables of its own set
 
 
 def block(m=24, k=16, n=64, dtype=torch.float64, seed=0, requires_grad=True):
@@ -437,24 +441,42 @@ def test_kernel_sources_are_self_contained(filename):
     assert "<cstdint>" not in source and "<cmath>" not in source  # NVRTC has no host headers
 
 
+@background.offer("sm90a_train_builds")
+def _compile_training_kernels_for_sm90a() -> dict[str, subprocess.CompletedProcess]:
+    # nvcc on each file, one after the other (~10 s): done while other tests run (helpers/background.py).
+    builds = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for filename in KERNEL_FILES if NVCC is not None else ():
+            background.step()
+            src = Path(folder) / filename
+            src.write_text(cuda.kernel_source(filename))
+            cmd = [
+                NVCC,
+                "-gencode=arch=compute_90a,code=sm_90a",
+                "-std=c++17",
+                "--cubin",
+                "-Xptxas",
+                "-v",
+                "-o",
+                str(Path(folder) / "k.cubin"),
+                str(src),
+            ]
+            builds[filename] = subprocess.run(
+                background.low_priority(cmd), capture_output=True, text=True, timeout=300, env=NVCC_ENV
+            )
+    return builds
+
+
+@pytest.fixture(scope="module")
+def sm90a_train_builds() -> dict[str, subprocess.CompletedProcess]:
+    return background.result("sm90a_train_builds")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("filename", KERNEL_FILES)
-def test_kernels_compile_for_sm90a_without_spills(filename, tmp_path):
+def test_kernels_compile_for_sm90a_without_spills(filename, sm90a_train_builds):
     """Compiles as NVRTC sees it; the K <= 2048 instantiations (KV <= 8) keep everything in registers."""
-    src = tmp_path / filename
-    src.write_text(cuda.kernel_source(filename))
-    cmd = [
-        NVCC,
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-std=c++17",
-        "--cubin",
-        "-Xptxas",
-        "-v",
-        "-o",
-        str(tmp_path / "k.cubin"),
-        str(src),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = sm90a_train_builds[filename]
     assert done.returncode == 0, done.stderr[-3000:]
     # ptxas prints "Compiling entry function '<mangled>'" then "<n> bytes spill stores" per kernel.
     reports = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", done.stderr, re.S)

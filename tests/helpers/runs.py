@@ -1,11 +1,11 @@
 """Tiny training runs for the tests: the overrides that make one take seconds on two CPU cores, the config they
-compose to, and train.py launched as users launch it (one process, or ranks through `accelerate launch`)."""
+compose to, and train.py launched as users launch it (one process, or ranks through `accelerate launch`, which may
+be forked from the entry-point server: helpers/entry_points.py)."""
 
 from __future__ import annotations
 
 import atexit
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,10 +15,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers.entry_points import FORKED_RANK, ROOT, EntryPoints, child_env
 from sparse_llm.telemetry.metrics import read_metrics
 from sparse_llm.training.config import TrainConfig, register_configs
 
-ROOT = Path(__file__).resolve().parents[2]
 register_configs()
 
 # The embedded corpus tokenized once for every run of a test session, in this process or another (data.cache_dir):
@@ -98,48 +98,45 @@ def logged_losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def child_env(gpu: bool = False) -> dict[str, str]:
-    """The environment for a process the tests start: no GPU unless `gpu`, one intra-op thread (as tests/conftest.py
-    sets for this process), and this checkout's sparse_llm ahead of an installed one (a script's own folder comes
-    first on its path, then site-packages)."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    if not gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+# `accelerate launch` without the CLI's other commands, whose imports (transformers, ~7 s) it would wait for first.
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def train_py_command(run_dir: Path, processes: int, *overrides: str) -> list[str]:
-    """train.py with SMALL, `overrides` and `run_dir`: in one process, or `processes` CPU ranks under accelerate."""
-    launcher = ["python", "train.py"]
+def accelerate_launch(processes: int, forked: bool) -> list[str]:
+    """`accelerate launch` of `processes` CPU ranks, up to the script. `forked`: the script runs in ranks forked from
+    the entry-point server (tests/helpers/entry_points.py), which needs its `rank_env`."""
+    launcher = [
+        *ACCELERATE_LAUNCH,
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    return [*launcher, "--no_python", *FORKED_RANK] if forked else launcher
+
+
+def train_py_command(run_dir: Path, processes: int, *overrides: str, forked: bool = False) -> list[str]:
+    """train.py with SMALL, `overrides` and `run_dir`: in one process, or `processes` CPU ranks under accelerate
+    (`forked`: see `accelerate_launch`)."""
+    launcher = [shutil.which("python") or sys.executable]
     if processes > 1:
-        launcher = [
-            "accelerate",
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "train.py",
-        ]
-    launcher[0] = shutil.which(launcher[0]) or sys.executable
-    return [*launcher, *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+        launcher = accelerate_launch(processes, forked)
+    return [*launcher, "train.py", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
 
 
-def run_train_py(run_dir: Path, processes: int, *overrides: str) -> list[float]:
-    """Run `train_py_command` to the end; the losses it logged."""
-    out = subprocess.run(
-        train_py_command(run_dir, processes, *overrides),
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def run_train_py(
+    run_dir: Path, processes: int, *overrides: str, entry_points: EntryPoints | None = None
+) -> list[float]:
+    """Run `train_py_command` to the end; the losses it logged. With `entry_points`, the ranks (`processes` > 1) are
+    forked from its server instead of starting fresh interpreters."""
+    forked = entry_points is not None and processes > 1
+    env = entry_points.rank_env(child_env()) if forked else child_env()
+    command = train_py_command(run_dir, processes, *overrides, forked=forked)
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)
