@@ -1,4 +1,4 @@
-"""Fixtures shared by the test files: tiny runs trained once per session (helpers/runs.py makes them), in the
+"""Fixtures shared by the test files: tiny runs trained once per pytest run (helpers/runs.py makes them), in the
 background while other tests run (helpers/background.py), and the entry-point server (helpers/entry_points.py). The
 runs are read-only: a test that changes a run copies it to its tmp_path first."""
 
@@ -32,7 +32,7 @@ torch.set_num_threads(1)
 
 
 def _scratch(prefix: str) -> Path:
-    """A folder for a session's run made in the background (where no tmp_path_factory is at hand)."""
+    """A folder for a run made in the background (where no tmp_path_factory is at hand)."""
     folder = Path(tempfile.mkdtemp(prefix=f"sparse_llm_test_{prefix}_"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
@@ -40,7 +40,7 @@ def _scratch(prefix: str) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def background_work(request: pytest.FixtureRequest) -> None:
-    """Start the offered work of the fixtures the session's tests use (helpers/background.py), in the order they are
+    """Start the offered work of the fixtures the collected tests use (helpers/background.py), in the order they are
     first used."""
     used = (item for item in request.session.items if not item.get_closest_marker("skip"))
     background.start(name for item in used for name in getattr(item, "fixturenames", ()))

@@ -6,20 +6,17 @@ exactly as NVRTC sees them (local headers inlined); no GPU is needed for that.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import tempfile
 import threading
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import background
+from helpers.nvcc import NVCC, build_for_sm90a
 
 from sparse_llm import doctor
 from sparse_llm.cuda import runtime as cuda
@@ -59,8 +56,6 @@ KERNEL_FILES = (
     "dense_rows.cu",
     "decode_ffn.cu",
 )
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-NVCC_ENV = dict(os.environ)  # taken at collection: the builds may run while a test has variables of its own set
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -88,26 +83,8 @@ def test_missing_kernel_names_the_places_tried():
 
 @background.offer("sm90a_builds")
 def _compile_kernels_for_sm90a() -> dict[str, subprocess.CompletedProcess]:
-    # nvcc on each file, one after another (~20 s): done while other tests run (helpers/background.py).
-    builds = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for filename in KERNEL_FILES if NVCC is not None else ():
-            background.step()
-            src = Path(folder) / filename
-            src.write_text(cuda.kernel_source(filename))
-            cmd = [
-                NVCC,
-                "-gencode=arch=compute_90a,code=sm_90a",
-                "-std=c++17",
-                "--cubin",
-                "-o",
-                str(Path(folder) / "k.cubin"),
-                str(src),
-            ]
-            builds[filename] = subprocess.run(
-                background.low_priority(cmd), capture_output=True, text=True, timeout=300, env=NVCC_ENV
-            )
-    return builds
+    # ~20 s: done while other tests run
+    return build_for_sm90a(KERNEL_FILES)
 
 
 @pytest.fixture(scope="module")

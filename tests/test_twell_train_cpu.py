@@ -5,16 +5,13 @@ path, and an sm_90a compile check of the training kernels (needs nvcc; no GPU).
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import background
+from helpers.nvcc import NVCC, build_for_sm90a
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.cuda import runtime as cuda
@@ -38,8 +35,6 @@ from sparse_llm.ffn.twell.validation import check_train_inputs
 from sparse_llm.formats import gated_mlp_ref, hybrid_gated_mlp_forward_ref
 
 KERNEL_FILES = ("train_forward.cu", "train_backward.cu")
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-NVCC_ENV = dict(os.environ)  # taken at collection: the builds may run while a test has variables of its own set
 
 
 def block(m=24, k=16, n=64, dtype=torch.float64, seed=0, requires_grad=True):
@@ -443,28 +438,8 @@ def test_kernel_sources_are_self_contained(filename):
 
 @background.offer("sm90a_train_builds")
 def _compile_training_kernels_for_sm90a() -> dict[str, subprocess.CompletedProcess]:
-    # nvcc on each file, one after the other (~10 s): done while other tests run (helpers/background.py).
-    builds = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for filename in KERNEL_FILES if NVCC is not None else ():
-            background.step()
-            src = Path(folder) / filename
-            src.write_text(cuda.kernel_source(filename))
-            cmd = [
-                NVCC,
-                "-gencode=arch=compute_90a,code=sm_90a",
-                "-std=c++17",
-                "--cubin",
-                "-Xptxas",
-                "-v",
-                "-o",
-                str(Path(folder) / "k.cubin"),
-                str(src),
-            ]
-            builds[filename] = subprocess.run(
-                background.low_priority(cmd), capture_output=True, text=True, timeout=300, env=NVCC_ENV
-            )
-    return builds
+    # ~10 s, with ptxas's register report: done while other tests run
+    return build_for_sm90a(KERNEL_FILES, ("-Xptxas", "-v"))
 
 
 @pytest.fixture(scope="module")

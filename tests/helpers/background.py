@@ -1,7 +1,7 @@
 """Slow work in processes of its own (a training run, a fresh interpreter, nvcc), done while the tests run.
 
 The tests run in one thread and mostly keep one of two cores busy; work that waits on another process can use the
-other one. A fixture whose value is such work offers it here under its own name (`offer`); once the session's tests
+other one. A fixture whose value is such work offers it here under its own name (`offer`); once the tests
 are collected, tests/conftest.py starts the work of the fixtures they use (`start`), one job at a time in a thread of
 this process, in the order the tests first use them. The fixture then asks for its value (`result`): a job not started
 yet runs at once in the asking thread, one under way is waited for.
@@ -107,7 +107,7 @@ def start(fixture_names: Iterable[str]) -> None:
                 _run(name)
 
     if names:
-        # A daemon: at the session's end nothing waits for work no test asked for.
+        # A daemon: when pytest exits nothing waits for work no test asked for.
         _worker = threading.Thread(target=work_through, name="background work", daemon=True)
         _worker.start()
 

@@ -21,7 +21,7 @@ from sparse_llm.training.config import TrainConfig, register_configs
 
 register_configs()
 
-# The embedded corpus tokenized once for every run of a test session, in this process or another (data.cache_dir):
+# The embedded corpus tokenized once for every run of one pytest call, in this process or another (data.cache_dir):
 # about a second of CPU a run otherwise.
 TOKEN_CACHE = Path(tempfile.mkdtemp(prefix="sparse_llm_test_tokens_"))
 atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
