@@ -232,7 +232,6 @@ class Case:
     setup: Callable[[Path, Path], list[str]]
     named: tuple[str, ...]
     exit_code: int = 2
-    indexes_lm_eval: bool = False  # its script indexes lm-eval's built-in tasks (~15 s): it starts first
 
 
 RESUMED_FROM_STEP_2 = ("Resumed from", "checkpoints/step_2 at step 2")
@@ -370,7 +369,6 @@ CASES = [
         "eval-task-rows-without-fields",
         task_rows_without_fields,
         ("task_data.arc_easy=", "arc_easy.jsonl", "fields"),
-        indexes_lm_eval=True,
     ),
     Case("eval-corrupt-task-data", task_data, ("arc_easy.jsonl", "is not valid JSON", "task_data.arc_easy")),
     Case(
@@ -430,7 +428,7 @@ def outcomes(request, trained_run, entry_points, tmp_path_factory) -> dict[str, 
     }
     started = {}
     with background.paused(), ThreadPoolExecutor(max_workers=2) as pool:
-        for case in sorted((case for case in CASES if case.id in selected), key=lambda case: not case.indexes_lm_eval):
+        for case in (case for case in CASES if case.id in selected):
             scratch = tmp_path_factory.mktemp(case.id)
             run = scratch / "run"
             try:

@@ -1,6 +1,7 @@
 """eval.py: held-out perplexity and sparsity, lm-eval tasks (embedded, local files), compare, error paths."""
 
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -64,14 +65,17 @@ def eval_config(**changes) -> EvalConfig:
 
 
 @pytest.fixture
-def arc_only(monkeypatch):
-    """Index only lm-eval's ARC YAMLs (indexing all built-in tasks takes ~8 s)."""
-    from lm_eval.tasks import TaskManager
+def arc_full_index(monkeypatch):
+    """lm-eval's index of every built-in task (~14 s) made of its ARC folder alone: tests that fall back to it."""
+    from lm_eval import tasks as lm_eval_tasks
 
-    arc_dir = Path(tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
-    monkeypatch.setattr(
-        tasks, "task_manager", lambda builtin: TaskManager(include_path=str(arc_dir), include_defaults=False)
-    )
+    arc_dir = Path(lm_eval_tasks.__file__).parent / "arc"
+
+    class ArcOnly(lm_eval_tasks.TaskManager):
+        def __init__(self, include_path=None, include_defaults=True):
+            super().__init__(include_path=arc_dir if include_defaults else include_path, include_defaults=False)
+
+    monkeypatch.setattr(lm_eval_tasks, "TaskManager", ArcOnly)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ def test_compare_takes_one_checkpoint_or_a_list():
             evaluation.compare_paths(bad)
 
 
-def test_local_arc_file_runs_through_lm_eval(models, tmp_path, arc_only):
+def test_local_arc_file_runs_through_lm_eval(models, tmp_path):
     data = tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
     cfg = eval_config(checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(data)}, limit=4)
     results = evaluate(cfg, tmp_path / "eval")
@@ -197,6 +201,51 @@ def test_task_names_expand_aliases_in_order():
     assert tasks.expand_task_names("paper")[:2] == ["arc_easy", "arc_challenge"]
     assert len(tasks.expand_task_names(["paper", "piqa"])) == 7
     assert tasks.expand_task_names("embedded,arc_easy") == ["heldout_continuation", "arc_easy"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# lm-eval's task index: the requested tasks' folders, or every built-in task
+
+
+@pytest.mark.parametrize("name", tasks.PAPER_TASKS)
+def test_a_paper_task_is_found_in_the_index_of_its_folder_alone(name):
+    from lm_eval.tasks._index import Kind
+
+    (folder,) = tasks.builtin_task_dirs([name])
+    manager = tasks.task_manager([name])
+    assert manager.include_path == [folder] and folder.is_dir()
+    entry = manager.task_index[name]
+    assert entry.kind is Kind.TASK and entry.yaml_path.parent == folder
+    tasks.check_known([name], manager)
+    assert tasks.builtin_task_config(name, manager)["task"] == name  # its !function entries resolve from there too
+
+
+def test_task_folders_are_those_of_the_builtin_tasks_asked_for():
+    arc_dir = Path(tasks.import_lm_eval().__file__).parent / "tasks" / "arc"
+    assert tasks.builtin_task_dirs(["arc_easy", tasks.HELDOUT_TASK, "arc_challenge"]) == [arc_dir]
+    assert len(tasks.builtin_task_dirs(tasks.PAPER_TASKS)) == 6
+    assert tasks.builtin_task_dirs([tasks.HELDOUT_TASK]) == []
+    assert tasks.task_manager([tasks.HELDOUT_TASK]).all_tasks == []
+    assert tasks.builtin_task_dirs(["arc_easy", "lambada_openai"]) is None  # no folder known: the full index
+
+
+def test_a_task_its_folder_does_not_define_is_looked_up_in_the_full_index(monkeypatch, arc_full_index):
+    monkeypatch.setitem(tasks.BUILTIN_TASK_DIRS, "arc_easy", "piqa")  # as if a later lm-eval had moved it
+    manager = tasks.task_manager(["arc_easy"])
+    assert manager.task_index["arc_easy"].yaml_path.parent.name == "arc"
+
+
+def test_no_other_folder_of_lm_eval_declares_a_paper_task():
+    """What makes the index of the tasks' folders agree with the full one: each paper task is declared (`task: <name>`)
+    in its own folder's YAMLs alone. A text scan of every task YAML (~1 s; the full index parses them in ~14 s)."""
+    root = Path(tasks.import_lm_eval().__file__).parent / "tasks"
+    declared = re.compile(r"^task:\s*['\"]?([\w-]+)['\"]?\s*$", re.MULTILINE)
+    folders: dict[str, set[str]] = {}
+    for path in root.rglob("*.yaml"):
+        for name in declared.findall(path.read_text(errors="ignore")):
+            if name in tasks.BUILTIN_TASK_DIRS:
+                folders.setdefault(name, set()).add(path.relative_to(root).parts[0])
+    assert folders == {name: {folder} for name, folder in tasks.BUILTIN_TASK_DIRS.items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -293,13 +342,13 @@ def test_unset_checkpoint_without_trained_models_says_to_train(tmp_path, monkeyp
         evaluate(eval_config(), tmp_path / "eval")
 
 
-def test_unknown_task_suggests_close_names(models, tmp_path, arc_only):
+def test_unknown_task_suggests_close_names(models, tmp_path, arc_full_index):
     with pytest.raises(ValueError, match="unknown task 'arc_esy'.*arc_easy"):
         evaluate(eval_config(checkpoint=str(models["trained"]), tasks="arc_esy"), tmp_path / "eval")
     assert not (tmp_path / "eval" / "results.json").exists()
 
 
-def test_hub_task_offline_without_cache_fails_with_local_file_advice(models, tmp_path, arc_only, monkeypatch):
+def test_hub_task_offline_without_cache_fails_with_local_file_advice(models, tmp_path, monkeypatch):
     from datasets import config as ds_config
     from huggingface_hub import constants
 
@@ -311,7 +360,7 @@ def test_hub_task_offline_without_cache_fails_with_local_file_advice(models, tmp
         evaluate(eval_config(checkpoint=str(models["trained"]), tasks="arc_challenge"), tmp_path / "eval")
 
 
-def test_missing_local_task_file_is_named(models, tmp_path, arc_only):
+def test_missing_local_task_file_is_named(models, tmp_path):
     cfg = eval_config(
         checkpoint=str(models["trained"]), tasks="arc_easy", task_data={"arc_easy": str(tmp_path / "absent.jsonl")}
     )
@@ -319,7 +368,7 @@ def test_missing_local_task_file_is_named(models, tmp_path, arc_only):
         evaluate(cfg, tmp_path / "eval")
 
 
-def test_task_data_for_a_task_not_run_is_an_error(models, tmp_path, arc_only):
+def test_task_data_for_a_task_not_run_is_an_error(models, tmp_path):
     data = tasks.write_jsonl(ARC_ROWS, tmp_path / "arc_rows.jsonl")
     cfg = eval_config(checkpoint=str(models["trained"]), tasks="embedded", task_data={"arc_easy": str(data)})
     with pytest.raises(ValueError, match="arc_easy"):

@@ -596,7 +596,7 @@ def _plan(cfg: EvalConfig, out_dir: Path, model_dirs: list[Path]) -> _Plan:
     names = mc_tasks.expand_task_names(cfg.tasks)
     manager = None  # tasks=none runs no benchmark and needs no lm-eval
     if names:
-        manager = mc_tasks.task_manager(builtin=mc_tasks.needs_builtin_index(names))
+        manager = mc_tasks.task_manager(names)
         mc_tasks.check_known(names, manager)
     tokenizers = {model_dir: _checkpoint_tokenizer(model_dir, cfg) for model_dir in model_dirs}
     documents = held_out_documents(cfg.data)

@@ -42,6 +42,18 @@ LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Dataset builders that read files named in the config (data_files), not a hub repository.
 FILE_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 HELDOUT_VERSION = 1.1  # 1.1: passages shortened to fit the model's context
+# The folder of lm_eval/tasks/ that defines each task of PAPER_TASKS. lm-eval's full index reads all ~14,000 task YAMLs
+# (~14 s); these folders alone take a fraction of a second and give the same entries, since each of these tasks is
+# defined once, in its folder, without reference to other entries (tests/test_eval.py compares the two indexes).
+BUILTIN_TASK_DIRS = {
+    "arc_easy": "arc",
+    "arc_challenge": "arc",
+    "hellaswag": "hellaswag",
+    "openbookqa": "openbookqa",
+    "piqa": "piqa",
+    "winogrande": "winogrande",
+    "commonsense_qa": "commonsense_qa",
+}
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +124,29 @@ def expand_task_names(tasks: str | Sequence[str]) -> list[str]:
     return names
 
 
-def needs_builtin_index(names: Sequence[str]) -> bool:
-    """Whether any task must be looked up among lm-eval's built-in tasks (an index that takes ~8 s)."""
-    return any(name != HELDOUT_TASK for name in names)
+def builtin_task_dirs(names: Sequence[str]) -> list[Path] | None:
+    """The folders of lm-eval's built-in tasks (``lm_eval/tasks/<folder>``) that define the built-in tasks among
+    ``names``: [] when there are none, None when one has no folder in ``BUILTIN_TASK_DIRS``."""
+    builtin = [name for name in names if name != HELDOUT_TASK]
+    if not all(name in BUILTIN_TASK_DIRS for name in builtin):
+        return None
+    root = Path(import_lm_eval().__file__).parent / "tasks"
+    return [root / folder for folder in sorted({BUILTIN_TASK_DIRS[name] for name in builtin})]
 
 
-def task_manager(builtin: bool) -> Any:
-    """lm-eval's TaskManager; without ``builtin`` it skips indexing the built-in task YAMLs."""
+def task_manager(names: Sequence[str]) -> Any:
+    """lm-eval's TaskManager for the tasks ``names``: it indexes only their folders (``builtin_task_dirs``), or every
+    built-in task when a name has no known folder or its folder does not define it."""
     import_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_defaults=builtin)
+    folders = builtin_task_dirs(names)
+    if folders is not None:
+        manager = TaskManager(include_path=folders, include_defaults=False)
+        # Another lm-eval version may have moved a task: the full index still finds it.
+        if all(name in manager.task_index for name in names if name != HELDOUT_TASK):
+            return manager
+    return TaskManager()
 
 
 def check_known(names: Sequence[str], manager: Any) -> None:
