@@ -44,6 +44,55 @@ def test_a_cpu_grid_writes_one_record_that_grows_with_its_rows(tmp_path):
     assert record["bench"] == "bench_train_grid" and record["results"] == rows
 
 
+def test_an_unsettled_row_is_timed_again_in_the_reverse_order_and_judged_on_both_runs(monkeypatch, tmp_path):
+    # Each call of the benchmark gives its variant's next steps: dense and auto first look 10% apart, the second runs
+    # (auto, then dense) show them equal, as a machine whose pace changed between the runs would.
+    steps = {"torch": [[100.0, 100.0], [110.0, 110.0]], "auto": [[110.0, 110.0], [110.0, 110.0]]}
+    calls = []
+
+    def bench_train(model, master, ids, kernel, observed, meter, gate_ms, options):
+        calls.append((kernel, observed is not None))
+        result = VariantResult(
+            "train", kernel, ids.shape[0], ids.numel(), layers=[LayerStats(9.0, 9, 9, "torch", 0, Tail(0.0, 0.0))]
+        )
+        grid.fill_timing(result, steps[kernel].pop(0), 1.0, None)
+        return result
+
+    monkeypatch.setattr(grid, "bench_train", bench_train)
+    argv = [
+        "--sizes",
+        "tiny",
+        "--density-l0",
+        "8",
+        "--seq-len",
+        "32",
+        "--batches",
+        "1",
+        "--modes",
+        "eager",
+        "--device",
+        "cpu",
+    ]
+    (row,) = grid.main([*argv, "--record-dir", str(tmp_path)])
+    assert calls == [("torch", False), ("auto", True), ("auto", True), ("torch", False)]
+    assert row["order"] == "torch, auto, auto, torch" and row["verdict"] == "slower within spread"
+    assert (row["torch ms"], row["auto ms"], row["spread"]) == (105.0, 110.0, "9.5% / 0.0%")
+
+
+def test_a_settled_row_is_timed_once():
+    dense, auto = step("torch", 100.0, ["torch"]), step("auto", 100.5, ["torch"])
+    assert grid.grid_row("2b", "eager", dense, auto, 0.02)["order"] == "torch, auto"
+
+
+def test_two_runs_pool_their_steps_and_a_skipped_run_skips_the_variant():
+    first, again = step("auto", 100.0, ["torch"]), step("auto", 90.0, ["twell-train"])
+    first.samples_ms, again.samples_ms = [100.0, 101.0, 99.0], [90.0, 91.0]
+    both = grid.pooled(first, again)
+    assert (both.ms, both.ms_spread, both.layers, both.peak_gib) == (99.0, (90.0, 101.0), again.layers, 1.5)
+    skipped = VariantResult("train", "auto", 4, 8192, skipped="out of memory at micro-batch 4")
+    assert grid.pooled(first, skipped) is skipped and grid.pooled(skipped, again) is skipped
+
+
 def test_smaller_micro_batches_take_more_timed_steps_up_to_four_times():
     assert [grid.timed_steps(3, tokens) for tokens in (2048, 4096, 8192, 16384, 64)] == [12, 6, 3, 3, 12]
 

@@ -86,6 +86,7 @@ class VariantResult:
     tokens: int
     ms: float | None = None
     ms_spread: tuple[float, float] | None = None  # (min, max) of the timed calls
+    samples_ms: list[float] = field(default_factory=list)  # the timed calls, in order
     tokens_per_ms: float | None = None
     peak_gib: float | None = None
     mj_per_token: float | None = None
@@ -137,6 +138,7 @@ def median_dicts(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def fill_timing(result: VariantResult, samples: list[float], peak_gib: float | None, energy_mj: float | None) -> None:
+    result.samples_ms = list(samples)
     result.ms = statistics.median(samples)
     result.ms_spread = (min(samples), max(samples))
     result.tokens_per_ms = result.tokens / result.ms
