@@ -7,7 +7,7 @@
     python eval.py tasks=arc_easy task_data.arc_easy=arc_easy_test.jsonl # a benchmark from a local file
     python eval.py --cfg job                                  # print the resolved config
 
-Keys and their meaning: sparse_llm/evaluation/evaluate.py (EvalConfig). Results land in <out>/results.json.
+Keys and their meaning: sparse_llm/evaluation/config.py (EvalConfig). Results land in <out>/results.json.
 Input errors (missing or damaged checkpoint, unknown task, unreadable data) print one message and exit with code 2;
 HYDRA_FULL_ERROR=1 shows the full traceback instead (sparse_llm/checks/errors.py).
 """
@@ -27,14 +27,17 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
-from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, overrides_data, register_eval_configs  # noqa: E402
-from sparse_llm.evaluation.tasks import TaskDataError  # noqa: E402
+from sparse_llm.evaluation.config import EvalConfig, register_eval_configs  # noqa: E402
 
 register_eval_configs()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
+    from sparse_llm.evaluation.evaluate import evaluate, overrides_data
+    from sparse_llm.evaluation.tasks import TaskDataError
+
     typed: EvalConfig = OmegaConf.to_object(cfg)
     hydra_cfg = HydraConfig.get()
     # Without `data` on the command line, the held-out text is the checkpoint's run's data.

@@ -5,7 +5,7 @@
     python generate.py prompts="[The kernel,A list is]" temperature=0   # two prompts, greedy
     python generate.py --cfg job                              # print the resolved config
 
-Keys and their meaning: sparse_llm/generation/generate.py (GenerateConfig). Prints each prompt with its continuation,
+Keys and their meaning: sparse_llm/generation/config.py (GenerateConfig). Prints each prompt with its continuation,
 then the decoding speed and the FFN path each layer took. Input errors (missing checkpoint, bad option, a
 prompt longer than the context) print one message and exit with code 2; HYDRA_FULL_ERROR=1 shows the full traceback
 instead (sparse_llm/checks/errors.py).
@@ -22,13 +22,16 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
-from sparse_llm.generation.generate import GenerateConfig, generate, register_generate_configs, report  # noqa: E402
+from sparse_llm.generation.config import GenerateConfig, register_generate_configs  # noqa: E402
 
 register_generate_configs()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
+    # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
+    from sparse_llm.generation.generate import generate, report
+
     typed: GenerateConfig = OmegaConf.to_object(cfg)
     with exit_on_input_error("generate.py"):
         result = generate(typed)

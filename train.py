@@ -25,7 +25,6 @@ from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.training.config import TrainConfig, register_configs  # noqa: E402
 from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
-from sparse_llm.training.trainer import train  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")
@@ -33,6 +32,9 @@ log = logging.getLogger("train")
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
+    from sparse_llm.training.trainer import train
+
     typed: TrainConfig = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

@@ -5,7 +5,7 @@ validation documents, each followed by eos) and ``<out>.json`` (dtype, vocab siz
 document counts, ``val_start``: the token index where validation begins). Training with ``data=tokens``
 then needs neither ``datasets`` nor network, and skips tokenization.
 
-The options are ``DataConfig`` fields (sparse_llm/data/pipeline.py) given as ``key=value``:
+The options are ``DataConfig`` fields (sparse_llm/data/config.py) given as ``key=value``:
 
     python scripts/tokenize_corpus.py --out data/embedded                       # the shipped corpus
     python scripts/tokenize_corpus.py --out data/mine name=local 'paths=[corpus/*.jsonl]' tokenizer=embedded

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from sparse_llm.cli.overrides import unknown_key_message
-from sparse_llm.evaluation.evaluate import EvalConfig
-from sparse_llm.generation.generate import GenerateConfig
+from sparse_llm.evaluation.config import EvalConfig
+from sparse_llm.generation.config import GenerateConfig
 from sparse_llm.model.llama import build_model, count_parameters
 from sparse_llm.training.config import TrainConfig, register_configs
 

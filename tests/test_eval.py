@@ -17,8 +17,9 @@ import sparse_llm.evaluation.evaluate as evaluation
 from sparse_llm.data.pipeline import DataConfig
 from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.evaluation import tasks
-from sparse_llm.evaluation.evaluate import EvalConfig, evaluate, register_eval_configs
-from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError, build_heldout_examples
+from sparse_llm.evaluation.config import EvalConfig, HeldOutTaskConfig, register_eval_configs
+from sparse_llm.evaluation.evaluate import evaluate
+from sparse_llm.evaluation.tasks import TaskDataError, build_heldout_examples
 from sparse_llm.model.llama import build_model
 from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.training.config import register_configs

@@ -25,94 +25,36 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sparse_llm.checks.errors import UserInputError
 from sparse_llm.checks.files import read_json_object
-from sparse_llm.data.pipeline import DataConfig, held_out_documents
+from sparse_llm.data.config import DataConfig
+from sparse_llm.data.pipeline import held_out_documents
 from sparse_llm.data.tokenizer import load_tokenizer
 from sparse_llm.evaluation import tasks as mc_tasks
+from sparse_llm.evaluation.config import EvalConfig, HeldOutTaskConfig
 from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results
-from sparse_llm.evaluation.tasks import HeldOutTaskConfig, TaskDataError
+from sparse_llm.evaluation.tasks import TaskDataError
 from sparse_llm.ffn import kernel_set
 from sparse_llm.ffn.dispatch import validate_kernel
 from sparse_llm.ffn.mlp import recording_statistics
 from sparse_llm.ffn.registry import get_backend
 from sparse_llm.model.convert import read_checkpoint
 from sparse_llm.model.llama import load_pretrained, sparse_mlps
-from sparse_llm.telemetry.metrics import LoggingConfig
 from sparse_llm.training import manifest
 
 log = logging.getLogger(__name__)
 
 OUTPUTS_DIR = Path("outputs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EvalConfig:
-    """Options of eval.py (configs/eval.yaml).
-
-    Attributes:
-        checkpoint: model directory in HF layout (a run's ``final/`` or ``checkpoints/step_N/model``; a run
-            directory or ``step_N`` directory is resolved to those). "" = the newest ``outputs/*/final``.
-        compare: checkpoints evaluated the same way and shown beside the first: one path, a list of
-            paths (``compare=[a,b]``) or "" (none).
-        tasks: task name, comma-separated names or a list: any lm-eval task, ``heldout_continuation``,
-            ``embedded`` (= heldout_continuation), ``paper`` (the paper's seven zero-shot tasks) or ``none``
-            (held-out perplexity and sparsity only; needs no lm-eval).
-        task_data: task name -> local .json/.jsonl/.parquet file with the split the task evaluates, in the
-            schema of its Hugging Face dataset (for machines without the hub). eval.yaml lists the paper's
-            tasks with null values, so ``task_data.piqa=<file>`` needs no ``+``; other tasks do.
-        kernel: FFN backend: auto | torch | twell.
-        batch_size: sequences per forward, for perplexity and for lm-eval.
-        device: auto (cuda if present, else cpu) | cpu | cuda | cuda:N.
-        dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.
-        limit: score at most this many examples per lm-eval task (None: all). For quick checks only.
-        num_fewshot: few-shot examples (None: each task's default, 0 for the paper's tasks).
-        seq_len: perplexity window in tokens (None: the model's context length).
-        perplexity_tokens: score at most this many held-out tokens (None: all).
-        tokenizer: tokenizer to use ("" = the one saved with the checkpoint).
-        hub_timeout_s: how long to wait for the Hugging Face hub before failing.
-        out: output directory (results.json, the held-out task's data, W&B files).
-        heldout: the held-out continuation benchmark.
-        data: where the held-out text comes from (its validation split; same keys as train.py's ``data``).
-            Unless set on eval.py's command line, the ``data`` section of the checkpoint's run
-            (``<run>/.hydra/config.yaml``) replaces eval.yaml's default (embedded).
-        logging: W&B settings (``logging.wandb=false`` turns it off).
-    """
-
-    checkpoint: str = ""
-    compare: Any = ""
-    tasks: Any = "embedded"
-    task_data: dict[str, str | None] = field(default_factory=dict)
-    kernel: str = "auto"
-    batch_size: int = 16
-    device: str = "auto"
-    dtype: str = "auto"
-    limit: int | None = None
-    num_fewshot: int | None = None
-    seq_len: int | None = None
-    perplexity_tokens: int | None = None
-    tokenizer: str = ""
-    hub_timeout_s: float = 10.0
-    out: str = "outputs/eval/${now:%Y-%m-%d_%H-%M-%S}"
-    heldout: HeldOutTaskConfig = field(default_factory=HeldOutTaskConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-def register_eval_configs() -> None:
-    """Register the schema of configs/eval.yaml; call before ``@hydra.main`` runs."""
-    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -33,6 +32,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from sparse_llm.checks import files as file_checks
+from sparse_llm.evaluation.config import HeldOutTaskConfig
 
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "winogrande", "commonsense_qa")
 HELDOUT_TASK = "heldout_continuation"
@@ -60,29 +60,6 @@ log = logging.getLogger(__name__)
 
 class TaskDataError(RuntimeError):
     """A task's data cannot be read (offline and not cached, missing file, unreachable hub)."""
-
-
-@dataclass
-class HeldOutTaskConfig:
-    """The ``heldout_continuation`` benchmark (``heldout.*``).
-
-    Attributes:
-        examples: number of examples (at most; fewer if the held-out text has fewer passages).
-        context_words: words of passage shown to the model.
-        continuation_words: words of each candidate continuation.
-        choices: candidates per example (1 true + choices-1 from other documents).
-        seed: seed of the example subset, the distractors and the answer positions.
-        max_tokens: longest request in tokens (passage + " " + a candidate). None: the evaluated model's
-            context length (``max_position_embeddings``; the smallest of ``checkpoint`` and ``compare``).
-            Passages that would exceed it lose words from their start, so lm-eval truncates no request.
-    """
-
-    examples: int = 300
-    context_words: int = 40
-    continuation_words: int = 12
-    choices: int = 4
-    seed: int = 0
-    max_tokens: int | None = None
 
 
 def import_lm_eval() -> Any:

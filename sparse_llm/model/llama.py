@@ -10,7 +10,6 @@ model before `swap_to_relu`) keeps the stock `LlamaMLP` and runs on the torch pa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +34,11 @@ from sparse_llm.ffn.dispatch import LayerDispatcher
 from sparse_llm.ffn.mlp import SparseMLP
 from sparse_llm.ffn.torch_backend import add_linear_
 from sparse_llm.ffn.twell.backend import shape_unsupported_reason
+from sparse_llm.model.config import ModelConfig
 from sparse_llm.model.convert import Checkpoint, load_stock, read_checkpoint
 from sparse_llm.model.rope import kernel_applies, rotate_half_qk
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of one model size (configs/model/<name>.yaml).
-
-    vocab_size None means "the tokenizer's vocabulary size" (set when the data is known). The defaults are the
-    default group's (configs/model/tiny.yaml): a run from a pretrained checkpoint (train.py init=...) reads a field
-    that still holds its default as "not given" (`training.init.check_model_config`).
-    hidden_act: relu (sparse FFNs), or silu / gelu for a dense baseline (stock LlamaMLP, torch path, no L1 term).
-    """
-
-    name: str = "tiny"
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None  # None: full multi-head attention, as in the paper
-    vocab_size: int | None = None
-    max_position_embeddings: int = 128
-    rope_theta: float = 100000.0  # the released configs use 1e5 (the paper's table says 1e4)
-    rms_norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    hidden_act: str = "relu"
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int | None = None) -> LlamaConfig:

@@ -1,7 +1,9 @@
 """Typed configuration schema of train.py, registered in Hydra's ConfigStore.
 
-Each component owns the dataclass of its options (ModelConfig in model.py, DataConfig in data.py, ...);
-this module assembles them. Hydra merges the YAML files of configs/ onto these dataclasses in struct
+Each component's options are a dataclass in a module of its package that imports no torch or transformers
+(ModelConfig in model/config.py, DataConfig in data/config.py, LoggingConfig in telemetry/metrics.py; the sparsity
+objective's and the trainer's here), so that `train.py --help`, `--cfg job` and a rejected override answer without
+loading them; this module assembles them. Hydra merges the YAML files of configs/ onto these dataclasses in struct
 mode, so a misspelt key or a value of the wrong type fails at start with a message naming it (train.py first
 checks the keys against this schema to name the one a misspelt key resembles: sparse_llm/cli/overrides.py).
 """
@@ -19,11 +21,36 @@ from typing import ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from sparse_llm.data.pipeline import DataConfig
-from sparse_llm.model.llama import ModelConfig
+from sparse_llm.data.config import DataConfig
+from sparse_llm.model.config import ModelConfig
 from sparse_llm.telemetry.metrics import LoggingConfig
-from sparse_llm.training.init import SparsifyConfig
-from sparse_llm.training.sparsity import SparsityConfig
+
+
+@dataclass
+class SparsityConfig:
+    """Options of the sparsity objective (sparse_llm/training/sparsity.py; the coefficient itself is the top-level
+    `l1`)."""
+
+    l1_warmup_steps: int = 0  # ramp of the coefficient from 0 over this many optimizer steps
+    # The ramp's shape: linear, or sine (l1 * sin(pi/2 * progress): most of the coefficient early, then a slow
+    # approach, as ProSparse raises its L1 factor when it sparsifies a pretrained model).
+    l1_warmup_shape: str = "linear"
+    dead_window_steps: int = 1  # a neuron is dead if it fired for no token over this many steps
+    reinit_dead: bool = False  # paper eq. 6, applied at the end of every dead window
+    reinit_mix: float = 0.1  # Wg[j] <- (1 - mix) Wg[j] + mix * N(0, reinit_std^2)
+    reinit_std: float = 0.02
+    # Per-layer weights of the L1 term, moved after every optimizer step by this rate toward equal L0 in all layers
+    # (LayerBalance); 0 keeps the plain mean over layers.
+    layer_balance: float = 0.0
+    layer_balance_max: float = 8.0  # bound on a layer's weight, and its inverse below
+
+
+@dataclass
+class SparsifyConfig:
+    """Sparsifying a dense pretrained model (train.py init=... sparsify.relu=true, or recipe=sparsify;
+    sparse_llm/training/init.py)."""
+
+    relu: bool = False  # swap the FFN gate's activation (silu, gelu) for ReLU before the first step
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,13 +26,6 @@ from sparse_llm.model.convert import Checkpoint, load_stock, resolve_model_dir
 from sparse_llm.model.llama import ModelConfig, model_config_of, open_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SparsifyConfig:
-    """Sparsifying a dense pretrained model (train.py init=... sparsify.relu=true, or recipe=sparsify)."""
-
-    relu: bool = False  # swap the FFN gate's activation (silu, gelu) for ReLU before the first step
 
 
 # ModelConfig fields a checkpoint fixes (name and init_std describe the run, not the weights).

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,27 +25,10 @@ import torch
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNResult, Tail, landed
 from sparse_llm.ffn.dispatch import LayerDispatcher
 from sparse_llm.ffn.mlp import SparseMLP
+from sparse_llm.training.config import SparsityConfig
 
 # all_reduce(tensor, op) with op in {"sum", "max"}; returns the reduced tensor (identity on one process).
 Reducer = Callable[[torch.Tensor, str], torch.Tensor]
-
-
-@dataclass
-class SparsityConfig:
-    """Options of the sparsity objective (the coefficient itself is the top-level `l1`)."""
-
-    l1_warmup_steps: int = 0  # ramp of the coefficient from 0 over this many optimizer steps
-    # The ramp's shape: linear, or sine (l1 * sin(pi/2 * progress): most of the coefficient early, then a slow
-    # approach, as ProSparse raises its L1 factor when it sparsifies a pretrained model).
-    l1_warmup_shape: str = "linear"
-    dead_window_steps: int = 1  # a neuron is dead if it fired for no token over this many steps
-    reinit_dead: bool = False  # paper eq. 6, applied at the end of every dead window
-    reinit_mix: float = 0.1  # Wg[j] <- (1 - mix) Wg[j] + mix * N(0, reinit_std^2)
-    reinit_std: float = 0.02
-    # Per-layer weights of the L1 term, moved after every optimizer step by this rate toward equal L0 in all layers
-    # (LayerBalance); 0 keeps the plain mean over layers.
-    layer_balance: float = 0.0
-    layer_balance_max: float = 8.0  # bound on a layer's weight, and its inverse below
 
 
 L1_WARMUP_SHAPES = ("linear", "sine")
