@@ -36,3 +36,9 @@ def test_an_entry_point_composes_its_config_without_heavy_packages(script: str, 
     done, heavy = _run([script, *arguments])
     assert done.returncode == code, done.stderr[-3000:]
     assert not heavy, f"{script} {' '.join(arguments)} imports {sorted(heavy)}"
+
+
+def test_an_out_of_range_training_value_is_named_before_torch_loads(tmp_path):
+    done, heavy = _run(["train.py", "trainer.micro_batch=0", "trainer.max_steps=-1", f"hydra.run.dir={tmp_path}"])
+    assert done.returncode == 2 and "trainer.micro_batch=0" in done.stderr + done.stdout, done.stderr[-3000:]
+    assert not heavy, f"an out-of-range value imports {sorted(heavy)}"
