@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.ffn.kernel_choice import validate_kernel  # noqa: E402
 from sparse_llm.training.config import TrainConfig, check_ranges, register_configs  # noqa: E402
 from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
 
@@ -38,7 +39,9 @@ def main(cfg: DictConfig) -> None:
         # Bad input (a damaged file, a bad setting, a full disk) ends the run with one message, also in train.log,
         # and exit code 2 (sparse_llm/checks/errors.py).
         with exit_on_input_error("train.py", report=log.error):
-            check_ranges(typed)  # the trainer checks again; here a bad value is named before torch loads
+            # The trainer checks again; here a bad value is named before torch loads
+            validate_kernel(typed.kernel)
+            check_ranges(typed)
             # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
             from sparse_llm.training.trainer import train
 

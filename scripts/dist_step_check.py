@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from sparse_llm.bench.model_setup import SIZES, size_config
 from sparse_llm.bench.timing import relative_error
-from sparse_llm.ffn.dispatch import KERNEL_CHOICES
+from sparse_llm.ffn.kernel_choice import KERNEL_CHOICES
 from sparse_llm.model.llama import build_model
 from sparse_llm.training.config import TrainConfig
 from sparse_llm.training.trainer import make_accelerator, make_optimizer, plain_tensor

@@ -44,7 +44,7 @@ from sparse_llm.evaluation.config import EvalConfig, HeldOutTaskConfig
 from sparse_llm.evaluation.report import RESULTS_FILE, format_table, log_telemetry, write_results
 from sparse_llm.evaluation.tasks import TaskDataError
 from sparse_llm.ffn import kernel_set
-from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.ffn.kernel_choice import validate_kernel
 from sparse_llm.ffn.mlp import recording_statistics
 from sparse_llm.ffn.registry import get_backend
 from sparse_llm.model.convert import read_checkpoint

@@ -30,12 +30,11 @@ from collections.abc import Callable
 import torch
 
 from sparse_llm.ffn.backend import HEAVY_TOKEN_NNZ, FFNBackend, Tail
+from sparse_llm.ffn.kernel_choice import validate_kernel
 from sparse_llm.ffn.registry import backend_names, get_backend
 from sparse_llm.ffn.trials import best_times_ms, can_time, env_choice, log_bucket, loop_times_ms
 
 log = logging.getLogger(__name__)
-
-KERNEL_CHOICES = ("auto", "torch", "twell")
 
 # A sparse path must beat the dense one by this factor before a layer switches to it, and the dense path the sparse
 # one before it switches back: prices within 5% of each other leave a layer on the path it runs.
@@ -113,11 +112,6 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     if not _has_autocast(device_type) or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
-
-
-def validate_kernel(kernel: str) -> None:
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"kernel={kernel!r} is not a valid choice; use one of {list(KERNEL_CHOICES)}.")
 
 
 class LayerDispatcher:

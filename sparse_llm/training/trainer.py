@@ -35,7 +35,7 @@ from sparse_llm.checks.errors import UserInputError
 from sparse_llm.data.loader import TrainLoader, val_batches
 from sparse_llm.data.pipeline import build_token_data
 from sparse_llm.ffn import kernel_set
-from sparse_llm.ffn.dispatch import validate_kernel
+from sparse_llm.ffn.kernel_choice import validate_kernel
 from sparse_llm.ffn.registry import get_backend
 from sparse_llm.ffn.step_scope import optimizer_step
 from sparse_llm.model.llama import (
