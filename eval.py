@@ -28,17 +28,20 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
 from sparse_llm.evaluation.config import EvalConfig, register_eval_configs  # noqa: E402
+from sparse_llm.ffn.kernel_choice import validate_kernel  # noqa: E402
 
 register_eval_configs()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    typed: EvalConfig = OmegaConf.to_object(cfg)
+    with exit_on_input_error("eval.py"):
+        validate_kernel(typed.kernel)  # named before torch loads (evaluate checks it again)
     # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
     from sparse_llm.evaluation.evaluate import evaluate, overrides_data
     from sparse_llm.evaluation.tasks import TaskDataError
 
-    typed: EvalConfig = OmegaConf.to_object(cfg)
     hydra_cfg = HydraConfig.get()
     # Without `data` on the command line, the held-out text is the checkpoint's run's data.
     data_set_by_user = overrides_data(list(hydra_cfg.overrides.task))

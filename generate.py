@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sparse_llm.checks.errors import exit_on_input_error  # noqa: E402
 from sparse_llm.cli.overrides import exit_on_unknown_key  # noqa: E402
+from sparse_llm.ffn.kernel_choice import validate_kernel  # noqa: E402
 from sparse_llm.generation.config import GenerateConfig, register_generate_configs  # noqa: E402
 
 register_generate_configs()
@@ -29,11 +30,12 @@ register_generate_configs()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
-    # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
-    from sparse_llm.generation.generate import generate, report
-
     typed: GenerateConfig = OmegaConf.to_object(cfg)
     with exit_on_input_error("generate.py"):
+        validate_kernel(typed.kernel)  # named before torch loads (generate checks it again)
+        # Imported once the config is valid, so that --help and config errors need no torch (docs/design.md).
+        from sparse_llm.generation.generate import generate, report
+
         result = generate(typed)
     print(report(result), flush=True)
 

@@ -44,7 +44,8 @@ def test_an_out_of_range_training_value_is_named_before_torch_loads(tmp_path):
     assert not heavy, f"an out-of-range value imports {sorted(heavy)}"
 
 
-def test_an_unknown_kernel_is_named_before_torch_loads(tmp_path):
-    done, heavy = _run(["train.py", "kernel=fast", f"hydra.run.dir={tmp_path}"])
+@pytest.mark.parametrize("script", sorted(WRONG_TYPE))
+def test_an_unknown_kernel_is_named_before_torch_loads(script, tmp_path):
+    done, heavy = _run([script, "kernel=fast", f"hydra.run.dir={tmp_path}"])
     assert done.returncode == 2 and "kernel='fast'" in done.stderr + done.stdout, done.stderr[-3000:]
     assert not heavy, f"an unknown kernel imports {sorted(heavy)}"
