@@ -4,6 +4,9 @@
     python scripts/bench_model.py --checkpoint outputs/<run>/final --tokens data/fineweb   # a trained model
     python scripts/bench_model.py --size tiny --seq-len 64 --batch 2 --reps 2   # CPU smoke run
 
+One model, mode and micro-batch at a time; `auto` against dense training over sizes, checkpoints, compile and CUDA
+graphs on and off and micro-batches 1-8, as one table: scripts/bench_train_grid.py.
+
 Options: --batch 8 --seq-len 2048 (forward and training micro-batch), --train-batch (default --batch),
 --modes forward,train, --record-dir (where the run's JSON record goes, default docs/records/),
 --kernels (which variants, default all four), --max-train-batch (also find the largest training
