@@ -116,7 +116,6 @@ def test_distributed_step_check_passes_where_ranks_agree(entry_points, both_core
         "--tol",
         "1e-4",
     ]
-    env = entry_points.rank_env(child_env())
-    out = subprocess.run(launcher, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = entry_points.launch(launcher)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MULTI_CPU x 2" in out.stdout and "worst over 38 parameters" in out.stdout

@@ -8,13 +8,12 @@ re-initialisation of dead neurons across shards, and the sharded state dict.
 """
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers.entry_points import FORKED_RANK, EntryPoints
-from helpers.runs import PARALLEL_REFERENCE, ROOT, SMALL, child_env, logged_losses, rank_reduced_statistics
+from helpers.runs import PARALLEL_REFERENCE, SMALL, logged_losses, rank_reduced_statistics
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,8 +35,7 @@ def _fsdp_run(entry_points: EntryPoints, run_dir: Path, *overrides: str) -> list
         *overrides,
         f"hydra.run.dir={run_dir}",
     ]
-    env = entry_points.rank_env(child_env())
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = entry_points.launch(command)
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import gc
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.entry_points import FORKED_RANK, child_env
+from helpers.entry_points import FORKED_RANK
 
 from sparse_llm.ffn import step_scope
 from sparse_llm.ffn.step_scope import held_grads, optimizer_step, reused_cast
@@ -239,8 +238,7 @@ def test_ddp_all_reduces_gradients_added_in_place(entry_points, both_cores):
         "tests/helpers/ddp_step_scope_check.py",
         "cpu",
     ]
-    env = entry_points.rank_env(child_env())
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = entry_points.launch(command)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(re.findall(r"rank (\d): added in place", out.stdout)) == ["0", "1"], out.stdout[-2000:]
 

@@ -99,6 +99,12 @@ class EntryPoints:
         """`env` for a launcher whose ranks are FORKED_RANK: it tells them the server's address."""
         return {**env, SERVER_VARIABLE: self.address}
 
+    def launch(self, command: list[str]) -> subprocess.CompletedProcess:
+        """Run a launcher (`torchrun`, `accelerate launch`) whose ranks are FORKED_RANK, in the root with the test
+        children's environment, to its end; its captured output."""
+        env = self.rank_env(child_env())
+        return subprocess.run(command, cwd=self.root, env=env, capture_output=True, text=True, timeout=300)
+
     def start(self, argv: list[str], env: dict[str, str], scratch: Path, nice: int = 0) -> Run:
         """Start `argv` (a script under the root, then its arguments) in a forked child with environment `env` and
         `nice` added to its niceness; its output goes through files under `scratch`. Runs may overlap."""

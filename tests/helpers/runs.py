@@ -135,8 +135,10 @@ def run_train_py(
     """Run `train_py_command` to the end; the losses it logged. With `entry_points`, the ranks (`processes` > 1) are
     forked from its server instead of starting fresh interpreters."""
     forked = entry_points is not None and processes > 1
-    env = entry_points.rank_env(child_env()) if forked else child_env()
     command = train_py_command(run_dir, processes, *overrides, forked=forked)
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if forked:
+        out = entry_points.launch(command)
+    else:
+        out = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return logged_losses(run_dir)
