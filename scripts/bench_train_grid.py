@@ -110,8 +110,8 @@ def spread(result: VariantResult) -> float:
 
 def verdict(ratio: float, noise: float, tolerance: float) -> str:
     """A row's verdict: "ok" where auto took at most `tolerance` longer than dense; otherwise "slower", or "slower
-    within spread" where the gap (1 / ratio - 1) is smaller than `noise`, the larger spread of the two variants' steps:
-    a rerun with more --reps can settle it."""
+    within spread" where the gap (1 / ratio - 1) is smaller than `noise`, the larger spread of the two variants' steps
+    (`measure_source` then times the row again)."""
     gap = 1 / ratio - 1
     if gap <= tolerance:
         return "ok"

@@ -44,7 +44,8 @@ FILE_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 HELDOUT_VERSION = 1.1  # 1.1: passages shortened to fit the model's context
 # The folder of lm_eval/tasks/ that defines each task of PAPER_TASKS. lm-eval's full index reads all ~14,000 task YAMLs
 # (~14 s); these folders alone take a fraction of a second and give the same entries, since each of these tasks is
-# defined once, in its folder, without reference to other entries (tests/test_eval.py compares the two indexes).
+# defined once, in its folder, without reference to other entries (tests/test_eval.py checks that no other folder
+# declares one).
 BUILTIN_TASK_DIRS = {
     "arc_easy": "arc",
     "arc_challenge": "arc",
