@@ -109,3 +109,30 @@ def test_captured_gemms_keep_their_workspace_when_cublas_drops_its_workspaces():
     overwritten = [i for i, s in enumerate(sentinels) if not bool((s == 7.0).all())]
     assert not overwritten, f"a replay wrote into sentinel tensors {overwritten}: its GEMMs used freed memory"
     assert torch.equal(replayed_y, eager_y)
+
+
+def test_a_capture_gets_room_from_a_cache_holding_the_memory_left():
+    """A graph's pool grows by cudaMalloc only, and the allocator cannot free its cache while a capture is underway:
+    with the process's memory held by cached blocks (here one freed 1 GiB tensor, under a per-process cap that leaves
+    8 MiB beyond it), the capture must first give the cache back or run out of memory."""
+    k, n, m = 2048, 5632, 2048
+    x, wg, wu, wd = synthetic_block(m, k, n, 21, sigma=1.0, seed=4)
+
+    def call() -> torch.Tensor:
+        with optimizer_step(graph_forwards=True):
+            return twell_train_ffn(x, wg, wu, wd).y_MK.clone()
+
+    eager_y = call()  # the first call of this shape runs eagerly; the next is captured
+    total = torch.cuda.mem_get_info()[1]
+    filler_bytes = 1 << 30
+    cap = torch.cuda.memory_reserved() + filler_bytes + (8 << 20)
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        filler = torch.empty(filler_bytes, dtype=torch.uint8, device="cuda")
+        del filler  # cached: reserved, not allocated
+        assert torch.cuda.memory_reserved() + (32 << 20) > cap, "the cache does not hold the process's memory"
+        captured_y = call()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert train_graphs.graphed_forward(wg).replays == 1
+    assert torch.equal(captured_y, eager_y)
