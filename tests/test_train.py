@@ -14,6 +14,7 @@ import torch
 from helpers.runs import losses, small_config
 from safetensors.torch import load_file, save_file
 
+from sparse_llm.checks.errors import UserInputError
 from sparse_llm.ffn import registry, step_scope
 from sparse_llm.ffn.torch_backend import TorchFFN
 from sparse_llm.model.llama import build_model, sparse_mlps
@@ -728,3 +729,18 @@ def test_an_fsdp_gradient_norm_joins_the_step_readout(tmp_path):
         assert plain_tensor(plain) is plain
     finally:
         dist.destroy_process_group()
+
+
+def test_running_out_of_memory_names_the_settings_that_shrink_a_step(tmp_path, monkeypatch):
+    def step_out_of_memory(trainer, stop):
+        if trainer.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        return step_fn(trainer, stop)
+
+    step_fn = Trainer._optimizer_step
+    monkeypatch.setattr(Trainer, "_optimizer_step", step_out_of_memory)
+    with pytest.raises(UserInputError, match="step 2 ran out of memory") as error:
+        train(small_config("trainer.max_steps=3", "checkpoint.every=0"), tmp_path)
+    assert error.value.path == "trainer.micro_batch"
+    assert "trainer.gradient_checkpointing=true" in error.value.fix
+    assert isinstance(error.value.__cause__, torch.OutOfMemoryError)

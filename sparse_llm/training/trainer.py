@@ -829,7 +829,10 @@ class Trainer:
         try:
             with StopSignals() as stop, FrozenHeap() as heap:
                 while self.step < t.max_steps:
-                    saved, stop_agreed = self._train_step(window, telemetry, stop)
+                    try:
+                        saved, stop_agreed = self._train_step(window, telemetry, stop)
+                    except torch.OutOfMemoryError as err:
+                        raise self._out_of_memory() from err
                     heap.freeze()
                     if stop_agreed and self.step < t.max_steps:
                         checkpoint = saved or self._save()
@@ -837,6 +840,21 @@ class Trainer:
         finally:
             telemetry.close()
         return self._finish()
+
+    def _out_of_memory(self) -> UserInputError:
+        """What to change when a step does not fit the accelerator: the micro-batch, or recomputed activations."""
+        device = self.acc.device
+        if device.type == "cuda":
+            device = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB GPU"
+        fix = "Lower trainer.micro_batch (trainer.global_batch stays: more micro-batches per step)"
+        if not self.cfg.trainer.gradient_checkpointing:
+            fix += " or set trainer.gradient_checkpointing=true"
+        return UserInputError(
+            "trainer.micro_batch",
+            f"step {self.step + 1} ran out of memory on the {device} with {self.plan.micro_batch} sequences of "
+            f"{self.plan.seq_len} tokens per micro-batch",
+            f"{fix}; checkpoints saved so far continue with checkpoint.resume=auto",
+        )
 
     def _train_step(self, window: MeasureWindow, telemetry: Telemetry, stop: StopSignals) -> tuple[Path | None, bool]:
         """One optimizer step with its logging, validation and checkpoint.
