@@ -157,7 +157,8 @@ def make_room_for_capture(device: torch.device) -> None:
     to make room (that would synchronize the capturing stream). After steps of differently sized kernel buffers the
     cache held 18-28 GiB of an 80 GB H100 unused, and a layer captured anew at a backend switch or a new dense-row
     count ran out of memory (2B model, 4 x 2048 tokens per micro-batch, near step 90). Emptying the cache here
-    synchronizes once, at a capture: a few per statistics window, not per step."""
+    synchronizes once, at a capture: a few per statistics window, not per step (torch.cuda.graph, which
+    torch.compile's graphs enter, empties it at every capture)."""
     device_free, total = torch.cuda.mem_get_info(device)
     # a process capped by torch.cuda.set_per_process_memory_fraction has less than the device has free
     process_free = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
