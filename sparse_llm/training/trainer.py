@@ -844,14 +844,15 @@ class Trainer:
     def _out_of_memory(self) -> UserInputError:
         """What to change when a step does not fit the accelerator: the micro-batch, or recomputed activations."""
         device = self.acc.device
+        where = str(device)
         if device.type == "cuda":
-            device = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB GPU"
+            where = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB GPU"
         fix = "Lower trainer.micro_batch (trainer.global_batch stays: more micro-batches per step)"
         if not self.cfg.trainer.gradient_checkpointing:
             fix += " or set trainer.gradient_checkpointing=true"
         return UserInputError(
             "trainer.micro_batch",
-            f"step {self.step + 1} ran out of memory on the {device} with {self.plan.micro_batch} sequences of "
+            f"step {self.step + 1} ran out of memory on the {where} with {self.plan.micro_batch} sequences of "
             f"{self.plan.seq_len} tokens per micro-batch",
             f"{fix}; checkpoints saved so far continue with checkpoint.resume=auto",
         )
