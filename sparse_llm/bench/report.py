@@ -24,6 +24,7 @@ BENCH_TITLES = {
     "compare_runs": "Training runs side by side: loss, throughput and quality",
     "bench_train_grid": "Training step, kernel=auto against the dense path over models, modes and micro-batches",
     "sparsify_table": "Sparsifying a dense model against training a sparse one from scratch",
+    "neuron_concentration": "How unevenly the FFN neurons fire, layer by layer",
 }
 
 BANNER = (

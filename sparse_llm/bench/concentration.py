@@ -1,0 +1,67 @@
+"""How unevenly the FFN neurons of a model fire: per layer, how many tokens each neuron fires for, and the share of
+the layer's non-zeros that its most often firing neurons carry.
+
+The sparse kernels pay per non-zero (seven K-wide weight or activation rows each, sparse_llm/ffn/twell/train_op.py),
+while a neuron taken through the tensor cores costs the same whatever share of tokens it fires for. So a neuron that
+fires for more than a few percent of the tokens would be cheaper dense; `concentration_row` says how many such
+neurons a layer has and what share of its non-zeros they carry. scripts/neuron_concentration.py prints and records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import LlamaForCausalLM
+
+TOKEN_CHUNK = 4096  # gate pre-activations are computed this many tokens at a time ([chunk, N] at most in memory)
+
+
+@torch.no_grad()
+def neuron_fire_counts(model: LlamaForCausalLM, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """int64 [layers, N]: for each FFN layer, how many of the batch's tokens each neuron's gate is positive for
+    (a non-zero of h = relu(gate) * up wherever up is non-zero), in one forward pass of `input_ids_BT` [B, T]."""
+    layers = model.model.layers
+    n = layers[0].mlp.gate_proj.weight.shape[0]
+    counts_LN = torch.zeros(len(layers), n, dtype=torch.int64, device=input_ids_BT.device)
+
+    def count(index: int):
+        def hook(mlp: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x_MK = args[0].reshape(-1, args[0].shape[-1])
+            w_gate_NK = mlp.gate_proj.weight.to(x_MK.dtype)
+            for start in range(0, x_MK.shape[0], TOKEN_CHUNK):
+                gate_CN = x_MK[start : start + TOKEN_CHUNK] @ w_gate_NK.T
+                counts_LN[index] += (gate_CN > 0).sum(dim=0)
+
+        return hook
+
+    handles = [layer.mlp.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
+    try:
+        model.model(input_ids=input_ids_BT, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts_LN
+
+
+def concentration_row(
+    counts_N: torch.Tensor, tokens: int, top_shares: Sequence[float], dense_rate: float, layers: int = 1
+) -> dict[str, float | int]:
+    """The row of fire counts [N] over `tokens` tokens (of one layer, or of `layers` layers' neurons flattened):
+    mean non-zeros per token and layer (L0), the share of neurons that never fired, the share of all non-zeros
+    carried by the top `top_shares` fractions of neurons (most often firing first), and how many neurons fire for
+    more than `dense_rate` of the tokens and the share of non-zeros they carry."""
+    n = counts_N.numel()
+    sorted_N = counts_N.double().sort(descending=True).values
+    total = float(sorted_N.sum())
+    row: dict[str, float | int] = {
+        "l0_mean": round(total / max(tokens * layers, 1), 2),
+        "never_fired": round(float((counts_N == 0).double().mean()), 4),
+    }
+    for share in top_shares:
+        top = max(1, round(share * n))
+        row[f"top_{share:g}_share"] = round(float(sorted_N[:top].sum()) / total, 4) if total else 0.0
+    above_N = sorted_N > dense_rate * tokens
+    row["above_rate_neurons"] = int(above_N.sum())
+    row["above_rate_share"] = round(float(sorted_N[above_N].sum()) / total, 4) if total else 0.0
+    return row
