@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from transformers import LlamaForCausalLM
 
+from sparse_llm.bench.model_setup import decoder_layers, forward_with_mlp_hooks
+
 TOKEN_CHUNK = 4096  # gate pre-activations are computed this many tokens at a time ([chunk, N] at most in memory)
 
 
@@ -21,7 +23,7 @@ TOKEN_CHUNK = 4096  # gate pre-activations are computed this many tokens at a ti
 def neuron_fire_counts(model: LlamaForCausalLM, input_ids_BT: torch.Tensor) -> torch.Tensor:
     """int64 [layers, N]: for each FFN layer, how many of the batch's tokens each neuron's gate is positive for
     (a non-zero of h = relu(gate) * up wherever up is non-zero), in one forward pass of `input_ids_BT` [B, T]."""
-    layers = model.model.layers
+    layers = decoder_layers(model)
     n = layers[0].mlp.gate_proj.weight.shape[0]
     counts_LN = torch.zeros(len(layers), n, dtype=torch.int64, device=input_ids_BT.device)
 
@@ -35,12 +37,7 @@ def neuron_fire_counts(model: LlamaForCausalLM, input_ids_BT: torch.Tensor) -> t
 
         return hook
 
-    handles = [layer.mlp.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
-    try:
-        model.model(input_ids=input_ids_BT, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_mlp_hooks(model, input_ids_BT, count)
     return counts_LN
 
 

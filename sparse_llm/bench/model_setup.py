@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def decoder_layers(model: LlamaForCausalLM) -> nn.ModuleList:
     return model.model.layers
 
 
+def forward_with_mlp_hooks(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, hook_for: Callable[[int], Callable[..., None]]
+) -> None:
+    """One core-model forward of input_ids [B, T] (no lm_head) with hook_for(i) as a forward pre-hook on layer i's
+    MLP, removed afterwards: the hook sees each layer's FFN input as the model computes it."""
+    layers = decoder_layers(model)
+    handles = [layer.mlp.register_forward_pre_hook(hook_for(i)) for i, layer in enumerate(layers)]
+    try:
+        model.model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tensor) -> list[float]:
     """Give a random-init model ~`target_l0` positive gate pre-activations per token in every layer.
@@ -131,12 +146,7 @@ def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tens
         mlp.gate_proj.weight[:, 0] = -hi
         shifts.append(hi)
 
-    handles = [layer.mlp.register_forward_pre_hook(calibrate) for layer in layers]
-    try:
-        model.model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_mlp_hooks(model, input_ids, lambda _: calibrate)
     return shifts
 
 
