@@ -86,7 +86,14 @@ from collections.abc import Sequence
 import torch
 from transformers import LlamaForCausalLM
 
-from sparse_llm.bench.arguments import add_model_source, add_record_dir, check_cuda_graphs, check_model_source
+from sparse_llm.bench.arguments import (
+    add_model_source,
+    add_record_dir,
+    add_token_source,
+    check_cuda_graphs,
+    check_model_source,
+    check_token_source,
+)
 from sparse_llm.bench.measure import (
     BREAKDOWN_REPS,
     MODES,
@@ -202,7 +209,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="random-init models only: target mean non-zeros per token in every FFN layer",
     )
-    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    add_token_source(parser)
     parser.add_argument("--modes", default="forward,train")
     parser.add_argument(
         "--kernels",
@@ -255,6 +262,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     check_model_source(parser, args)
+    check_token_source(parser, args)
     check_cuda_graphs(parser, args)
     if args.max_train_batch and args.max_train_batch <= args.train_batch:
         parser.error(f"--max-train-batch must be 0 (off) or above --train-batch ({args.train_batch})")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_llm.bench.arguments import GRAPH_WARMUP_STEPS, add_record_dir
+from sparse_llm.bench.arguments import GRAPH_WARMUP_STEPS, add_record_dir, add_token_source, check_token_source
 from sparse_llm.bench.measure import MeasureOptions, VariantResult, bench_train, fill_timing, run_variants
 from sparse_llm.bench.model_setup import CALIBRATION_TOKENS, SIZES, load_model, make_inputs, make_sparse
 from sparse_llm.bench.records import make_record, write_record
@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--density-l0", nargs="+", type=float, default=[24.0], help="mean non-zeros per token of the random models"
     )
     parser.add_argument("--checkpoint", nargs="+", default=[], help="trained model directories (a run's final/)")
-    parser.add_argument("--tokens", default=None, help="token-file prefix for the inputs (default: random ids)")
+    add_token_source(parser)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8], help="micro-batches (rows)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_record_dir(parser)
     args = parser.parse_args(argv)
+    check_token_source(parser, args)
     if not args.sizes and not args.checkpoint:
         parser.error("give --sizes (random-init models) or --checkpoint (trained ones), or both")
     if any(b < 1 for b in args.batches) or args.accumulate < 1 or args.reps < 1:

@@ -18,7 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from sparse_llm.bench.arguments import add_model_source, add_record_dir, check_model_source
+from sparse_llm.bench.arguments import (
+    add_model_source,
+    add_record_dir,
+    add_token_source,
+    check_model_source,
+    check_token_source,
+)
 from sparse_llm.bench.concentration import concentration_row, neuron_fire_counts
 from sparse_llm.bench.model_setup import CALIBRATION_TOKENS, load_model, make_inputs, make_sparse
 from sparse_llm.bench.records import make_record, write_record
@@ -29,7 +35,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source(parser)
     parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
-    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    add_token_source(parser)
     parser.add_argument("--batch", type=int, default=4, help="sequences in the forward pass")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--top", type=float, nargs="+", default=[0.01, 0.05, 0.1], help="fractions of the neurons")
@@ -47,6 +53,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.argv = list(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_model_source(parser, args)
+    check_token_source(parser, args)
     if args.batch < 1 or args.seq_len < 1:
         parser.error("--batch and --seq-len must be positive")
     if not all(0 < share <= 1 for share in args.top) or not 0 < args.dense_rate < 1:

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM
 
-from sparse_llm.bench.arguments import add_model_source, add_record_dir, check_cuda_graphs, check_model_source
+from sparse_llm.bench.arguments import (
+    add_model_source,
+    add_record_dir,
+    add_token_source,
+    check_cuda_graphs,
+    check_model_source,
+    check_token_source,
+)
 from sparse_llm.bench.model_setup import (
     CALIBRATION_TOKENS,
     free_memory,
@@ -203,7 +210,7 @@ def profile_kernel(
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source(parser)
-    parser.add_argument("--tokens", default=None, help="token-file prefix (scripts/tokenize_corpus.py) for inputs")
+    add_token_source(parser)
     parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
     parser.add_argument("--train-batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -247,6 +254,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_model_source(parser, args)
+    check_token_source(parser, args)
     check_cuda_graphs(parser, args)
     return args
 

@@ -10,6 +10,8 @@ import torch
 
 from sparse_llm.bench.model_setup import SIZES
 from sparse_llm.bench.records import DEFAULT_RECORD_DIR
+from sparse_llm.checks.errors import UserInputError
+from sparse_llm.data.pipeline import read_token_file
 
 GRAPH_WARMUP_STEPS = 2  # calls before torch.compile's CUDA graphs replay: one eager, one recording
 
@@ -42,6 +44,30 @@ def check_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace
         )
     if args.density_l0 is not None and args.checkpoint:
         parser.error("--density-l0 makes random-init models sparse; a checkpoint has its own sparsity (drop it)")
+
+
+def add_token_source(parser: argparse.ArgumentParser) -> None:
+    """--tokens: a token file whose validation blocks are the inputs (`model_setup.make_inputs`)."""
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        help="token-file prefix (scripts/tokenize_corpus.py) for the inputs (default: uniform random ids)",
+    )
+
+
+def check_token_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage error for a --tokens file that is missing or damaged (read_token_file's own checks), before any model
+    is loaded."""
+    if not args.tokens:
+        return
+    try:
+        read_token_file(args.tokens)
+    except FileNotFoundError:
+        parser.error(
+            f"--tokens {args.tokens}: no token file there (.bin and .json); write one with scripts/tokenize_corpus.py"
+        )
+    except UserInputError as error:
+        parser.error(f"--tokens {args.tokens}: {error}")
 
 
 def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
