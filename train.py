@@ -29,6 +29,9 @@ from sparse_llm.training.preemption import TrainingStopped  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")
+RESUME_HINT = (
+    "Nothing was saved since the run's last checkpoint; the same command plus checkpoint.resume=auto continues from it."
+)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -37,8 +40,8 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         # Bad input (a damaged file, a bad setting, a full disk) ends the run with one message, also in train.log,
-        # and exit code 2 (sparse_llm/checks/errors.py).
-        with exit_on_input_error("train.py", report=log.error):
+        # and exit code 2 (sparse_llm/checks/errors.py); so does a second Ctrl-C (the first stops with a checkpoint).
+        with exit_on_input_error("train.py", report=log.error, after_interrupt=RESUME_HINT):
             # The trainer checks again; here a bad value is named before torch loads
             validate_kernel(typed.kernel)
             check_ranges(typed)

@@ -3,7 +3,8 @@
 A bad input (an empty, binary, truncated or wrongly shaped file, a setting out of range, a full disk) is raised as
 `UserInputError(path, what, fix)` where the file is opened or the setting read: one message that names the thing,
 says what is wrong with it and what to do. The entry points run their work inside `exit_on_input_error`, which prints
-that message and exits with code 2: a traceback would only hide it.
+that message and exits with code 2: a traceback would only hide it. Ctrl-C that reaches the body (KeyboardInterrupt)
+ends it with one line and the shell's code for SIGINT, 130.
 
 Debug switch: with HYDRA_FULL_ERROR=1 in the environment (Hydra's own switch for its full error reports) the error
 propagates unchanged, traceback included:
@@ -21,6 +22,7 @@ from pathlib import Path
 
 DEBUG_VARIABLE = "HYDRA_FULL_ERROR"
 INPUT_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 128 + 2  # the shell's code for death by SIGINT
 
 
 class UserInputError(Exception):
@@ -64,10 +66,14 @@ def _print_to_stderr(message: str) -> None:
 
 @contextlib.contextmanager
 def exit_on_input_error(
-    script: str, also: tuple[type[BaseException], ...] = (), report: Callable[[str], None] = _print_to_stderr
+    script: str,
+    also: tuple[type[BaseException], ...] = (),
+    report: Callable[[str], None] = _print_to_stderr,
+    after_interrupt: str = "",
 ) -> Iterator[None]:
     """Run the body; an input error (INPUT_ERRORS, or a type in `also`) ends the process with one message through
-    `report` and exit code 2, unless HYDRA_FULL_ERROR=1 asks for the traceback."""
+    `report` and exit code 2, unless HYDRA_FULL_ERROR=1 asks for the traceback. KeyboardInterrupt ends it with
+    "interrupted" and `after_interrupt` (what is left and how to go on) and exit code 130."""
     try:
         yield
     except (*INPUT_ERRORS, *also) as error:
@@ -75,3 +81,8 @@ def exit_on_input_error(
             raise
         report(f"{script}: {error}\n({DEBUG_VARIABLE}=1 shows the traceback)")
         sys.exit(INPUT_ERROR_EXIT)
+    except KeyboardInterrupt:
+        if os.environ.get(DEBUG_VARIABLE) == "1":
+            raise
+        report(f"{script}: interrupted (Ctrl-C).{' ' + after_interrupt if after_interrupt else ''}")
+        sys.exit(INTERRUPTED_EXIT)
