@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from helpers.script_modules import load_script
 
-TOKEN_SCRIPTS = ["bench_model", "bench_train_grid", "neuron_concentration", "profile_train_step"]
+TOKEN_SCRIPTS = ["bench_hot_split", "bench_model", "bench_train_grid", "neuron_concentration", "profile_train_step"]
 
 
 @pytest.mark.parametrize("script", TOKEN_SCRIPTS)

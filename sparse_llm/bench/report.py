@@ -25,6 +25,7 @@ BENCH_TITLES = {
     "bench_train_grid": "Training step, kernel=auto against the dense path over models, modes and micro-batches",
     "sparsify_table": "Sparsifying a dense model against training a sparse one from scratch",
     "neuron_concentration": "How unevenly the FFN neurons fire, layer by layer",
+    "bench_hot_split": "Training op per layer: the sparse op against the op on the cold neurons plus dense hot ones",
 }
 
 BANNER = (
