@@ -71,10 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.eval()
     n_layers, n = len(decoder_layers(model)), model.config.intermediate_size
     layers = args.layers if args.layers is not None else list(range(n_layers))
-    bad = [i for i in layers if not 0 <= i < n_layers] + [h for h in args.hot if h >= n]
+    # on a GPU the kernels run the cold neurons' block: N - H a multiple of 256 (sparse_llm/ffn/twell/validation.py)
+    step = 256 if device.type == "cuda" else 1
+    bad = [i for i in layers if not 0 <= i < n_layers] + [h for h in args.hot if h >= n or (n - h) % step]
     if bad:
         print(
-            f"bench_hot_split.py: --layers must lie in [0, {n_layers}) and --hot below N = {n}: {bad}", file=sys.stderr
+            f"bench_hot_split.py: --layers must lie in [0, {n_layers}) and --hot below N = {n}, with N - H a multiple "
+            f"of {step}: {bad}",
+            file=sys.stderr,
         )
         return 2
     input_ids = make_inputs(args.batch, args.seq_len, model.config.vocab_size, tokens=args.tokens, seed=args.seed)
