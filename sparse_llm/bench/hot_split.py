@@ -113,7 +113,7 @@ def measure_layer(
     for h in hot_sizes:
         hot_N = torch.zeros_like(counts_N, dtype=torch.bool)
         hot_N[order_N[:h]] = True
-        cold, hot = (tuple(w.requires_grad_() for w in part) for part in split_weights(full, hot_N))
+        cold, hot = (tuple(w.requires_grad_() for w in part) for part in split_weights(weights, hot_N))
         cold_hint = _l0_hint(x_MK, cold[0])
         row[f"h{h}_share"] = round(int(counts_N[hot_N].sum()) / total, 4)
         row[f"h{h}_min_rate"] = round(int(counts_N[order_N[h - 1]]) / m, 4) if h else 0.0
