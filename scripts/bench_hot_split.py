@@ -20,26 +20,16 @@ from collections.abc import Sequence
 
 import torch
 
-from sparse_llm.bench.arguments import (
-    add_model_source,
-    add_record_dir,
-    add_token_source,
-    check_model_source,
-    check_token_source,
-)
+from sparse_llm.bench.arguments import add_forward_pass_options, check_forward_pass_options, forward_pass_settings
 from sparse_llm.bench.hot_split import layer_inputs, layer_weights, measure_layer, total_row
-from sparse_llm.bench.model_setup import CALIBRATION_TOKENS, decoder_layers, load_model, make_inputs, make_sparse
+from sparse_llm.bench.model_setup import decoder_layers, model_and_batch
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.report import results_table
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_source(parser)
-    parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
-    add_token_source(parser)
-    parser.add_argument("--batch", type=int, default=4, help="sequences in the forward pass")
-    parser.add_argument("--seq-len", type=int, default=2048)
+    add_forward_pass_options(parser)
     parser.add_argument(
         "--hot",
         type=int,
@@ -49,26 +39,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices (default: all)")
     parser.add_argument("--reps", type=int, default=10)
-    add_record_dir(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
     args.argv = list(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    check_model_source(parser, args)
-    check_token_source(parser, args)
-    if args.batch < 1 or args.seq_len < 1 or args.reps < 1:
-        parser.error("--batch, --seq-len and --reps must be positive")
-    if any(h < 1 for h in args.hot):
-        parser.error("--hot takes neuron counts >= 1")
+    check_forward_pass_options(parser, args)
+    if args.reps < 1 or any(h < 1 for h in args.hot):
+        parser.error("--reps and --hot take counts >= 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
-    model = load_model(device, checkpoint=args.checkpoint, size=args.size, vocab_size=args.vocab_size, seed=args.seed)
-    model.eval()
+    model, input_ids = model_and_batch(
+        device, **forward_pass_settings(args), vocab_size=args.vocab_size, seed=args.seed
+    )
     n_layers, n = len(decoder_layers(model)), model.config.intermediate_size
     layers = args.layers if args.layers is not None else list(range(n_layers))
     # on a GPU the kernels run the cold neurons' block: N - H a multiple of 256 (sparse_llm/ffn/twell/validation.py)
@@ -81,10 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    input_ids = make_inputs(args.batch, args.seq_len, model.config.vocab_size, tokens=args.tokens, seed=args.seed)
-    input_ids = input_ids.to(device)
-    if args.density_l0 is not None:
-        make_sparse(model, args.density_l0, input_ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inputs = layer_inputs(model, input_ids, layers, dtype)
     rows = []
@@ -104,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.append(total_row(rows))
     print(f"{args.checkpoint or args.size}: {input_ids.numel()} tokens per layer call, FFN width {n}")
     print("\n".join(results_table(rows)[0]))
-    settings = {k: getattr(args, k) for k in ("checkpoint", "size", "density_l0", "tokens", "batch", "seq_len")}
+    settings = forward_pass_settings(args)
     settings.update(hot=args.hot, layers=args.layers, reps=args.reps, dtype=str(dtype).removeprefix("torch."))
     write_record(args.record_dir, make_record("bench_hot_split", settings, rows, device, args.argv))
     return 0

@@ -18,26 +18,16 @@ from collections.abc import Sequence
 
 import torch
 
-from sparse_llm.bench.arguments import (
-    add_model_source,
-    add_record_dir,
-    add_token_source,
-    check_model_source,
-    check_token_source,
-)
+from sparse_llm.bench.arguments import add_forward_pass_options, check_forward_pass_options, forward_pass_settings
 from sparse_llm.bench.concentration import concentration_row, neuron_fire_counts
-from sparse_llm.bench.model_setup import CALIBRATION_TOKENS, load_model, make_inputs, make_sparse
+from sparse_llm.bench.model_setup import model_and_batch
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.report import results_table
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_source(parser)
-    parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
-    add_token_source(parser)
-    parser.add_argument("--batch", type=int, default=4, help="sequences in the forward pass")
-    parser.add_argument("--seq-len", type=int, default=2048)
+    add_forward_pass_options(parser)
     parser.add_argument("--top", type=float, nargs="+", default=[0.01, 0.05, 0.1], help="fractions of the neurons")
     parser.add_argument(
         "--dense-rate",
@@ -46,16 +36,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="count the neurons that fire for more than this share of the tokens (a neuron's break-even between "
         "the sparse kernels and a dense side path is a few percent)",
     )
-    add_record_dir(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
     args.argv = list(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    check_model_source(parser, args)
-    check_token_source(parser, args)
-    if args.batch < 1 or args.seq_len < 1:
-        parser.error("--batch and --seq-len must be positive")
+    check_forward_pass_options(parser, args)
     if not all(0 < share <= 1 for share in args.top) or not 0 < args.dense_rate < 1:
         parser.error("--top takes fractions in (0, 1] and --dense-rate a fraction in (0, 1)")
     return args
@@ -64,12 +47,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
-    model = load_model(device, checkpoint=args.checkpoint, size=args.size, vocab_size=args.vocab_size, seed=args.seed)
-    model.eval()
-    input_ids = make_inputs(args.batch, args.seq_len, model.config.vocab_size, tokens=args.tokens, seed=args.seed)
-    input_ids = input_ids.to(device)
-    if args.density_l0 is not None:
-        make_sparse(model, args.density_l0, input_ids[: max(1, CALIBRATION_TOKENS // args.seq_len)])
+    model, input_ids = model_and_batch(
+        device, **forward_pass_settings(args), vocab_size=args.vocab_size, seed=args.seed
+    )
     if device.type == "cuda":
         model.to(torch.bfloat16)  # the kernels' gate GEMM is bf16: a pre-activation's sign as they see it
     counts_LN = neuron_fire_counts(model, input_ids)
@@ -83,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"{args.checkpoint or args.size}: {tokens} tokens, FFN width {counts_LN.shape[1]}")
     print("\n".join(results_table(rows)[0]))
-    settings = {k: getattr(args, k) for k in ("checkpoint", "size", "density_l0", "tokens", "batch", "seq_len")}
+    settings = forward_pass_settings(args)
     settings.update(top=args.top, dense_rate=args.dense_rate, seed=args.seed)
     write_record(args.record_dir, make_record("neuron_concentration", settings, rows, device, args.argv))
     return 0

@@ -78,7 +78,7 @@ def test_script_records_a_row_per_layer_and_their_sum(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [(["--hot", "0"], "--hot takes neuron counts"), (["--hot", "4096"], "below N"), (["--layers", "9"], "must lie")],
+    [(["--hot", "0"], "--hot take counts"), (["--hot", "4096"], "below N"), (["--layers", "9"], "must lie")],
 )
 def test_bad_sizes_and_layers_are_usage_errors(extra, message, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--size", "tiny", "--batch", "1", "--seq-len", "8", "--device", "cpu", *extra]

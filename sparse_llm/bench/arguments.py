@@ -88,3 +88,35 @@ def check_cuda_graphs(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
     if torch.device(args.device).type != "cuda":
         parser.error(f"--cuda-graphs needs a CUDA GPU (--device {args.device})")
+
+
+def add_forward_pass_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a script that studies one forward pass of a model (`model_setup.model_and_batch`): the model
+    (--checkpoint, or --size made sparse by --density-l0), its inputs (--tokens, --batch, --seq-len), --seed and
+    --device, and --record-dir."""
+    add_model_source(parser)
+    parser.add_argument("--density-l0", type=float, default=None, help="random-init models: mean non-zeros per token")
+    add_token_source(parser)
+    parser.add_argument("--batch", type=int, default=4, help="sequences in the forward pass")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    add_record_dir(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
+
+def check_forward_pass_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of `add_forward_pass_options`' options; fills in the default device."""
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_model_source(parser, args)
+    check_token_source(parser, args)
+    if args.batch < 1 or args.seq_len < 1:
+        parser.error("--batch and --seq-len must be positive")
+
+
+FORWARD_PASS_SETTINGS = ("checkpoint", "size", "density_l0", "tokens", "batch", "seq_len")
+
+
+def forward_pass_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The model and inputs of `add_forward_pass_options`, by name: a record's first settings, and (with vocab_size
+    and seed) `model_setup.model_and_batch`'s arguments."""
+    return {name: getattr(args, name) for name in FORWARD_PASS_SETTINGS}

@@ -110,6 +110,27 @@ def forward_with_mlp_hooks(
             handle.remove()
 
 
+def model_and_batch(
+    device: torch.device,
+    *,
+    checkpoint: str | None,
+    size: str | None,
+    vocab_size: int | None,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    tokens: str | None,
+    density_l0: float | None,
+) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """(model in eval mode, input_ids [batch, seq_len] on `device`) for a study of one forward pass: the model as
+    `load_model` builds it, made sparse to `density_l0` if given (random-init models), and `make_inputs`' batch."""
+    model = load_model(device, checkpoint=checkpoint, size=size, vocab_size=vocab_size, seed=seed).eval()
+    input_ids = make_inputs(batch, seq_len, model.config.vocab_size, tokens=tokens, seed=seed).to(device)
+    if density_l0 is not None:
+        make_sparse(model, density_l0, input_ids[: max(1, CALIBRATION_TOKENS // seq_len)])
+    return model, input_ids
+
+
 @torch.no_grad()
 def make_sparse(model: LlamaForCausalLM, target_l0: float, input_ids: torch.Tensor) -> list[float]:
     """Give a random-init model ~`target_l0` positive gate pre-activations per token in every layer.
