@@ -18,11 +18,17 @@ then ``python train.py data=tokens data.paths=[data/fineweb_edu.bin]``.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
+from sparse_llm.checks.errors import exit_on_input_error
+from sparse_llm.cli.overrides import exit_on_unknown_key
 from sparse_llm.data.pipeline import DataConfig, write_token_file
+
+SCRIPT = "tokenize_corpus.py"
 
 
 def main() -> None:
@@ -30,12 +36,15 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output prefix: writes <out>.bin and <out>.json")
     parser.add_argument("overrides", nargs="*", help="DataConfig fields as key=value (e.g. name=local)")
     args = parser.parse_args()
-    # A structured config rejects misspelt keys and wrongly typed values before any work starts.
-    cfg: DataConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(args.overrides))
-    )
-    start = time.perf_counter()
-    meta = write_token_file(cfg, args.out)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the progress lines
+    # Misspelt keys, wrongly typed values, missing files and Ctrl-C end with one line (exit code 2; 130 for Ctrl-C).
+    exit_on_unknown_key(args.overrides, DataConfig, SCRIPT)
+    with exit_on_input_error(SCRIPT, also=(ValidationError,)):
+        cfg: DataConfig = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(args.overrides))
+        )
+        start = time.perf_counter()
+        meta = write_token_file(cfg, args.out)
     print(
         f"{meta['n_tokens']:,} tokens ({meta['dtype']}), {meta['n_train_documents']:,} training and "
         f"{meta['n_val_documents']:,} validation documents, tokenizer {meta['tokenizer']} "

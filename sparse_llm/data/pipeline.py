@@ -43,6 +43,7 @@ import torch
 from sparse_llm.checks import files as file_checks
 from sparse_llm.checks.errors import UserInputError
 from sparse_llm.data.config import DataConfig
+from sparse_llm.data.progress import ProgressLog
 from sparse_llm.data.tokenizer import load_tokenizer
 
 DATA_NAMES = ("embedded", "local", "fineweb_edu", "tokens")
@@ -331,8 +332,10 @@ def _write_token_file(
     tokenizer_name: str,
     vocab_size: int,
     extra: dict[str, Any],
+    progress: ProgressLog | None = None,
 ) -> dict[str, Any]:
-    """Stream documents' tokens to disk; validation documents go after all training documents.
+    """Stream documents' tokens to disk; validation documents go after all training documents. `progress` is
+    updated after each document.
 
     Both files are written under private temporary names and renamed into place (``os.replace`` is atomic),
     the meta last: a present meta means a complete ``.bin``. Concurrent writers of the same prefix (ranks
@@ -350,6 +353,8 @@ def _write_token_file(
                     fh.write(np.asarray(chunk, dtype=dtype).tobytes())
                     counts[split][0] += 1
                     counts[split][1] += len(chunk)
+                    if progress is not None:
+                        progress.update(counts["train"][0] + counts["val"][0], counts["train"][1] + counts["val"][1])
         meta = {
             "version": TOKEN_FILE_VERSION,
             "dtype": dtype.name,
@@ -454,7 +459,13 @@ def write_token_file(cfg: DataConfig, out: str | Path) -> dict[str, Any]:
     else:
         train_texts, val_texts = _split_documents(cfg, _documents(cfg))
     return _write_token_file(
-        out, _encode_all(encode, train_texts), _encode_all(encode, val_texts), cfg.tokenizer, len(tokenizer), extra
+        out,
+        _encode_all(encode, train_texts),
+        _encode_all(encode, val_texts),
+        cfg.tokenizer,
+        len(tokenizer),
+        extra,
+        ProgressLog(f"tokenizing data={cfg.name} into {out}"),
     )
 
 
