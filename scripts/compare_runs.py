@@ -27,6 +27,7 @@ from pathlib import Path
 from sparse_llm.bench.arguments import add_record_dir
 from sparse_llm.bench.records import make_record, write_record
 from sparse_llm.bench.run_comparison import quality_rows, quality_table, spread_table, summaries, table
+from sparse_llm.checks.errors import exit_on_input_error
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -38,24 +39,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval", type=Path, help="eval.py results.json that scored the runs' final/ checkpoints")
     add_record_dir(parser)
     args = parser.parse_args(argv)
-    text = table(args.runs)
-    spread = spread_table(args.runs)
-    if spread is not None:
-        text += "\n\n" + spread
-    quality = []
-    if args.eval:
-        text += "\n\n" + quality_table(args.runs, args.eval)
-        quality = quality_rows(args.runs, args.eval)
-    print(text)
-    rows = summaries(args.runs)
-    settings = {
-        "title": args.title,
-        "note": args.note,
-        "runs": [str(run) for run in args.runs],
-        "eval": str(args.eval) if args.eval else None,
-    }
-    # The runs' GPUs are in their own metrics and the note: this process only reads files.
-    write_record(args.record_dir, make_record("compare_runs", settings, rows, "cpu", argv, quality=quality))
+    # A run directory without metrics, or an unreadable results.json: one line and exit code 2
+    with exit_on_input_error("compare_runs.py"):
+        text = table(args.runs)
+        spread = spread_table(args.runs)
+        if spread is not None:
+            text += "\n\n" + spread
+        quality = []
+        if args.eval:
+            text += "\n\n" + quality_table(args.runs, args.eval)
+            quality = quality_rows(args.runs, args.eval)
+        print(text)
+        rows = summaries(args.runs)
+        settings = {
+            "title": args.title,
+            "note": args.note,
+            "runs": [str(run) for run in args.runs],
+            "eval": str(args.eval) if args.eval else None,
+        }
+        # The runs' GPUs are in their own metrics and the note: this process only reads files.
+        write_record(args.record_dir, make_record("compare_runs", settings, rows, "cpu", argv, quality=quality))
 
 
 if __name__ == "__main__":

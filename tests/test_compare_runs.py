@@ -125,3 +125,15 @@ def test_command_line_prints_the_tables_and_writes_a_record(tmp_path, capsys):
     assert [row["run"] for row in record["results"]] == ["dense", "sparse"]
     assert record["results"][0]["max_gap"] is None  # NaN (no gap against itself) is null in JSON
     assert record["quality"][1]["ce_vs_first"] == pytest.approx(0.02) and record["quality"][1]["piqa_acc"] == 0.55
+
+
+def test_command_line_names_a_run_directory_without_metrics_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    dense = _run(tmp_path, "dense", [3.0, 2.0], dead=0.0)
+    main = runpy.run_path(str(ROOT / "scripts" / "compare_runs.py"))["main"]
+    with pytest.raises(SystemExit) as exited:
+        main([str(dense), str(tmp_path / "missing"), "--record-dir", str(tmp_path / "records")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compare_runs.py: ") and "missing/metrics.jsonl does not exist" in err
+    assert not (tmp_path / "records").exists()
