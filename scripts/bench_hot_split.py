@@ -7,9 +7,10 @@ often firing ones.
     python scripts/bench_hot_split.py --size tiny --density-l0 8 --batch 2 --seq-len 64 --hot 16 64 --device cpu
 
 The inputs are one forward pass over --batch x --seq-len tokens (--tokens: the token file's validation blocks, else
-random ids). A last row sums the layers (one micro-batch); its best_ms takes each layer's fastest of the sparse op
-and its splits. The split works on copies of the weight rows, made once: what a side path built into the op could
-reach, not what one costs. bf16 on a GPU (the op's kernels), float32 on the CPU (the op's torch reference).
+random ids). A last row sums the layers (one micro-batch): today_ms takes each layer's fastest of the dense path and
+the sparse op, best_ms the splits as well. The split works on copies of the weight rows, made once: what a side path
+built into the op could reach, not what one costs. bf16 on a GPU (the op's kernels), float32 on the CPU (the op's
+torch reference).
 """
 
 from __future__ import annotations

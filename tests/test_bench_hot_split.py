@@ -52,16 +52,19 @@ def test_fire_counts_count_positive_gates() -> None:
 
 def test_the_sum_row_adds_the_layers_and_takes_each_layers_fastest_path() -> None:
     rows = [
-        {"layer": 0, "dense_ms": 3.0, "sparse_ms": 2.0, "h8_split_ms": 1.5, "h8_hot_ms": 0.5},
-        {"layer": 1, "dense_ms": 3.0, "sparse_ms": 1.0, "h8_split_ms": 1.2, "h8_hot_ms": 0.5},
+        {"layer": 0, "dense_ms": 3.0, "compiled_ms": 2.5, "sparse_ms": 2.0, "h8_split_ms": 1.5, "h8_hot_ms": 0.5},
+        {"layer": 1, "dense_ms": 3.0, "compiled_ms": 2.5, "sparse_ms": 1.0, "h8_split_ms": 1.2, "h8_hot_ms": 0.5},
+        {"layer": 2, "dense_ms": 3.0, "compiled_ms": 2.0, "sparse_ms": 4.0, "h8_split_ms": 1.8, "h8_hot_ms": 0.5},
     ]
     assert total_row(rows) == {
         "layer": "sum",
-        "dense_ms": 6.0,
-        "sparse_ms": 3.0,
-        "h8_split_ms": 2.7,
-        "h8_hot_ms": 1.0,
-        "best_ms": 2.5,
+        "dense_ms": 9.0,
+        "compiled_ms": 7.0,
+        "sparse_ms": 7.0,
+        "h8_split_ms": 4.5,
+        "h8_hot_ms": 1.5,
+        "today_ms": 5.0,  # sparse, sparse, compiled dense
+        "best_ms": 4.3,  # split, sparse, split
     }
 
 
@@ -72,7 +75,7 @@ def test_script_records_a_row_per_layer_and_their_sum(tmp_path: Path) -> None:
     layer, total = record["results"]
     assert layer["layer"] == 0 and total["layer"] == "sum"
     assert 0 < layer["h8_share"] <= 1 and layer["h8_cold_l0"] < layer["l0"]
-    assert total["sparse_ms"] == layer["sparse_ms"] and total["best_ms"] <= layer["sparse_ms"]
+    assert total["sparse_ms"] == layer["sparse_ms"] and total["best_ms"] <= total["today_ms"] <= layer["dense_ms"]
     assert record["settings"]["hot"] == [8] and record["settings"]["dtype"] == "float32"
 
 
