@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers.script_modules import load_script
 
-from sparse_llm.bench.hot_split import fire_counts, split_forward, split_weights, total_row
+from sparse_llm.bench.concentration import gate_positives
+from sparse_llm.bench.hot_split import split_forward, split_weights, total_row
 from sparse_llm.bench.records import read_records
 from sparse_llm.bench.train_block import backward, sparse_forward
 
@@ -44,10 +45,10 @@ def test_the_split_block_gives_the_whole_blocks_outputs_and_gradients(hot_count:
             torch.testing.assert_close(full_grad.index_select(dim, hot_index), grads[4 + i])
 
 
-def test_fire_counts_count_positive_gates() -> None:
+def test_gate_positives_count_positive_gates() -> None:
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     w_gate = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
-    assert fire_counts(x, w_gate).tolist() == [2, 0, 2]
+    assert gate_positives(x, w_gate)[1].tolist() == [2, 0, 2]
 
 
 def test_the_sum_row_adds_the_layers_and_takes_each_layers_fastest_path() -> None:

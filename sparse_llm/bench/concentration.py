@@ -20,20 +20,30 @@ TOKEN_CHUNK = 4096  # gate pre-activations are computed this many tokens at a ti
 
 
 @torch.no_grad()
+def gate_positives(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l0_M, counts_N), int64: for each of the M tokens how many gates are positive, and for each of the N neurons
+    for how many tokens its gate is (a non-zero of h = relu(gate) * up wherever up is non-zero)."""
+    w_gate_NK = w_gate_NK.to(x_MK.dtype)
+    l0_M = torch.empty(x_MK.shape[0], dtype=torch.int64, device=x_MK.device)
+    counts_N = torch.zeros(w_gate_NK.shape[0], dtype=torch.int64, device=x_MK.device)
+    for start in range(0, x_MK.shape[0], TOKEN_CHUNK):
+        positive_CN = x_MK[start : start + TOKEN_CHUNK] @ w_gate_NK.T > 0
+        l0_M[start : start + TOKEN_CHUNK] = positive_CN.sum(dim=1)
+        counts_N += positive_CN.sum(dim=0)
+    return l0_M, counts_N
+
+
+@torch.no_grad()
 def neuron_fire_counts(model: LlamaForCausalLM, input_ids_BT: torch.Tensor) -> torch.Tensor:
     """int64 [layers, N]: for each FFN layer, how many of the batch's tokens each neuron's gate is positive for
-    (a non-zero of h = relu(gate) * up wherever up is non-zero), in one forward pass of `input_ids_BT` [B, T]."""
+    (`gate_positives`), in one forward pass of `input_ids_BT` [B, T]."""
     layers = decoder_layers(model)
     n = layers[0].mlp.gate_proj.weight.shape[0]
     counts_LN = torch.zeros(len(layers), n, dtype=torch.int64, device=input_ids_BT.device)
 
     def count(index: int):
         def hook(mlp: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x_MK = args[0].reshape(-1, args[0].shape[-1])
-            w_gate_NK = mlp.gate_proj.weight.to(x_MK.dtype)
-            for start in range(0, x_MK.shape[0], TOKEN_CHUNK):
-                gate_CN = x_MK[start : start + TOKEN_CHUNK] @ w_gate_NK.T
-                counts_LN[index] += (gate_CN > 0).sum(dim=0)
+            counts_LN[index] += gate_positives(args[0].reshape(-1, args[0].shape[-1]), mlp.gate_proj.weight)[1]
 
         return hook
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LlamaForCausalLM
 
+from sparse_llm.bench.concentration import gate_positives
 from sparse_llm.bench.model_setup import decoder_layers, forward_with_mlp_hooks
 from sparse_llm.bench.timing import time_ms
 from sparse_llm.bench.train_block import backward, compiled_dense_forward, dense_forward, sparse_forward
@@ -50,12 +51,6 @@ def layer_weights(model: LlamaForCausalLM, index: int, dtype: torch.dtype) -> We
     return tuple(p.detach().to(dtype) for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
 
-@torch.no_grad()
-def fire_counts(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> torch.Tensor:
-    """int64 [N]: for how many of the M tokens each neuron's gate is positive."""
-    return (x_MK @ w_gate_NK.T > 0).sum(dim=0)
-
-
 def split_weights(weights: Weights, hot_N: torch.Tensor) -> tuple[Weights, Weights]:
     """(cold, hot): copies of the weights of the neurons where hot_N (bool [N]) is False, and where it is True."""
     w_gate_NK, w_up_NK, w_down_KN = weights
@@ -77,10 +72,9 @@ def split_forward(
     return y_cold + y_hot.to(y_cold.dtype), l1_cold + l1_hot.to(l1_cold.dtype)
 
 
-def _l0_hint(x_MK: torch.Tensor, w_gate_NK: torch.Tensor) -> tuple[float, float]:
-    with torch.no_grad():
-        l0_M = (x_MK @ w_gate_NK.T > 0).sum(dim=1).float()
-    return l0_M.mean().item(), l0_M.max().item()
+def _l0_hint(l0_M: torch.Tensor) -> tuple[float, float]:
+    """The sparse op's hint from per-token gate positives: (mean, max)."""
+    return l0_M.double().mean().item(), float(l0_M.max())
 
 
 def measure_layer(
@@ -94,8 +88,8 @@ def measure_layer(
     full = tuple(w.detach().clone().requires_grad_() for w in weights)
     dy_MK = (torch.randn(m, x_MK.shape[1], device=x_MK.device) / m**0.5).to(x_MK.dtype)
     coeff = torch.tensor(L1_COEFF / m, device=x_MK.device)
-    counts_N = fire_counts(x_MK, full[0])
-    hint = _l0_hint(x_MK, full[0])
+    l0_M, counts_N = gate_positives(x_MK, full[0])
+    hint = _l0_hint(l0_M)
     row: dict[str, float | int] = {"l0": round(hint[0], 2), "l0_max": int(hint[1])}
 
     def timed(forward, leaves) -> float:
@@ -114,7 +108,7 @@ def measure_layer(
         hot_N = torch.zeros_like(counts_N, dtype=torch.bool)
         hot_N[order_N[:h]] = True
         cold, hot = (tuple(w.requires_grad_() for w in part) for part in split_weights(weights, hot_N))
-        cold_hint = _l0_hint(x_MK, cold[0])
+        cold_hint = _l0_hint(gate_positives(x_MK, cold[0])[0])
         row[f"h{h}_share"] = round(int(counts_N[hot_N].sum()) / total, 4)
         row[f"h{h}_min_rate"] = round(int(counts_N[order_N[h - 1]]) / m, 4) if h else 0.0
         row[f"h{h}_cold_l0"] = round(cold_hint[0], 2)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.bench.hot_split import fire_counts, split_forward, split_weights
+from sparse_llm.bench.concentration import gate_positives
+from sparse_llm.bench.hot_split import split_forward, split_weights
 from sparse_llm.bench.train_block import backward, dense_forward
 from sparse_llm.ffn.twell.synthetic import synthetic_block
 
@@ -35,7 +36,7 @@ def test_cold_neurons_on_the_kernels_plus_hot_ones_dense_give_the_whole_block(ho
     dy = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
     coeff = torch.tensor(1e-3, device="cuda")
     hot_N = torch.zeros(N, dtype=torch.bool, device="cuda")
-    hot_N[fire_counts(x, wg).argsort(descending=True)[:hot_count]] = True
+    hot_N[gate_positives(x, wg)[1].argsort(descending=True)[:hot_count]] = True
 
     cold, hot = (tuple(w.requires_grad_() for w in part) for part in split_weights((wg, wu, wd), hot_N))
     x_leaf = x.clone().requires_grad_()
