@@ -59,7 +59,8 @@ class StopSignals:
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, interrupt_twice: bool | None = None) -> None:
-        """interrupt_twice: whether a second SIGINT stops at once; None: unless a launcher forwards signals here."""
+        """interrupt_twice: whether a SIGINT after the first stop signal stops at once; None: unless a launcher
+        forwards signals here."""
         self.signals = signals
         if interrupt_twice is None:
             interrupt_twice = FORWARDING_LAUNCHER_VARIABLE not in os.environ
@@ -71,11 +72,14 @@ class StopSignals:
         if self.requested is not None:
             return
         self.requested = signum
-        then = "the launcher's shutdown timeout ends the workers if that takes too long"
-        if self.interrupt_twice and signal.SIGINT in self._previous:
+        if not self.interrupt_twice:
+            then = "the launcher's shutdown timeout ends the workers if that takes too long"
+        elif signal.SIGINT in self._previous:
             # the next Ctrl-C raises KeyboardInterrupt where the program is, as Python's own handler does
             signal.signal(signal.SIGINT, signal.default_int_handler)
             then = f"Ctrl-C{' again' if signum == signal.SIGINT else ''} stops at once"
+        else:  # Ctrl-C ignored since the start
+            then = "SIGKILL stops at once"
         log.warning(
             "%s received: stopping within two optimizer steps with a checkpoint (%s).", signal_name(signum), then
         )
